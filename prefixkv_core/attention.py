@@ -1,0 +1,181 @@
+"""The attention function the engine registers for the text model.
+
+Why our own: the built-in causal mask is sized from layer 0, which breaks once layers hold different
+numbers of tokens. This function builds its own bottom-right-aligned causal mask from the shapes it is
+given, and, when an `AttentionProbe` asks for it, computes the attention statistics the policies need
+(column sums, observation-window sums, sampled-query sums, the current query's row) in fp32 without
+materialising more than one query chunk of the attention matrix at a time.
+
+The probe travels as the `kv_probe` keyword argument of the model's forward: transformers passes
+unknown keyword arguments down to the attention function, so nothing global holds per-run state.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_NAME = "prefixkv_tracked"
+# Bytes of fp32 attention probabilities computed at once; bounds peak memory of statistics capture.
+_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass
+class StatRequest:
+    """Which statistics one forward pass should record (all per KV head, fp32, shape [B, Hkv, Tk])."""
+
+    colsum: bool = False  # sum over every query of this pass of A[h, i, j]
+    window: int = 0  # sum over the last `window` queries only (SnapKV's observation window)
+    query_subset: torch.Tensor | None = None  # sum over these query indices only (ZipVL's probe)
+    last_query: bool = False  # the last query's attention row (decode-time scoring)
+
+    def any(self) -> bool:
+        return self.colsum or self.window > 0 or self.query_subset is not None or self.last_query
+
+
+@dataclass
+class AttentionProbe:
+    """Per-forward request + results. Pass as `model(..., kv_probe=probe)`."""
+
+    request: StatRequest = field(default_factory=StatRequest)
+    # layer -> bool [B, 1 or Hkv, Tk], True = may attend. Used for batching/padding and by tests.
+    key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def reset(self, request: StatRequest | None = None) -> None:
+        self.request = request or StatRequest()
+        self.stats = {}
+
+
+def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
+    """Bottom-right aligned: query i (of the last q_len tokens) sees keys 0 .. k_len - q_len + i."""
+    q_idx = torch.arange(q_len, device=device).unsqueeze(1)
+    k_idx = torch.arange(k_len, device=device).unsqueeze(0)
+    return k_idx <= (k_len - q_len + q_idx)
+
+
+def tracked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, H, Tq, D]; key/value [B, Hkv, Tk, D] (the whole layer cache). Returns ([B, Tq, H, D], None)."""
+    probe: AttentionProbe | None = kwargs.get("kv_probe")
+    layer = getattr(module, "layer_idx", 0)
+    bsz, n_heads, q_len, head_dim = query.shape
+    n_kv, k_len = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    extra_mask = probe.key_masks.get(layer) if probe is not None else None
+    request = probe.request if probe is not None else None
+
+    if request is None or not request.any():
+        out = _sdpa_output(query, key, value, scale, extra_mask)
+    else:
+        out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
+        probe.stats[layer] = stats
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_output(query, key, value, scale, extra_mask):
+    q_len, k_len = query.shape[2], key.shape[2]
+    mask = None
+    if q_len > 1:
+        mask = _causal_mask(q_len, k_len, query.device)
+    if extra_mask is not None:
+        # [B, Hkv|1, Tk] -> broadcast over the query heads of each group and the queries
+        em = _expand_heads(extra_mask, query.shape[1]).unsqueeze(2)
+        mask = em if mask is None else (em & mask)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
+
+
+def _expand_heads(mask: torch.Tensor, n_heads: int) -> torch.Tensor:
+    if mask.shape[1] == 1:
+        return mask
+    return mask.repeat_interleave(n_heads // mask.shape[1], dim=1)
+
+
+def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest):
+    """Chunked exact attention in fp32 that also returns the requested per-KV-head statistics."""
+    bsz, n_heads, q_len, head_dim = query.shape
+    n_kv, k_len = key.shape[1], key.shape[2]
+    group = n_heads // n_kv
+    kf = key.float().transpose(-1, -2)  # [B, Hkv, D, Tk]
+    vf = value.float()
+    per_query_bytes = n_heads * k_len * 4 * bsz
+    chunk = max(1, min(q_len, _CHUNK_BYTES // max(per_query_bytes, 1)))
+    want = {
+        "colsum": req.colsum,
+        "window": req.window > 0,
+        "subset": req.query_subset is not None,
+        "last_query": req.last_query,
+    }
+    acc = {name: torch.zeros(bsz, n_kv, k_len, device=query.device) for name, on in want.items() if on}
+    win_start = q_len - min(req.window, q_len)
+    subset_flags = None
+    if req.query_subset is not None:
+        subset_flags = torch.zeros(q_len, dtype=torch.bool, device=query.device)
+        subset_flags[req.query_subset.to(query.device)] = True
+    em = extra_mask.unsqueeze(2) if extra_mask is not None else None  # [B, Hkv|1, 1, 1, Tk] later
+    out = torch.empty(bsz, n_heads, q_len, head_dim, dtype=query.dtype, device=query.device)
+
+    for start in range(0, q_len, chunk):
+        stop = min(q_len, start + chunk)
+        tc = stop - start
+        q = query[:, :, start:stop].float().reshape(bsz, n_kv, group * tc, head_dim)
+        scores = torch.matmul(q, kf).mul_(scale).view(bsz, n_kv, group, tc, k_len)
+        q_idx = torch.arange(start, stop, device=query.device).view(tc, 1)
+        allowed = torch.arange(k_len, device=query.device).view(1, k_len) <= (k_len - q_len + q_idx)
+        if em is not None:
+            allowed = allowed & em.unsqueeze(3)  # [B, Hkv|1, 1, 1, Tk]
+        scores.masked_fill_(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row gives zeros
+        out_c = torch.matmul(probs.view(bsz, n_kv, group * tc, k_len), vf)
+        out[:, :, start:stop] = out_c.view(bsz, n_heads, tc, head_dim).to(query.dtype)
+        if want["colsum"]:
+            acc["colsum"] += probs.sum(dim=3).mean(dim=2)
+        if want["window"] and stop > win_start:
+            lo = max(start, win_start) - start
+            acc["window"] += probs[:, :, :, lo:].sum(dim=3).mean(dim=2)
+        if want["subset"]:
+            rows = subset_flags[start:stop]
+            if rows.any():
+                acc["subset"] += probs[:, :, :, rows].sum(dim=3).mean(dim=2)
+        if want["last_query"] and stop == q_len:
+            acc["last_query"] = probs[:, :, :, -1].mean(dim=2)
+    return out, acc
+
+
+def _no_mask(*args, **kwargs):
+    """The model must not build a mask: it would be sized from layer 0 and wrong for the others."""
+    return None
+
+
+@contextlib.contextmanager
+def tracked_attention_enabled(model):
+    """Register our attention for the text model only; restore everything on exit."""
+    previous = _current_implementations(model)
+    AttentionInterface.register(ATTN_NAME, tracked_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    try:
+        model.set_attn_implementation({"text_config": ATTN_NAME, "vision_config": previous["vision_config"]})
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+        AttentionInterface._global_mapping.pop(ATTN_NAME, None)
+        AttentionMaskInterface._global_mapping.pop(ATTN_NAME, None)
+
+
+def _current_implementations(model) -> dict[str, str]:
+    cfg = model.config
+    text = cfg.get_text_config()._attn_implementation or "sdpa"
+    vision_cfg = getattr(cfg, "vision_config", None)
+    vision = (vision_cfg._attn_implementation if vision_cfg is not None else None) or "sdpa"
+    if text == ATTN_NAME:  # nested use: keep the outer block's choice when we exit
+        text = "sdpa"
+    return {"text_config": text, "vision_config": vision}
+
+
+def is_registered() -> bool:
+    return ATTN_NAME in AttentionInterface._global_mapping

@@ -1,0 +1,212 @@
+"""A transformers `DynamicCache` whose layers also track, per cached entry, the true position, whether it
+came from the image, and an accumulated attention score, and which can hold part of its entries in
+packed low-bit form (ZipVL).
+
+Layers may hold different numbers of entries. Every operation that reorders or drops entries goes
+through `TrackedLayer.gather`, so keys, values, positions, flags and scores can never fall out of step.
+Metadata is stored per KV head ([B, Hkv, T]) because head-wise methods keep different entries per head.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .quant import QuantizedTensor, dequantize, quantize_keys, quantize_values
+
+
+@dataclass
+class QuantSegment:
+    """A block of entries stored quantised. It always sits before the full-precision part."""
+
+    keys: QuantizedTensor
+    values: QuantizedTensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes() + self.values.nbytes()
+
+
+class TrackedLayer(DynamicLayer):
+    """Entries are ordered: [quantised segments..., full-precision keys/values]; metadata covers all."""
+
+    def __init__(self):
+        super().__init__()
+        self.segments: list[QuantSegment] = []
+        self.positions: torch.Tensor | None = None  # long [B, Hkv, T]
+        self.is_image: torch.Tensor | None = None  # bool [B, Hkv, T]
+        self.scores: torch.Tensor | None = None  # float32 [B, Hkv, T]
+
+    # -- transformers' side -------------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states)
+        if not self.segments:
+            return keys, values
+        # Dequantise on the fly: the packed form is what the cache really stores.
+        k_q = [dequantize(s.keys) for s in self.segments]
+        v_q = [dequantize(s.values) for s in self.segments]
+        return torch.cat(k_q + [keys], dim=-2), torch.cat(v_q + [values], dim=-2)
+
+    def get_seq_length(self) -> int:
+        fp = 0 if (not self.is_initialized or self.keys is None or self.keys.numel() == 0) else self.keys.shape[-2]
+        return fp + sum(s.length for s in self.segments)
+
+    # -- metadata -----------------------------------------------------------------------------------
+    def append_meta(self, positions: torch.Tensor, is_image: torch.Tensor, n_kv: int) -> None:
+        """positions/is_image: [B, T_new] for the entries just appended."""
+        pos = positions[:, None, :].expand(-1, n_kv, -1)
+        img = is_image[:, None, :].expand(-1, n_kv, -1)
+        zeros = torch.zeros(pos.shape, dtype=torch.float32, device=pos.device)
+        if self.positions is None:
+            self.positions, self.is_image, self.scores = pos.clone(), img.clone(), zeros
+        else:
+            self.positions = torch.cat([self.positions, pos], dim=-1)
+            self.is_image = torch.cat([self.is_image, img], dim=-1)
+            self.scores = torch.cat([self.scores, zeros], dim=-1)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[-1]
+
+    @property
+    def n_kv(self) -> int:
+        return self.keys.shape[1]
+
+    def full_keys(self) -> torch.Tensor:
+        """All keys in entry order (dequantised where stored packed)."""
+        return torch.cat([dequantize(s.keys) for s in self.segments] + [self.keys], dim=-2)
+
+    def full_values(self) -> torch.Tensor:
+        return torch.cat([dequantize(s.values) for s in self.segments] + [self.values], dim=-2)
+
+    # -- edits ----------------------------------------------------------------------------------------
+    def gather(self, index: torch.Tensor) -> None:
+        """Keep entries `index` ([B, 1 or Hkv, K], into the current order) in that order."""
+        if self.segments:
+            raise RuntimeError("entries stored quantised cannot be evicted; this method does not evict")
+        b, h, _, d = self.keys.shape
+        idx = index.expand(b, h, -1)
+        self.keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
+        self.values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        self.positions = self.positions.gather(2, idx)
+        self.is_image = self.is_image.gather(2, idx)
+        self.scores = self.scores.gather(2, idx)
+
+    def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor):
+        """Weighted merge: entry j becomes (w_j·x_j + Σ_e w_e·x_e) / (w_j + Σ_e w_e) for keys and values.
+
+        src, dst, src_weight: [B, 1 or Hkv, E] (dst indexes the current order); self_weight [B, 1 or Hkv, T].
+        Call before `gather` drops the sources. Positions, flags and scores of the targets are kept.
+        """
+        b, h, t, d = self.keys.shape
+        src = src.expand(b, h, -1)
+        dst = dst.expand(b, h, -1)
+        w_src = src_weight.expand(b, h, -1).to(torch.float32)
+        w_self = self_weight.expand(b, h, t).to(torch.float32)
+        denom = w_self.clone().scatter_add_(2, dst, w_src)
+        for name in ("keys", "values"):
+            x = getattr(self, name)
+            xf = x.float()
+            moved = xf.gather(2, src[..., None].expand(-1, -1, -1, x.shape[-1])) * w_src[..., None]
+            total = (xf * w_self[..., None]).scatter_add_(2, dst[..., None].expand(-1, -1, -1, x.shape[-1]), moved)
+            setattr(self, name, (total / denom[..., None]).to(x.dtype))
+
+    def quantize_fp_part(self, important: torch.Tensor, bits_hi: int, bits_lo: int, group_size: int | None):
+        """Move the full-precision entries into two packed segments: `important` ([B, 1, T_fp] bool,
+        same count per batch row) at `bits_hi`, the rest at `bits_lo`. Metadata is reordered to match."""
+        t_fp = self.keys.shape[2]
+        if t_fp == 0:
+            return
+        start = self.length - t_fp
+        b = self.keys.shape[0]
+        imp = important.expand(b, 1, t_fp)
+        # stable order: important first, then the rest, each in original order
+        order = torch.argsort((~imp).to(torch.int8), dim=-1, stable=True)  # [B, 1, T_fp]
+        n_hi = int(imp[0, 0].sum())
+        prefix = torch.arange(start, device=order.device).view(1, 1, -1).expand(b, 1, -1)
+        full_order = torch.cat([prefix, order + start], dim=-1)
+        for name in ("positions", "is_image", "scores"):
+            meta = getattr(self, name)
+            setattr(self, name, meta.gather(2, full_order.expand(b, meta.shape[1], -1)))
+        idx = order.expand(b, self.keys.shape[1], -1)[..., None]
+        keys = self.keys.gather(2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
+        values = self.values.gather(2, idx.expand(-1, -1, -1, self.values.shape[-1]))
+        for lo, hi, bits in ((0, n_hi, bits_hi), (n_hi, t_fp, bits_lo)):
+            if hi > lo:
+                self.segments.append(
+                    QuantSegment(
+                        quantize_keys(keys[:, :, lo:hi], bits, group_size),
+                        quantize_values(values[:, :, lo:hi], bits, group_size),
+                    )
+                )
+        self.keys = keys[:, :, :0]
+        self.values = values[:, :, :0]
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        fp = 0
+        if self.keys is not None:
+            fp = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return fp + sum(s.nbytes() for s in self.segments)
+
+    def image_count(self) -> int:
+        """Image entries, averaged over KV heads (head-wise methods keep different entries per head)."""
+        if self.is_image is None:
+            return 0
+        return int(round(self.is_image[0].sum(dim=-1).float().mean().item()))
+
+
+class TrackedCache(DynamicCache):
+    """One `TrackedLayer` per text-model layer. Set `pending` before each forward so new entries get their
+    true positions and image flags."""
+
+    def __init__(self, num_layers: int):
+        super().__init__()
+        self.layers = [TrackedLayer() for _ in range(num_layers)]
+        self.layer_class_to_replicate = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor) -> None:
+        self.pending = (positions, is_image)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.pending is None:
+            raise RuntimeError("TrackedCache.set_pending(positions, is_image) must be called before a forward")
+        positions, is_image = self.pending
+        self.layers[layer_idx].append_meta(positions, is_image, key_states.shape[1])
+        return keys, values
+
+    def add_scores(self, stats: dict[int, torch.Tensor]) -> None:
+        """Accumulate per-layer attention ([B, Hkv, T], aligned with the layer's entries) into scores."""
+        for layer_idx, s in stats.items():
+            layer = self.layers[layer_idx]
+            layer.scores = layer.scores + s.to(layer.scores.device)
+
+    def clone(self) -> "TrackedCache":
+        twin = TrackedCache(len(self.layers))
+        for mine, theirs in zip(self.layers, twin.layers):
+            for name, value in vars(mine).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(theirs, name, value.clone())
+                elif name == "segments":
+                    theirs.segments = copy.deepcopy(value)
+                else:
+                    setattr(theirs, name, copy.copy(value))
+        return twin
+
+    # -- what the UI shows ---------------------------------------------------------------------------
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    def image_counts(self) -> list[int]:
+        return [layer.image_count() for layer in self.layers]
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

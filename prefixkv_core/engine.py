@@ -1,0 +1,430 @@
+"""One prefill shared by every method, a cache copy per method, and interleaved decoding that streams
+per-step events. Batch size 1: one image and one conversation per session.
+
+    engine = Engine(load_model("embedded"))
+    session = engine.new_session(image, "Describe the image.", ["full", "prefixkv"], budget=0.3)
+    for event in session.run():          # PrefillInfo once, then MethodEvents
+        ...
+    for event in session.follow_up("And the colours?"):
+        ...
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from . import calibrate
+from .attention import AttentionProbe, StatRequest, tracked_attention_enabled
+from .cache import TrackedCache
+from .events import MethodEvent, PrefillInfo
+from .models import LoadedModel, encode, format_followup, format_prompt
+from .policies import Policy, PolicyError, make_policy, resolve_methods
+from .policies.base import DecodeView, PrefillView, apply_plans, check_budget
+
+MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
+
+
+class EngineError(ValueError):
+    """Bad input to the engine; the message says what was wrong and what is accepted."""
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise EngineError("sampling needs temperature > 0 and top_p in (0, 1]")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _now(device: torch.device) -> float:
+    _sync(device)
+    return time.perf_counter()
+
+
+@dataclass
+class MethodState:
+    name: str
+    policy: Policy
+    cache: TrackedCache | None = None
+    true_len: int = 0
+    prompt_len: int = 0
+    pending: int | None = None  # sampled token not yet fed to the model
+    turn_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    compute_s: float = 0.0  # forward + policy time spent on this turn's decode steps
+    steps: int = 0
+    generator: torch.Generator | None = None
+    answers: list[str] = field(default_factory=list)  # this method's answers to the earlier turns
+
+
+class Engine:
+    """Holds a loaded model. Runs are serialised: one session generates at a time on one model."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.lock = threading.Lock()
+        tok = loaded.processor.tokenizer
+        eos = set()
+        for source in (getattr(loaded.model.generation_config, "eos_token_id", None), tok.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source:
+                eos.update(int(x) for x in source)
+        self.eos_ids = eos
+
+    # -- input checks ------------------------------------------------------------------------------------
+    @staticmethod
+    def load_image(image: Any) -> Image.Image | None:
+        """None, a PIL image, or a path -> RGB PIL image (downscaled if huge). Raises EngineError."""
+        if image is None:
+            return None
+        if isinstance(image, (list, tuple)):
+            raise EngineError("the engine runs batch size 1: pass one image, not a list")
+        if isinstance(image, (str, Path)):
+            try:
+                with Image.open(image) as im:
+                    im.load()
+                    image = im.copy()
+            except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+                raise EngineError(f"not a readable image: {Path(str(image)).name} ({exc.__class__.__name__}); "
+                                  "accepted: PNG, JPEG, WebP, BMP, GIF") from None
+        if not isinstance(image, Image.Image):
+            raise EngineError(f"image must be a PIL image or a file path, got {type(image).__name__}")
+        image = image.convert("RGB")
+        if max(image.size) > MAX_IMAGE_SIDE:
+            image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
+        return image
+
+    def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
+                    generation: GenerationSettings | None = None,
+                    knobs: dict[str, dict[str, Any]] | None = None) -> "Session":
+        if isinstance(prompt, (list, tuple)):
+            raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EngineError("the prompt is empty: type a question or instruction")
+        try:
+            check_budget(budget)
+            names = resolve_methods(methods)
+        except PolicyError as exc:
+            raise EngineError(str(exc)) from None
+        generation = generation or GenerationSettings()
+        generation.validate()
+        knobs = knobs or {}
+        policies = {}
+        for name in names:
+            method_knobs = dict(knobs.get(name, {}))
+            if name == "prefixkv" and method_knobs.get("mode") == "offline" and not method_knobs.get("ratios"):
+                found = calibrate.load_ratios(self.loaded.slug, budget, self.loaded.num_layers)
+                if found is None:
+                    raise EngineError(
+                        f"no calibrated PrefixKV configuration for model '{self.loaded.slug}'; run "
+                        f"`python -m prefixkv_core calibrate --model {self.loaded.name}` or use the online mode")
+                method_knobs["ratios"] = found.ratios
+            try:
+                policies[name] = make_policy(name, budget, **method_knobs)
+            except (PolicyError, TypeError) as exc:
+                raise EngineError(str(exc)) from None
+        return Session(self, self.load_image(image), prompt, policies, budget, generation)
+
+    # -- model calls ---------------------------------------------------------------------------------------
+    def forward(self, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe,
+                image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `ids` [1, T] at true positions start..start+T-1; returns the last position's logits [V]."""
+        t = ids.shape[1]
+        positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0)
+        flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
+        cache.set_pending(positions, flags)
+        kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
+        with torch.inference_mode():
+            out = self.loaded.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                                    logits_to_keep=1, kv_probe=probe, **kwargs)
+        return out.logits[0, -1]
+
+
+class Session:
+    """One conversation: the image, the turns so far, and every method's own compressed cache."""
+
+    def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
+                 budget: float, generation: GenerationSettings):
+        self.engine = engine
+        self.image = image
+        self.prompt = prompt
+        self.budget = budget
+        self.generation = generation
+        self.states = {name: MethodState(name, p) for name, p in policies.items()}
+        self.turn = -1
+        self.user_turns = [prompt]
+        self.prefill: PrefillInfo | None = None
+        self.bytes_per_token = 0.0
+        self.image_offset: int | None = None
+
+    # -- public ------------------------------------------------------------------------------------------
+    def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
+        """First turn: shared prefill, per-method compression, interleaved decoding."""
+        if self.turn >= 0:
+            raise EngineError("this session already ran its first turn; use follow_up()")
+        with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
+            self.turn = 0
+            info = self._prefill_all()
+            yield info
+            for state in self.states.values():
+                yield self._event(state, "start")
+            yield from self._decode_all(cancel)
+
+    def follow_up(self, prompt: str, cancel: threading.Event | None = None) -> Iterator[MethodEvent]:
+        """Next user turn: each method continues on its own compressed cache."""
+        if self.turn < 0:
+            raise EngineError("run() the first turn before a follow-up")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EngineError("the follow-up prompt is empty")
+        loaded = self.engine.loaded
+        with self.engine.lock, tracked_attention_enabled(loaded.model):
+            new_ids = encode(loaded, None, format_followup(loaded, prompt))["input_ids"][0].tolist()
+            for state in self.states.values():
+                if state.error is not None:
+                    continue
+                chunk = ([state.pending] if state.pending is not None and state.pending not in self.engine.eos_ids
+                         else []) + new_ids
+                if state.true_len + len(chunk) + self.generation.max_new_tokens > loaded.max_context:
+                    raise EngineError(
+                        f"the conversation would reach {state.true_len + len(chunk) + self.generation.max_new_tokens}"
+                        f" tokens, over the model's context of {loaded.max_context}; start a new comparison")
+            self.turn += 1
+            self.user_turns.append(prompt)
+            for state in self.states.values():
+                if state.error is not None:
+                    yield self._event(state, "error")
+                    continue
+                state.answers.append(state.text)
+                try:
+                    self._feed_turn(state, new_ids)
+                except Exception as exc:  # one method failing must not stop the others
+                    self._fail(state, exc)
+                    yield self._event(state, "error")
+                    continue
+                yield self._event(state, "start")
+            yield from self._decode_all(cancel)
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Final per-method figures (the CLI's JSON contract)."""
+        out = {}
+        for name, s in self.states.items():
+            ev = self._event(s, "done")
+            out[name] = {
+                "label": s.policy.label,
+                "text": s.text,
+                "kept_per_layer": ev.kept_per_layer,
+                "kept_image_per_layer": ev.kept_image_per_layer,
+                "full_len": ev.full_len,
+                "kv_bytes": ev.kv_bytes,
+                "full_kv_bytes": ev.full_kv_bytes,
+                "ttft_s": s.ttft_s,
+                "tokens_per_s": ev.tokens_per_s,
+                "error": s.error,
+                "extras": ev.extras,
+            }
+        return out
+
+    def kept_image_map(self, method: str, layer: int) -> np.ndarray | None:
+        """[rows, cols] share of KV heads that still hold each image patch in `layer` (for the overlay)."""
+        state = self.states[method]
+        grid = self.engine.loaded.image_grid
+        if state.cache is None or self.image_offset is None or grid is None:
+            return None
+        lay = state.cache.layers[layer]
+        pos = lay.positions[0]  # [Hkv, T]
+        n_patches = grid[0] * grid[1]
+        rel = pos - self.image_offset
+        valid = (rel >= 0) & (rel < n_patches) & lay.is_image[0]
+        counts = torch.zeros(n_patches)
+        counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
+        return (counts / pos.shape[0]).view(grid).numpy()
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _prefill_all(self) -> PrefillInfo:
+        eng, loaded = self.engine, self.engine.loaded
+        text = format_prompt(loaded, self.prompt, with_image=self.image is not None)
+        inputs = encode(loaded, self.image, text)
+        ids = inputs["input_ids"]
+        n = ids.shape[1]
+        is_image = ids == loaded.image_token_id
+        n_image = int(is_image.sum())
+        if n + self.generation.max_new_tokens > loaded.max_context:
+            raise EngineError(
+                f"the prompt is {n} tokens ({n_image} for the image) + {self.generation.max_new_tokens} new tokens, "
+                f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
+        self.image_offset = int(is_image[0].nonzero()[0]) if n_image else None
+
+        request = StatRequest(colsum=True)
+        for state in self.states.values():
+            r = state.policy.prefill_stats(n)
+            request.window = max(request.window, r.window)
+            if r.query_subset is not None:
+                request.query_subset = r.query_subset
+        probe = AttentionProbe(request)
+        cache = TrackedCache(loaded.num_layers)
+        t0 = _now(loaded.device)
+        logits = eng.forward(cache, ids, 0, probe, is_image, inputs.get("pixel_values"))
+        prefill_s = _now(loaded.device) - t0
+        cache.add_scores({l: s["colsum"] for l, s in probe.stats.items()})
+        self.bytes_per_token = cache.nbytes() / n
+        importance = torch.stack([probe.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
+        subset_counts = None
+
+        for i, state in enumerate(self.states.values()):
+            state.prompt_len = state.true_len = n
+            state.generator = torch.Generator(device="cpu").manual_seed(self.generation.seed)
+            try:
+                t1 = _now(loaded.device)
+                state.cache = cache if i == len(self.states) - 1 else cache.clone()
+                view = PrefillView(state.cache, probe.stats, n, self.budget, request.window, subset_counts)
+                apply_plans(state.cache, state.policy.prefill(view))
+                state.ttft_s = prefill_s + (_now(loaded.device) - t1)
+                state.pending = self._sample(state, logits)
+                state.turn_ids = [state.pending]
+                state.text = self._detok(state.turn_ids)
+            except Exception as exc:  # one method failing must not stop the others
+                self._fail(state, exc)
+        grid = loaded.image_grid if n_image else None
+        self.prefill = PrefillInfo(
+            prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
+            importance=importance.float().cpu().numpy(), is_image=is_image[0].cpu().numpy(),
+            image_grid=tuple(grid) if grid else None, image_offset=self.image_offset, prefill_s=prefill_s)
+        return self.prefill
+
+    def _feed_turn(self, state: MethodState, new_ids: list[int]) -> None:
+        """Feed a follow-up turn's tokens (and the previous answer's last token) through this method's cache."""
+        loaded = self.engine.loaded
+        chunk = ([state.pending] if state.pending is not None and state.pending not in self.engine.eos_ids
+                 else []) + new_ids
+        ids = torch.tensor([chunk], device=loaded.device)
+        t0 = _now(loaded.device)
+        probe = AttentionProbe(StatRequest(last_query=state.policy.decode_needs_attention()))
+        logits = self.engine.forward(state.cache, ids, state.true_len, probe)
+        state.true_len += len(chunk)
+        self._after_step(state, probe, step=0)
+        state.ttft_s = _now(loaded.device) - t0
+        state.compute_s, state.steps, state.finished = 0.0, 0, False
+        state.pending = self._sample(state, logits)
+        state.turn_ids = [state.pending]
+        state.text = self._detok(state.turn_ids)
+
+    def _after_step(self, state: MethodState, probe: AttentionProbe, step: int) -> float:
+        """Accumulate decode-time attention and let the policy compress; returns the policy's time."""
+        device = self.engine.loaded.device
+        t0 = _now(device)
+        attention = None
+        if probe.request.last_query:
+            attention = {l: s["last_query"] for l, s in probe.stats.items()}
+            state.cache.add_scores(attention)
+        view = DecodeView(state.cache, state.true_len, state.prompt_len, step, attention)
+        apply_plans(state.cache, state.policy.decode(view))
+        return _now(device) - t0
+
+    def _decode_all(self, cancel: threading.Event | None) -> Iterator[MethodEvent]:
+        """Round-robin one token per active method, so every panel streams."""
+        max_new = self.generation.max_new_tokens
+        for state in self.states.values():
+            if state.error is None and self._is_done(state, max_new):
+                state.finished = True
+        for state in self.states.values():
+            if state.error is None:
+                yield self._event(state, "done" if state.finished else "token", delta=state.text)
+        while True:
+            active = [s for s in self.states.values() if not s.finished and s.error is None]
+            if not active:
+                return
+            for state in active:
+                if cancel is not None and cancel.is_set():
+                    for s in active:
+                        if not s.finished:
+                            s.finished = True
+                            yield self._event(s, "cancelled")
+                    return
+                try:
+                    delta, latency, policy_s = self._step(state)
+                except Exception as exc:
+                    self._fail(state, exc)
+                    yield self._event(state, "error")
+                    continue
+                state.finished = self._is_done(state, max_new)
+                yield self._event(state, "done" if state.finished else "token", delta=delta,
+                                  latency=latency, policy_s=policy_s)
+
+    def _is_done(self, state: MethodState, max_new: int) -> bool:
+        return state.pending in self.engine.eos_ids or len(state.turn_ids) >= max_new
+
+    def _step(self, state: MethodState) -> tuple[str, float, float]:
+        loaded = self.engine.loaded
+        ids = torch.tensor([[state.pending]], device=loaded.device)
+        probe = AttentionProbe(StatRequest(last_query=state.policy.decode_needs_attention()))
+        t0 = _now(loaded.device)
+        logits = self.engine.forward(state.cache, ids, state.true_len, probe)
+        latency = _now(loaded.device) - t0
+        state.true_len += 1
+        policy_s = self._after_step(state, probe, step=len(state.turn_ids))
+        state.compute_s += latency + policy_s
+        state.steps += 1
+        state.pending = self._sample(state, logits)
+        state.turn_ids.append(state.pending)
+        text = self._detok(state.turn_ids)
+        delta = text[len(state.text):] if text.startswith(state.text) else text
+        state.text = text
+        return delta, latency, policy_s
+
+    def _sample(self, state: MethodState, logits: torch.Tensor) -> int:
+        g = self.generation
+        if not g.do_sample:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float().cpu() / g.temperature, dim=-1)
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < g.top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=state.generator)
+        return int(order[choice].item())
+
+    def _detok(self, ids: list[int]) -> str:
+        ids = [i for i in ids if i not in self.engine.eos_ids]
+        return self.engine.loaded.processor.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _fail(self, state: MethodState, exc: Exception) -> None:
+        state.error = f"{exc.__class__.__name__}: {exc}"
+        state.finished = True
+
+    def _event(self, state: MethodState, kind: str, delta: str = "", latency: float = 0.0,
+               policy_s: float = 0.0) -> MethodEvent:
+        cache = state.cache
+        return MethodEvent(
+            method=state.name, label=state.policy.label, kind=kind, turn=max(self.turn, 0),
+            step=len(state.turn_ids), text=state.text, delta=delta,
+            kept_per_layer=cache.lengths() if cache is not None else [],
+            kept_image_per_layer=cache.image_counts() if cache is not None else [],
+            full_len=state.true_len,
+            kv_bytes=cache.nbytes() if cache is not None else 0,
+            full_kv_bytes=int(round(self.bytes_per_token * state.true_len)),
+            step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s,
+            tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
+            error=state.error, extras=state.policy.extras(),
+        )

@@ -1,0 +1,55 @@
+"""What the engine tells its listeners (UI, CLI, benchmarks) while it runs.
+
+Plain dataclasses of Python numbers and numpy arrays, so consumers never touch torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+
+@dataclass
+class PrefillInfo:
+    """Emitted once per request, after the shared prefill."""
+
+    prompt_tokens: int  # N: prompt length with the image expanded
+    image_tokens: int
+    num_layers: int
+    importance: np.ndarray  # [L, N] float32: column sums of prefill attention, mean over heads
+    is_image: np.ndarray  # [N] bool
+    image_grid: tuple[int, int] | None  # patches per side (rows, cols) of the image tokens, if any
+    image_offset: int | None  # index of the first image token in the prompt
+    prefill_s: float  # model forward time of the prefill (vision tower and statistics included)
+
+
+EventKind = Literal["start", "token", "done", "error", "cancelled"]
+
+
+@dataclass
+class MethodEvent:
+    """One step of one method. `text` is this turn's whole answer so far; `delta` the new part."""
+
+    method: str
+    label: str
+    kind: EventKind
+    turn: int = 0
+    step: int = 0  # tokens generated so far in this turn
+    text: str = ""
+    delta: str = ""
+    kept_per_layer: list[int] = field(default_factory=list)
+    kept_image_per_layer: list[int] = field(default_factory=list)
+    full_len: int = 0  # N_t: true sequence length (what an uncompressed cache would hold)
+    kv_bytes: int = 0  # bytes of this method's cache tensors (packed storage counted as stored)
+    full_kv_bytes: int = 0  # bytes an uncompressed cache of full_len tokens takes in this model
+    step_latency_s: float = 0.0  # model forward time of the last step
+    policy_s: float = 0.0  # time the policy spent deciding / compressing in the last step
+    ttft_s: float | None = None  # time to first token of this turn (prefill + compression + 1st step)
+    tokens_per_s: float | None = None  # decode throughput of this turn so far
+    error: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # method specific facts (thresholds, notes)
+
+    @property
+    def kv_ratio(self) -> float:
+        return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 1.0

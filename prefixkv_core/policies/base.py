@@ -1,0 +1,211 @@
+"""What every KV-cache policy is, and the helpers they share.
+
+A policy is a small dataclass: a registry name, its knobs, and two functions over tensors.
+`prefill(view)` returns one `LayerPlan` per layer after the prompt; `decode(view)` may return plans after
+each generated token (or after a follow-up turn's tokens). Policies never touch the model; the engine
+applies plans to the `TrackedCache` (gather, merge, quantise), so all bookkeeping lives in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ..attention import StatRequest
+from ..cache import TrackedCache, TrackedLayer
+
+
+class PolicyError(ValueError):
+    """A bad method name or knob; the message lists what is accepted."""
+
+
+@dataclass
+class Merge:
+    """Merge entries `src` into `dst` (indices into the layer's current order, [B, 1|Hkv, E])."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    src_weight: torch.Tensor  # [B, 1|Hkv, E]
+    self_weight: torch.Tensor  # [B, 1|Hkv, T]
+
+
+@dataclass
+class Quantise:
+    important: torch.Tensor  # bool [B, 1, T_fp] over the full-precision entries
+    bits_hi: int = 4
+    bits_lo: int = 2
+    group_size: int | None = None
+
+
+@dataclass
+class LayerPlan:
+    """What to do to one layer: merge first (optional), then keep `keep` ([B, 1|Hkv, K], ascending), or quantise."""
+
+    keep: torch.Tensor | None = None
+    merge: Merge | None = None
+    quantise: Quantise | None = None
+
+
+@dataclass
+class PrefillView:
+    """Read-only facts after the shared prefill."""
+
+    cache: TrackedCache
+    stats: dict[int, dict[str, torch.Tensor]]  # layer -> {"colsum", "window", "subset"}: [B, Hkv, N] fp32
+    prompt_len: int  # N
+    budget: float
+    window: int  # observation window used for the "window" statistic
+    subset_counts: torch.Tensor | None = None  # [N] number of probe queries that see each token (ZipVL)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.cache.layers)
+
+    def layer(self, i: int) -> TrackedLayer:
+        return self.cache.layers[i]
+
+    def importance(self, i: int) -> torch.Tensor:
+        """[B, N] layer-wise importance: column sums averaged over heads (fp32)."""
+        return self.stats[i]["colsum"].mean(dim=1)
+
+
+@dataclass
+class DecodeView:
+    cache: TrackedCache
+    true_len: int  # N_t: prompt + everything generated or fed so far
+    prompt_len: int
+    step: int  # tokens generated so far in this turn
+    attention: dict[int, torch.Tensor] | None = None  # layer -> last query's attention [B, Hkv, T], if asked
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.cache.layers)
+
+
+@dataclass
+class Policy:
+    """Base class. Subclasses set the class variables and implement `prefill` (and `decode` if they evict)."""
+
+    name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    uses_budget: ClassVar[bool] = True
+    # "every step": the cache is held at about r·N_t after every token; "prompt only": compress once.
+    schedule: ClassVar[str] = "every step"
+    sink_tokens: ClassVar[int] = 1
+
+    budget: float = 0.3
+    notes: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self):
+        check_budget(self.budget)
+
+    # What the shared prefill must record for this policy.
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        return StatRequest()
+
+    # Whether decode steps must record the current query's attention (e.g. H2O's accumulation).
+    def decode_needs_attention(self) -> bool:
+        return False
+
+    def prefill(self, view: PrefillView) -> list[LayerPlan | None]:
+        return [None] * view.num_layers
+
+    def decode(self, view: DecodeView) -> list[LayerPlan | None] | None:
+        return None
+
+    def extras(self) -> dict[str, Any]:
+        """Facts to show next to this method's panel (chosen thresholds, fallbacks, ...)."""
+        return {"notes": list(self.notes)} if self.notes else {}
+
+    @classmethod
+    def knobs(cls) -> dict[str, Any]:
+        """Knob name -> default, for the UI's advanced section and the CLI."""
+        return {f.name: f.default for f in fields(cls) if f.init and f.name != "budget"}
+
+
+def check_budget(budget: float) -> None:
+    if not isinstance(budget, (int, float)) or not (0.0 < float(budget) <= 1.0):
+        raise PolicyError(f"budget must be a kept fraction in (0, 1], got {budget!r}")
+
+
+def budget_count(ratio: float, n: int, min_keep: int = 1) -> int:
+    """round(ratio·n) clamped to [min_keep, n]."""
+    return max(min(min_keep, n), min(n, int(round(ratio * n))))
+
+
+def protected_mask(layer: TrackedLayer, prompt_len: int, sink: int = 1) -> torch.Tensor:
+    """[B, Hkv, T] True for entries that must survive: the first `sink` positions and the last prompt token."""
+    pos = layer.positions
+    return (pos < sink) | (pos == prompt_len - 1)
+
+
+def top_k_keep(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices (ascending) of the k best entries along the last axis; `forced` entries always first in line.
+
+    scores [B, H, T] (fp32); forced bool broadcastable. Ranking is a two-key sort (forced, score) done in
+    fp32 with +inf for forced entries, never by adding a large constant in low precision."""
+    s = scores.float()
+    if forced is not None:
+        s = torch.where(forced, torch.full_like(s, float("inf")), s)
+    k = max(0, min(k, s.shape[-1]))
+    idx = torch.topk(s, k, dim=-1, sorted=False).indices
+    return idx.sort(dim=-1).values
+
+
+def drop_range_keep(length: int, start: int, count: int, device) -> torch.Tensor:
+    """Indices [1, 1, length - count] of every entry except [start, start + count)."""
+    idx = torch.arange(length, device=device)
+    keep = torch.cat([idx[:start], idx[start + count :]])
+    return keep.view(1, 1, -1)
+
+
+def fixed_point_decode(view: DecodeView, targets: list[int], anchors: list[int]) -> list[LayerPlan | None]:
+    """Elastic Cache's fixed-point elimination, used by Elastic and PrefixKV while decoding.
+
+    Layer l may hold `targets[l]` entries. When it holds more, the entries at the fixed index
+    fp = K_l - 25 (K_l = entries kept after the prompt; K_l // 2 if that is < 1) are deleted, so the
+    entries before fp stay frozen and the cache from fp on behaves as a FIFO of recent tokens.
+    """
+    plans: list[LayerPlan | None] = []
+    for layer, target, k in zip(view.cache.layers, targets, anchors):
+        excess = layer.length - target
+        if excess <= 0:
+            plans.append(None)
+            continue
+        fp = k - 25
+        if fp < 1:
+            fp = k // 2
+        fp = max(1, min(fp, layer.length - excess - 1))  # never the sink, never the newest entry
+        plans.append(LayerPlan(keep=drop_range_keep(layer.length, fp, excess, layer.positions.device)))
+    return plans
+
+
+def layer_importance(view: PrefillView, i: int, normalised: bool = False) -> torch.Tensor:
+    """[B, 1, N] importance of layer i: column sums averaged over heads.
+
+    `normalised` divides by the number of prompt queries that can see each token (N - j), removing the
+    bias towards early tokens; the papers' default is the plain column sum."""
+    imp = view.stats[i]["colsum"].mean(dim=1, keepdim=True)
+    if normalised:
+        pos = view.layer(i).positions[:, :1].float()
+        imp = imp / (view.prompt_len - pos).clamp_min(1.0)
+    return imp
+
+
+def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | None) -> None:
+    """Carry out a policy's plans: merge first (sources still present), then keep, or quantise."""
+    if not plans:
+        return
+    for layer, plan in zip(cache.layers, plans):
+        if plan is None:
+            continue
+        if plan.merge is not None:
+            m = plan.merge
+            layer.merge(m.src, m.dst, m.src_weight, m.self_weight)
+        if plan.keep is not None:
+            layer.gather(plan.keep)
+        if plan.quantise is not None:
+            q = plan.quantise
+            layer.quantize_fp_part(q.important, q.bits_hi, q.bits_lo, q.group_size)

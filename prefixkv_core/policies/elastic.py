@@ -1,0 +1,65 @@
+"""Elastic Cache: keep the most important tokens as anchors and merge every other token into its nearest
+anchor; while decoding, delete at a fixed point so the older part stays frozen and the rest is a FIFO."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import StatRequest
+from .base import (DecodeView, LayerPlan, Merge, Policy, PrefillView, budget_count, fixed_point_decode,
+                   layer_importance, protected_mask, top_k_keep)
+
+
+def nearest_anchor(anchors: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """anchors [K] ascending, others [E] -> index into anchors of the nearest anchor by position
+    (ties go to the lower index)."""
+    right = torch.searchsorted(anchors, others).clamp(max=anchors.numel() - 1)
+    left = (right - 1).clamp(min=0)
+    d_left = (others - anchors[left]).abs()
+    d_right = (anchors[right] - others).abs()
+    return torch.where(d_left <= d_right, left, right)
+
+
+def merge_into_nearest(keep: torch.Tensor, length: int) -> Merge:
+    """keep [1, 1, K] ascending entry indices (entries in position order) -> merge of the rest, mean-wise."""
+    device = keep.device
+    anchors = keep[0, 0]
+    is_anchor = torch.zeros(length, dtype=torch.bool, device=device)
+    is_anchor[anchors] = True
+    others = torch.arange(length, device=device)[~is_anchor]
+    dst = anchors[nearest_anchor(anchors, others)]
+    ones = torch.ones(1, 1, others.numel(), device=device)
+    return Merge(src=others.view(1, 1, -1), dst=dst.view(1, 1, -1), src_weight=ones,
+                 self_weight=torch.ones(1, 1, length, device=device))
+
+
+@dataclass
+class ElasticPolicy(Policy):
+    name = "elastic"
+    label = "Elastic Cache"
+    summary = ("Top-r·N tokens by prefill importance become anchors; the others are merged (averaged) into "
+               "their nearest anchor. Decoding deletes at a fixed point (K-25): older entries stay frozen.")
+
+    normalised_importance: bool = False
+
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        return StatRequest(colsum=True)
+
+    def prefill(self, view: PrefillView):
+        k = budget_count(self.budget, view.prompt_len, min_keep=2)
+        plans = []
+        for i in range(view.num_layers):
+            layer = view.layer(i)
+            if view.cache.layers[i].positions.shape[0] != 1:
+                raise ValueError("Elastic Cache merging runs with batch size 1 only")
+            imp = layer_importance(view, i, self.normalised_importance)  # [1, 1, N]
+            keep = top_k_keep(imp, k, protected_mask(layer, view.prompt_len)[:, :1])
+            merge = merge_into_nearest(keep, layer.length) if k < layer.length else None
+            plans.append(LayerPlan(keep=keep, merge=merge))
+        self.anchors = [k] * view.num_layers
+        return plans
+
+    def decode(self, view: DecodeView):
+        targets = [budget_count(self.budget, view.true_len, min_keep=2)] * view.num_layers
+        return fixed_point_decode(view, targets, self.anchors)

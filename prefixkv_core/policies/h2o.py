@@ -1,0 +1,45 @@
+"""H2O (Heavy-Hitter Oracle): keep the tokens with the largest accumulated attention, plus a recent window."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import StatRequest
+from .base import DecodeView, LayerPlan, Policy, PrefillView, budget_count, protected_mask, top_k_keep
+
+
+@dataclass
+class H2OPolicy(Policy):
+    name = "h2o"
+    label = "H2O"
+    summary = ("Accumulated attention (prefill column sums + every decoding query) picks heavy hitters; "
+               "a recent window (10% of the budget) protects new tokens. Uniform count over layers.")
+
+    recent_fraction: float = 0.1
+
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        return StatRequest(colsum=True)
+
+    def decode_needs_attention(self) -> bool:
+        return True
+
+    def _plans(self, cache, true_len: int, prompt_len: int) -> list[LayerPlan | None]:
+        target = budget_count(self.budget, true_len, min_keep=2)
+        recent = max(1, int(round(self.recent_fraction * target)))
+        plans: list[LayerPlan | None] = []
+        for layer in cache.layers:
+            if layer.length <= target:
+                plans.append(None)
+                continue
+            scores = layer.scores.mean(dim=1, keepdim=True)  # layer-wise: mean over KV heads, [B, 1, T]
+            forced = protected_mask(layer, prompt_len)[:, :1].clone()
+            forced[..., -recent:] = True
+            plans.append(LayerPlan(keep=top_k_keep(scores, target, forced)))
+        return plans
+
+    def prefill(self, view: PrefillView):
+        return self._plans(view.cache, view.prompt_len, view.prompt_len)
+
+    def decode(self, view: DecodeView):
+        return self._plans(view.cache, view.true_len, view.prompt_len)

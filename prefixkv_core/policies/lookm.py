@@ -1,0 +1,92 @@
+"""LOOK-M: text-prior selection (every text token, a recent window, the top image tokens) per KV head,
+then each evicted token is merged into the kept token whose key is most similar."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import StatRequest
+from .base import LayerPlan, Merge, Policy, PolicyError, PrefillView, top_k_keep
+
+MERGE_MODES = ("pivotal", "average", "weighted")
+
+
+def lookm_keep(scores: torch.Tensor, is_image: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
+    """scores/is_image [B, H, N] -> kept indices [B, H, K] ascending.
+
+    Keeps the last `recent` entries, every text entry, and image entries by score until `heavy` entries
+    outside the recent window are kept (text first). If text alone exceeds `heavy`, all text stays."""
+    n = scores.shape[-1]
+    recent = min(recent, n)
+    pool = n - recent
+    text = ~is_image[..., :pool]
+    n_text = int(text[0, 0].sum()) if pool > 0 else 0
+    k = min(pool, max(heavy, n_text))
+    chosen = top_k_keep(scores[..., :pool], k, forced=text)
+    tail = torch.arange(pool, n, device=scores.device).view(1, 1, -1).expand(scores.shape[0], scores.shape[1], -1)
+    return torch.cat([chosen, tail], dim=-1)
+
+
+def similarity_merge(keys: torch.Tensor, keep: torch.Tensor, mode: str) -> Merge | None:
+    """Match every evicted entry to the kept entry with the most cosine-similar key (per head)."""
+    b, h, n, _ = keys.shape
+    kept_flag = torch.zeros(b, h, n, dtype=torch.bool, device=keys.device)
+    kept_flag.scatter_(2, keep, True)
+    n_evicted = n - keep.shape[-1]
+    if n_evicted <= 0:
+        return None
+    evicted = torch.argsort(kept_flag.to(torch.int8), dim=-1, stable=True)[..., :n_evicted]  # False first
+    kn = F.normalize(keys.float(), dim=-1)
+    k_kept = kn.gather(2, keep[..., None].expand(-1, -1, -1, kn.shape[-1]))
+    k_ev = kn.gather(2, evicted[..., None].expand(-1, -1, -1, kn.shape[-1]))
+    sim = torch.matmul(k_ev, k_kept.transpose(-1, -2))  # [B, H, E, K]
+    best_sim, best = sim.max(dim=-1)
+    dst = keep.gather(2, best)
+    matched = torch.zeros(b, h, n, device=keys.device).scatter_add_(2, dst, torch.ones_like(best_sim))
+    if mode == "average":
+        src_w, self_w = torch.ones_like(best_sim), torch.ones(b, h, n, device=keys.device)
+    elif mode == "pivotal":
+        # mean of {k_j} ∪ {(k_e + k_j)/2}: k_j weighs 1 + n_j/2, each k_e weighs 1/2
+        src_w, self_w = torch.full_like(best_sim, 0.5), 1.0 + 0.5 * matched
+    elif mode == "weighted":
+        src_w, self_w = best_sim.clamp_min(0.0), torch.ones(b, h, n, device=keys.device)
+    else:
+        raise PolicyError(f"unknown LOOK-M merge mode {mode!r}; accepted: {', '.join(MERGE_MODES)}")
+    return Merge(src=evicted, dst=dst, src_weight=src_w, self_weight=self_w)
+
+
+@dataclass
+class LookMPolicy(Policy):
+    name = "lookm"
+    label = "LOOK-M"
+    summary = ("Text-prior: keeps every text token, a recent window and the top image tokens (r/2 + r/2), per "
+               "KV head; evicted tokens are merged into the most similar kept key. Prompt only.")
+    schedule = "prompt only"
+
+    merge: str = "pivotal"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.merge not in MERGE_MODES:
+            raise PolicyError(f"unknown LOOK-M merge mode {self.merge!r}; accepted: {', '.join(MERGE_MODES)}")
+
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        return StatRequest(colsum=True)
+
+    def prefill(self, view: PrefillView):
+        n = view.prompt_len
+        heavy = int(round(0.5 * self.budget * n))
+        recent = max(1, int(round(0.5 * self.budget * n)))
+        plans = []
+        over = 0
+        for i in range(view.num_layers):
+            layer = view.layer(i)
+            keep = lookm_keep(view.stats[i]["colsum"], layer.is_image, heavy, recent)
+            over = max(over, keep.shape[-1] - int(round(self.budget * n)))
+            plans.append(LayerPlan(keep=keep, merge=similarity_merge(layer.keys, keep, self.merge)))
+        self.notes = []
+        if over > 0:
+            self.notes.append(f"text tokens alone exceed the budget: {over} entries over r·N per layer")
+        return plans

@@ -1,0 +1,112 @@
+"""ZipVL: keep every token, but store the important ones at 4 bit and the rest at 2 bit. The share of
+important tokens adapts per layer: the fewest tokens holding τ of the probe queries' attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import StatRequest
+from .base import DecodeView, LayerPlan, Policy, PolicyError, PrefillView, Quantise
+
+
+def adaptive_count(scores: torch.Tensor, tau: float) -> int:
+    """scores [N] >= 0 -> smallest p with the top-p scores summing to at least tau of the total."""
+    s, _ = torch.sort(scores.float().clamp_min(0), descending=True)
+    total = float(s.sum())
+    if total <= 0:
+        return s.numel()
+    cum = torch.cumsum(s, dim=0) / total
+    return int(torch.searchsorted(cum, torch.tensor(tau - 1e-9, device=cum.device)).item()) + 1
+
+
+def probe_queries(n: int, fraction: float = 0.05, seed: int = 0) -> torch.Tensor:
+    """The last `fraction` of the prompt plus `fraction` of the rest sampled with a fixed seed."""
+    n_last = max(1, int(round(fraction * n)))
+    rest = n - n_last
+    n_sample = min(rest, max(0, int(round(fraction * n))))
+    g = torch.Generator().manual_seed(seed)
+    sampled = torch.randperm(rest, generator=g)[:n_sample] if rest > 0 else torch.empty(0, dtype=torch.long)
+    return torch.cat([sampled.sort().values, torch.arange(rest, n)])
+
+
+def visibility_counts(n: int, queries: torch.Tensor) -> torch.Tensor:
+    """[N]: how many of the probe queries can see token j (query i sees j <= i)."""
+    hist = torch.zeros(n)
+    hist.index_add_(0, queries, torch.ones(queries.numel()))
+    return torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])
+
+
+@dataclass
+class ZipVLPolicy(Policy):
+    name = "zipvl"
+    label = "ZipVL"
+    summary = ("Keeps every token; important tokens (the fewest holding τ of the attention, per layer) at "
+               "4 bit, the rest at 2 bit. The budget slider does not apply: τ sets the trade-off.")
+    uses_budget = False
+    schedule = "quantise prompt, then every 100 tokens"
+
+    tau: float = 0.975
+    bits_hi: int = 4
+    bits_lo: int = 2
+    group_size: int = 0  # 0 = the whole channel / token as one group, as in the reference
+    probe_fraction: float = 0.05
+    decode_block: int = 100
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0.0 < self.tau <= 1.0:
+            raise PolicyError(f"ZipVL tau must be in (0, 1], got {self.tau!r}")
+        for bits in (self.bits_hi, self.bits_lo):
+            if bits not in (2, 4, 8):
+                raise PolicyError(f"ZipVL bits must be 2, 4 or 8, got {bits!r}")
+
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        self._queries = probe_queries(prompt_len, self.probe_fraction, self.seed)
+        return StatRequest(query_subset=self._queries)
+
+    def decode_needs_attention(self) -> bool:
+        return True
+
+    def _plan(self, scores: torch.Tensor, normaliser: torch.Tensor | None) -> tuple[LayerPlan, int]:
+        """scores [B, 1, T] over the full-precision entries -> quantise them, the top-p at high precision."""
+        flat = scores[0, 0]
+        p = adaptive_count(flat, self.tau)
+        ranked = flat / normaliser.clamp_min(1.0) if normaliser is not None else flat
+        top = torch.topk(ranked, p).indices
+        important = torch.zeros_like(flat, dtype=torch.bool)
+        important[top] = True
+        group = self.group_size or None
+        return LayerPlan(quantise=Quantise(important.view(1, 1, -1), self.bits_hi, self.bits_lo, group)), p
+
+    def prefill(self, view: PrefillView):
+        n = view.prompt_len
+        if view.cache.layers[0].positions.shape[0] != 1:
+            raise ValueError("ZipVL runs with batch size 1 only")
+        counts = visibility_counts(n, self._queries).to(view.layer(0).positions.device)
+        plans, ratios = [], []
+        for i in range(view.num_layers):
+            scores = view.stats[i]["subset"].mean(dim=1, keepdim=True)
+            plan, p = self._plan(scores, counts)
+            plans.append(plan)
+            ratios.append(p / n)
+        self.important_ratios = ratios
+        return plans
+
+    def decode(self, view: DecodeView):
+        plans = []
+        for i, layer in enumerate(view.cache.layers):
+            fp_len = layer.keys.shape[2]
+            if fp_len < self.decode_block:
+                plans.append(None)
+                continue
+            # the current query's attention to the full-precision (newest) entries
+            scores = view.attention[i][..., -fp_len:].mean(dim=1, keepdim=True)
+            plans.append(self._plan(scores, None)[0])
+        return plans
+
+    def extras(self):
+        out = super().extras()
+        if getattr(self, "important_ratios", None):
+            out["important_ratios"] = [round(r, 4) for r in self.important_ratios]
+        return out
