@@ -1,0 +1,17 @@
+"""prefixkv_core: KV-cache compression for LLaVA-family models, side by side.
+
+The engine never imports gradio. Typical use:
+
+    from prefixkv_core import Engine, GenerationSettings, load_model
+    engine = Engine(load_model("embedded"))
+    session = engine.new_session(image, "Describe the image.", methods="all", budget=0.3)
+    for event in session.run():
+        ...
+"""
+from .engine import Engine, EngineError, GenerationSettings, Session
+from .events import MethodEvent, PrefillInfo
+from .models import LoadedModel, ModelLoadError, load_model
+from .policies import METHODS, PolicyError, describe, make_policy, resolve_methods
+
+__all__ = ["Engine", "EngineError", "GenerationSettings", "Session", "MethodEvent", "PrefillInfo", "LoadedModel",
+           "ModelLoadError", "load_model", "METHODS", "PolicyError", "describe", "make_policy", "resolve_methods"]
