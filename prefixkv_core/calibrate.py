@@ -6,7 +6,7 @@ import datetime as _dt
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -88,3 +88,47 @@ def write_config(slug: str, model_name: str, budget: float, ratios: Iterable[flo
     payload.update(extra or {})
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+CALIBRATION_PROMPTS = (
+    "Describe the image in detail.",
+    "What objects are in the picture and what colours are they?",
+    "Where is each object in the image?",
+)
+
+
+def default_samples(n: int = 10) -> list[tuple[Any, str]]:
+    """Calibration inputs the project generates or ships: validation-split scenes plus the example photos."""
+    from .scenes import render_scene, split_seeds
+
+    photos = sorted((ASSETS / "images").glob("*.jpg"))
+    samples: list[tuple[Any, str]] = []
+    n_photos = min(len(photos), n // 3)
+    for i, path in enumerate(photos[:n_photos]):
+        samples.append((str(path), CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]))
+    for i, seed in enumerate(split_seeds("val", n - len(samples))):
+        samples.append((render_scene(seed).image, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]))
+    return samples
+
+
+def calibrate(engine, samples, budgets=DEFAULT_BUDGETS, progress: bool = True) -> dict[float, dict]:
+    """Per budget: the online PrefixKV layer ratios of each sample, averaged and rescaled to the budget."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .lorenz import bisect_threshold, retention_curves
+
+    curves = []
+    for image, prompt in tqdm(samples, desc="calibration prefill", disable=not progress):
+        info = engine.analyse(image, prompt)
+        curves.append(retention_curves(torch.from_numpy(info.importance)))
+    out = {}
+    for budget in budgets:
+        runs = [bisect_threshold(c, budget, min_keep=min(2, c.shape[-1] - 1)) for c in curves]
+        mean = np.mean([r.ratios for r in runs], axis=0)
+        out[budget] = {
+            "ratios": rescale_to_budget(mean, budget),
+            "threshold_mean": float(np.mean([r.threshold for r in runs])),
+            "threshold_std": float(np.std([r.threshold for r in runs])),
+        }
+    return out

@@ -148,6 +148,15 @@ class Engine:
                 raise EngineError(str(exc)) from None
         return Session(self, self.load_image(image), prompt, policies, budget, generation)
 
+    def analyse(self, image: Any, prompt: str) -> PrefillInfo:
+        """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EngineError("the prompt is empty: type a question or instruction")
+        session = Session(self, self.load_image(image), prompt, {}, 1.0, GenerationSettings(max_new_tokens=1))
+        with self.lock, tracked_attention_enabled(self.loaded.model):
+            session.turn = 0
+            return session._prefill_all()
+
     # -- model calls ---------------------------------------------------------------------------------------
     def forward(self, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe,
                 image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
@@ -288,6 +297,7 @@ class Session:
         t0 = _now(loaded.device)
         logits = eng.forward(cache, ids, 0, probe, is_image, inputs.get("pixel_values"))
         prefill_s = _now(loaded.device) - t0
+        self._first_logits = logits
         cache.add_scores({l: s["colsum"] for l, s in probe.stats.items()})
         self.bytes_per_token = cache.nbytes() / n
         importance = torch.stack([probe.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
@@ -376,15 +386,20 @@ class Session:
     def _is_done(self, state: MethodState, max_new: int) -> bool:
         return state.pending in self.engine.eos_ids or len(state.turn_ids) >= max_new
 
-    def _step(self, state: MethodState) -> tuple[str, float, float]:
+    def _advance(self, state: MethodState, token: int) -> tuple[torch.Tensor, float, float]:
+        """Feed one token at the next true position, then let the policy compress."""
         loaded = self.engine.loaded
-        ids = torch.tensor([[state.pending]], device=loaded.device)
+        ids = torch.tensor([[token]], device=loaded.device)
         probe = AttentionProbe(StatRequest(last_query=state.policy.decode_needs_attention()))
         t0 = _now(loaded.device)
         logits = self.engine.forward(state.cache, ids, state.true_len, probe)
         latency = _now(loaded.device) - t0
         state.true_len += 1
         policy_s = self._after_step(state, probe, step=len(state.turn_ids))
+        return logits, latency, policy_s
+
+    def _step(self, state: MethodState) -> tuple[str, float, float]:
+        logits, latency, policy_s = self._advance(state, state.pending)
         state.compute_s += latency + policy_s
         state.steps += 1
         state.pending = self._sample(state, logits)
@@ -393,6 +408,30 @@ class Session:
         delta = text[len(state.text):] if text.startswith(state.text) else text
         state.text = text
         return delta, latency, policy_s
+
+    def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
+        """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
+        after every token exactly as in generation. Returns method -> (sum of NLL, answer tokens)."""
+        if self.turn >= 0:
+            raise EngineError("score_answer() replaces the first turn; use a fresh session")
+        tok = self.engine.loaded.processor.tokenizer
+        answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        if not answer_ids:
+            raise EngineError("the reference answer is empty")
+        out = {}
+        with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
+            self.turn = 0
+            self._prefill_all()
+            for state in self.states.values():
+                if state.error is not None:
+                    continue
+                logits, nll = self._first_logits, 0.0
+                for i, token in enumerate(answer_ids):
+                    nll -= float(torch.log_softmax(logits.float(), dim=-1)[token])
+                    if i + 1 < len(answer_ids):
+                        logits, _, _ = self._advance(state, token)
+                out[state.name] = (nll, len(answer_ids))
+        return out
 
     def _sample(self, state: MethodState, logits: torch.Tensor) -> int:
         g = self.generation

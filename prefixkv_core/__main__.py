@@ -1,0 +1,159 @@
+"""Command line: `python -m prefixkv_core {compare,calibrate,methods}`.
+
+    python -m prefixkv_core compare --model embedded --image assets/images/scene-0.png \
+        --prompt "Describe the image." --methods all --budget 0.3 --json out.json
+    python -m prefixkv_core calibrate --model embedded --samples 10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+def _parse_knobs(items: list[str]) -> dict[str, dict[str, Any]]:
+    """METHOD.KNOB=VALUE -> {method: {knob: value}} with numbers and booleans parsed."""
+    knobs: dict[str, dict[str, Any]] = {}
+    for item in items:
+        try:
+            key, raw = item.split("=", 1)
+            method, name = key.split(".", 1)
+        except ValueError:
+            raise SystemExit(f"--knob expects METHOD.KNOB=VALUE (e.g. lookm.merge=average), got {item!r}")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        knobs.setdefault(method, {})[name] = value
+    return knobs
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded",
+                   help="'embedded' (default, offline), 'tiny-llama'/'tiny-qwen2' (random, for tests), a Hugging "
+                        "Face hub id such as llava-hf/llava-1.5-7b-hf, or a local model directory")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16")
+
+
+def cmd_compare(args) -> int:
+    from . import Engine, GenerationSettings, load_model
+    from .events import MethodEvent
+    from .metrics import rouge_l
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(loaded)
+    gen = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _parse_knobs(args.knob))
+    names = list(session.states)
+    bar = tqdm(total=len(names) * args.max_new_tokens, desc="decoding", disable=args.quiet)
+    for event in session.run():
+        if isinstance(event, MethodEvent) and event.kind in ("token", "done"):
+            bar.update(1)
+    bar.close()
+    results = session.results()
+    reference = results.get("full", {}).get("text")
+    for r in results.values():
+        r["rouge_l_vs_full"] = rouge_l(r["text"], reference) if reference is not None else None
+    payload = {"model": loaded.name, "model_slug": loaded.slug, "device": str(loaded.device),
+               "budget": args.budget, "prompt": args.prompt, "image": args.image,
+               "prompt_tokens": session.prefill.prompt_tokens, "image_tokens": session.prefill.image_tokens,
+               "methods": results}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=1)
+    if not args.quiet:
+        for name, r in results.items():
+            ratio = r["kv_bytes"] / r["full_kv_bytes"] if r["full_kv_bytes"] else 1.0
+            rl = "" if r["rouge_l_vs_full"] is None else f"  ROUGE-L {r['rouge_l_vs_full']:.3f}"
+            print(f"[{name}] KV {ratio:6.1%}{rl}  {r['error'] or r['text']!r}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from . import Engine, load_model
+    from .calibrate import calibrate, default_samples, write_config
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(loaded)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    found = calibrate(engine, default_samples(args.samples), budgets, progress=not args.quiet)
+    for budget, result in found.items():
+        path = write_config(loaded.slug, loaded.name, budget, result["ratios"], args.samples,
+                            extra={"threshold_mean": round(result["threshold_mean"], 6),
+                                   "threshold_std": round(result["threshold_std"], 6)})
+        if not args.quiet:
+            print(f"budget {budget:.2f}: threshold {result['threshold_mean']:.4f} -> {path}")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from .policies import describe
+
+    for m in describe():
+        knobs = ", ".join(f"{k}={v!r}" for k, v in m["knobs"].items()) or "none"
+        print(f"{m['name']:10s} {m['label']}\n           {m['summary']}\n           schedule: {m['schedule']}; "
+              f"knobs: {knobs}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m prefixkv_core",
+                                     description="KV-cache compression for LLaVA-family models, side by side.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compare", help="run several methods on one image and prompt; print and/or write JSON")
+    _add_model_args(p)
+    p.add_argument("--image", default=None, help="image file (PNG/JPEG/...); omit for a text-only prompt")
+    p.add_argument("--prompt", required=True, help="the user's question or instruction")
+    p.add_argument("--methods", default="all", help="'all' or a comma-separated list (see the 'methods' command)")
+    p.add_argument("--budget", type=float, default=0.3, help="kept fraction of the KV cache, in (0, 1]")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per method")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --sample)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (each method starts from it)")
+    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
+                   help="a method's own setting, repeatable: snapkv.window=16, zipvl.tau=0.95, "
+                        "lookm.merge=average, prefixkv.mode=offline")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("calibrate", help="estimate offline PrefixKV layer ratios and write them to assets/")
+    _add_model_args(p)
+    p.add_argument("--samples", type=int, default=10, help="calibration samples (shipped photos + generated scenes)")
+    p.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="comma-separated budgets")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("methods", help="list the methods, what they do and their knobs")
+    p.set_defaults(func=cmd_methods)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .engine import EngineError
+    from .models import ModelLoadError
+    from .policies import PolicyError
+
+    try:
+        return args.func(args)
+    except (EngineError, ModelLoadError, PolicyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

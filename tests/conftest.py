@@ -1,0 +1,37 @@
+import os
+
+# No network in tests, no analytics.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from prefixkv_core.models import build_tiny_model
+
+    return build_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    from prefixkv_core.models import build_tiny_model
+
+    return build_tiny_model("qwen2", seed=0)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny(request, tiny_llama, tiny_qwen2):
+    """Both tiny architectures: MHA (llama) and GQA (qwen2)."""
+    return tiny_llama if request.param == "llama" else tiny_qwen2
+
+
+@pytest.fixture(scope="session")
+def noise_image():
+    rng = np.random.RandomState(0)
+    return Image.fromarray((rng.rand(48, 64, 3) * 255).astype("uint8"))
