@@ -104,7 +104,8 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
     kf = key.float().transpose(-1, -2)  # [B, Hkv, D, Tk]
     vf = value.float()
     per_query_bytes = n_heads * k_len * 4 * bsz
-    chunk = max(1, min(q_len, _CHUNK_BYTES // max(per_query_bytes, 1)))
+    # small chunks let the causal skip above drop about half of the work; the byte cap bounds memory
+    chunk = max(1, min(q_len, 128, _CHUNK_BYTES // max(per_query_bytes, 1)))
     want = {
         "colsum": req.colsum,
         "window": req.window > 0,
@@ -120,30 +121,37 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
     em = extra_mask.unsqueeze(2) if extra_mask is not None else None  # [B, Hkv|1, 1, 1, Tk] later
     out = torch.empty(bsz, n_heads, q_len, head_dim, dtype=query.dtype, device=query.device)
 
+    offset = k_len - q_len  # query i sees keys 0 .. offset + i
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
         tc = stop - start
+        visible = offset + stop  # keys past this are masked for the whole chunk: skip them (causal)
         q = query[:, :, start:stop].float().reshape(bsz, n_kv, group * tc, head_dim)
-        scores = torch.matmul(q, kf).mul_(scale).view(bsz, n_kv, group, tc, k_len)
-        q_idx = torch.arange(start, stop, device=query.device).view(tc, 1)
-        allowed = torch.arange(k_len, device=query.device).view(1, k_len) <= (k_len - q_len + q_idx)
+        scores = torch.matmul(q, kf[..., :visible]).mul_(scale).view(bsz, n_kv, group, tc, visible)
+        # only the last `tc` visible keys can be masked by causality (the chunk's own diagonal block)
+        diag_lo = max(0, offset + start)
+        if diag_lo < visible:
+            q_idx = torch.arange(start, stop, device=query.device).view(tc, 1)
+            k_idx = torch.arange(diag_lo, visible, device=query.device).view(1, -1)
+            scores[..., diag_lo:].masked_fill_(k_idx > offset + q_idx, float("-inf"))
         if em is not None:
-            allowed = allowed & em.unsqueeze(3)  # [B, Hkv|1, 1, 1, Tk]
-        scores.masked_fill_(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a fully masked row gives zeros
-        out_c = torch.matmul(probs.view(bsz, n_kv, group * tc, k_len), vf)
+            scores.masked_fill_(~em[..., :visible].unsqueeze(3), float("-inf"))  # [B, Hkv|1, 1, 1, Tk]
+        probs = torch.softmax(scores, dim=-1)
+        if em is not None:
+            probs.nan_to_num_(0.0)  # a fully masked row gives zeros
+        out_c = torch.matmul(probs.view(bsz, n_kv, group * tc, visible), vf[:, :, :visible])
         out[:, :, start:stop] = out_c.view(bsz, n_heads, tc, head_dim).to(query.dtype)
         if want["colsum"]:
-            acc["colsum"] += probs.sum(dim=3).mean(dim=2)
+            acc["colsum"][..., :visible] += probs.sum(dim=3).mean(dim=2)
         if want["window"] and stop > win_start:
             lo = max(start, win_start) - start
-            acc["window"] += probs[:, :, :, lo:].sum(dim=3).mean(dim=2)
+            acc["window"][..., :visible] += probs[:, :, :, lo:].sum(dim=3).mean(dim=2)
         if want["subset"]:
             rows = subset_flags[start:stop]
             if rows.any():
-                acc["subset"] += probs[:, :, :, rows].sum(dim=3).mean(dim=2)
+                acc["subset"][..., :visible] += probs[:, :, :, rows].sum(dim=3).mean(dim=2)
         if want["last_query"] and stop == q_len:
-            acc["last_query"] = probs[:, :, :, -1].mean(dim=2)
+            acc["last_query"][..., :visible] = probs[:, :, :, -1].mean(dim=2)
     return out, acc
 
 
