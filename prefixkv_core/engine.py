@@ -214,8 +214,7 @@ class Session:
             for state in self.states.values():
                 if state.error is not None:
                     continue
-                chunk = ([state.pending] if state.pending is not None and state.pending not in self.engine.eos_ids
-                         else []) + new_ids
+                chunk = self._carry_over(state) + new_ids
                 if state.true_len + len(chunk) + self.generation.max_new_tokens > loaded.max_context:
                     raise EngineError(
                         f"the conversation would reach {state.true_len + len(chunk) + self.generation.max_new_tokens}"
@@ -327,8 +326,7 @@ class Session:
     def _feed_turn(self, state: MethodState, new_ids: list[int]) -> None:
         """Feed a follow-up turn's tokens (and the previous answer's last token) through this method's cache."""
         loaded = self.engine.loaded
-        chunk = ([state.pending] if state.pending is not None and state.pending not in self.engine.eos_ids
-                 else []) + new_ids
+        chunk = self._carry_over(state) + new_ids
         ids = torch.tensor([chunk], device=loaded.device)
         t0 = _now(loaded.device)
         probe = AttentionProbe(StatRequest(last_query=state.policy.decode_needs_attention()))
@@ -340,6 +338,13 @@ class Session:
         state.pending = self._sample(state, logits)
         state.turn_ids = [state.pending]
         state.text = self._detok(state.turn_ids)
+
+    def _carry_over(self, state: MethodState) -> list[int]:
+        """The last answer token, sampled but never fed, unless it closed the turn (EOS is not fed: the
+        follow-up text closes the assistant turn itself)."""
+        if state.pending is None or state.pending in self.engine.eos_ids:
+            return []
+        return [state.pending]
 
     def _after_step(self, state: MethodState, probe: AttentionProbe, step: int) -> float:
         """Accumulate decode-time attention and let the policy compress; returns the policy's time."""
