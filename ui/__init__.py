@@ -1,0 +1,1 @@
+"""The Gradio front end. Imports prefixkv_core, never transformers."""
