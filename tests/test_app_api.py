@@ -76,3 +76,29 @@ def test_retained_bars_split_image_and_text():
     fig = retained_bars({"prefixkv": ev})
     assert [t.name for t in fig.data] == ["PrefixKV · image", "PrefixKV · text"]
     assert list(fig.data[0].y) == [0.4, 0.1] and list(fig.data[1].y) == pytest.approx([0.1, 0.2])
+
+
+def test_export_writes_every_format(tiny_llama, noise_image, tmp_path):
+    from prefixkv_core import GenerationSettings
+    from ui.app_builder import _outputs
+    from ui.export import export_all, find_browser
+
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, "describe it", ["full", "prefixkv"], 0.3,
+                                 GenerationSettings(max_new_tokens=3))
+    state = {"session": session, "events": {}, "trace": {}, "history": {}, "budget": 0.3}
+    for ev in session.run():
+        if hasattr(ev, "importance"):
+            state["prefill"] = ev
+        else:
+            state["events"][ev.method] = ev
+            state["trace"].setdefault(ev.method, []).append((ev.step, ev.kv_bytes, 0.01))
+    figs = dict(zip(["bars", "lorenz", "memory", "latency"], _outputs(state, 0.3)[-4:]))
+    archive, notes = export_all(state, {"lorenz": figs["lorenz"]}, tmp_path / "out", session.user_turns)
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"results.json", "results.csv", "table.tex", "transcript.md", "lorenz.html"} <= names
+    assert archive.exists() and r"\toprule" in (tmp_path / "out" / "table.tex").read_text()
+    if find_browser():
+        assert {"lorenz.png", "lorenz.svg", "lorenz.pdf"} <= names, notes
+    else:
+        assert any("no chromium" in n for n in notes)

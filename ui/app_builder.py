@@ -13,7 +13,10 @@ import gradio as gr
 from prefixkv_core import METHODS, EngineError, GenerationSettings, describe
 from prefixkv_core.metrics import rouge_l
 
+import tempfile
+
 from . import charts
+from .export import export_all
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
 LABELS = {m["name"]: m["label"] for m in describe()}
@@ -127,6 +130,19 @@ def build_app(engine, max_new_tokens_limit: int = 256, default_methods=None, ban
         state["trace"] = {}
         yield from _stream(state, session.follow_up(question, state["cancel"]), state["budget"])
 
+    def export(state):
+        if not state or not state.get("events"):
+            raise gr.Error("nothing to export yet: run a comparison first")
+        _, *rest = _outputs(state, state["budget"])
+        bars_fig, lorenz_fig, memory_fig, latency_fig = rest[len(METHODS):]
+        figures = {"retained_ratio": bars_fig, "lorenz": lorenz_fig, "kv_memory": memory_fig,
+                   "latency": latency_fig}
+        folder = Path(tempfile.mkdtemp(prefix="prefixkv-export-")) / "prefixkv-results"
+        archive, notes = export_all(state, figures, folder, state["session"].user_turns)
+        files = [str(archive)] + [str(p) for p in sorted(folder.iterdir())]
+        return files, "Exported: " + ", ".join(Path(f).name for f in files[1:]) + (
+            "\n\n" + "; ".join(notes) if notes else "")
+
     def stop(state):
         if state and state.get("cancel") is not None:
             state["cancel"].set()
@@ -167,9 +183,15 @@ def build_app(engine, max_new_tokens_limit: int = 256, default_methods=None, ban
             memory = gr.Plot(label="KV memory")
             latency = gr.Plot(label="Latency")
 
+        with gr.Row():
+            export_btn = gr.Button("Export for papers (PNG/SVG/PDF, JSON, CSV, LaTeX, Markdown)")
+        export_files = gr.File(label="Exported files", file_count="multiple")
+        export_status = gr.Markdown()
+
         outputs = [state, *panels, bars, lorenz, memory, latency]
         run_event = run_btn.click(_run_guarded(compare), [image, prompt, methods, budget, max_new, state], outputs,
                                   api_name="compare")
         ask_event = ask_btn.click(_run_guarded(follow_up), [followup, state], outputs, api_name="follow_up")
         stop_btn.click(stop, [state], None, cancels=[run_event, ask_event], api_name="stop")
+        export_btn.click(export, [state], [export_files, export_status], api_name="export")
     return demo
