@@ -29,13 +29,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from prefixkv_core import Engine, load_model, resolve_methods
     from ui.app_builder import build_app
+    from ui.theme import gradio_theme
 
     methods = resolve_methods(args.methods)
     engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
     demo = build_app(engine, max_new_tokens_limit=args.max_new_tokens_limit, default_methods=methods)
     # one run at a time on one model; others wait in the queue and see their position
     demo.queue(default_concurrency_limit=1, max_size=32)
-    demo.launch(server_name=args.host, server_port=args.port, share=False, max_file_size="10mb")
+    demo.launch(server_name=args.host, server_port=args.port, share=False, max_file_size="10mb", theme=gradio_theme())
     return 0
 
 

@@ -1,10 +1,95 @@
-"""One colour per method, shared by every chart and panel."""
-METHOD_COLOURS = {
-    "full": "#4d4d4d", "local": "#1f77b4", "h2o": "#ff7f0e", "snapkv": "#2ca02c", "pyramidkv": "#17becf",
-    "elastic": "#9467bd", "lookm": "#8c564b", "zipvl": "#e377c2", "prefixkv": "#d62728",
+"""One palette and one typography for every chart, panel and export.
+
+Method colours follow the Okabe-Ito colour-blind-safe palette where it has room; Full is black (the
+reference) and PrefixKV vermillion (the method the tool is about), so both stand out in every figure.
+"""
+from __future__ import annotations
+
+import hashlib
+
+METHOD_COLOURS: dict[str, str] = {
+    "full": "#222222",
+    "local": "#56B4E9",
+    "h2o": "#E69F00",
+    "snapkv": "#009E73",
+    "pyramidkv": "#0072B2",
+    "elastic": "#CC79A7",
+    "lookm": "#8C564B",
+    "zipvl": "#7B61C9",
+    "prefixkv": "#D55E00",
 }
-FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
+_FALLBACK = ("#999933", "#44AA99", "#882255", "#117733", "#332288", "#AA4499")
+
+FONT_FAMILY = "Inter, Helvetica, Arial, sans-serif"
+FONT = dict(family=FONT_FAMILY, size=13, color="#222222")
+PAPER_FONT = dict(family="Helvetica, Arial, sans-serif", size=14, color="#000000")
+GRID = "#e6e6e6"
 
 
 def colour(method: str) -> str:
-    return METHOD_COLOURS.get(method, "#7f7f7f")
+    """The colour of a method; unknown names get a stable colour from a small fallback list."""
+    if method in METHOD_COLOURS:
+        return METHOD_COLOURS[method]
+    digest = int(hashlib.sha1(method.encode()).hexdigest(), 16)
+    return _FALLBACK[digest % len(_FALLBACK)]
+
+
+def tint(hex_colour: str, amount: float) -> str:
+    """Mix a #rrggbb colour with white: amount 0 -> the colour, 1 -> white."""
+    h = hex_colour.lstrip("#")
+    r, g, b = (int(h[i:i + 2], 16) for i in (0, 2, 4))
+    mix = [round(c + (255 - c) * amount) for c in (r, g, b)]
+    return "#{:02x}{:02x}{:02x}".format(*mix)
+
+
+def rgba(hex_colour: str, alpha: float) -> str:
+    h = hex_colour.lstrip("#")
+    r, g, b = (int(h[i:i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def layer_colours(n: int) -> list[str]:
+    """n colours along a perceptually ordered ramp (shallow layers light, deep layers dark)."""
+    ramp = ["#fde725", "#b5de2b", "#6ece58", "#35b779", "#1f9e89", "#26828e", "#31688e", "#3e4989",
+            "#482878", "#440154"]
+    if n <= 1:
+        return [ramp[5]]
+    return [ramp[round(i * (len(ramp) - 1) / (n - 1))] for i in range(n)]
+
+
+def css() -> str:
+    """Stylesheet for the Gradio app: badges, method panels with a coloured edge, compact headings."""
+    per_method = "\n".join(
+        f".method-panel.m-{name} {{ border-top: 4px solid {c} !important; }}\n"
+        f".m-{name} .method-name {{ color: {c}; }}"
+        for name, c in METHOD_COLOURS.items()
+    )
+    return f"""
+.method-panel {{ border-radius: 8px; padding: 4px 8px 8px 8px !important; }}
+.method-head {{ min-height: 58px; }}
+.method-name {{ font-weight: 700; font-size: 1.05rem; }}
+.method-sub {{ color: #666; font-size: 0.78rem; }}
+.badges {{ display: flex; flex-wrap: wrap; gap: 4px; margin-top: 4px; }}
+.badge {{ display: inline-block; padding: 1px 7px; border-radius: 10px; font-size: 0.78rem;
+          background: #f1f3f5; color: #222; border: 1px solid #dde1e5; white-space: nowrap;
+          font-variant-numeric: tabular-nums; }}
+.badge.kv {{ background: #eef6ff; border-color: #cfe3ff; }}
+.badge.rouge {{ background: #f2fbf4; border-color: #cdebd5; }}
+.badge.state-streaming {{ background: #fff8e6; border-color: #ffe2a8; }}
+.badge.state-done {{ background: #eefaf0; border-color: #c7eccf; }}
+.badge.state-error {{ background: #fdecec; border-color: #f5c2c2; color: #a40000; }}
+.badge.state-stopped {{ background: #f3f0ff; border-color: #d9d0ff; }}
+.method-note {{ color: #666; font-size: 0.75rem; margin-top: 2px; }}
+.method-error {{ color: #a40000; font-size: 0.8rem; margin-top: 2px; }}
+.banner-warn {{ color: #8a5300; }}
+#status-line {{ min-height: 1.6em; }}
+{per_method}
+"""
+
+
+def gradio_theme():
+    """A quiet Gradio theme (imported lazily so the chart code does not need gradio)."""
+    import gradio as gr
+
+    return gr.themes.Soft(primary_hue="orange", secondary_hue="slate", neutral_hue="slate",
+                          text_size="sm", spacing_size="sm", radius_size="sm")
