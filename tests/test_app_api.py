@@ -1,7 +1,7 @@
-"""The app's main event through gradio_client, on a tiny model, plus chart builders on synthetic data."""
+"""The app launched in-process on a free localhost port with a tiny model, driven through gradio_client."""
 import socket
+import threading
 
-import numpy as np
 import pytest
 
 from prefixkv_core import Engine
@@ -14,91 +14,96 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_llama):
-    from ui.app_builder import build_app
+def url(tiny_llama):
+    from ui.app_builder import build_app, launch_kwargs
 
-    demo = build_app(Engine(tiny_llama), max_new_tokens_limit=16)
-    demo.queue(default_concurrency_limit=1)
+    demo = build_app(Engine(tiny_llama), max_new_tokens_limit=32)
     port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    demo.launch(**launch_kwargs("127.0.0.1", port, prevent_thread_lock=True, quiet=True))
     yield f"http://127.0.0.1:{port}/"
     demo.close()
 
 
-def test_compare_streams_every_selected_method(app_url, tmp_path, noise_image):
-    from gradio_client import Client, handle_file
-
-    path = tmp_path / "img.png"
+@pytest.fixture
+def image_file(tmp_path, noise_image):
+    path = tmp_path / "noise.png"
     noise_image.save(path)
-    client = Client(app_url, verbose=False)
-    job = client.submit(handle_file(str(path)), "describe the picture", ["full", "local", "prefixkv"], 0.3, 6,
-                        api_name="/compare")
-    outputs = list(job)
-    assert len(outputs) >= 1
-    final = job.result()
-    panels = {p.split("\n")[0]: p for p in final[:9]}
-    for title in ("### Full", "### Local (StreamingLLM)", "### PrefixKV"):
-        assert "KV" in panels[title] and "of full" in panels[title]
-    assert "ROUGE-L vs Full" in panels["### PrefixKV"]
-    assert "_not selected_" in panels["### H2O"]
+    return str(path)
 
 
-def test_bad_input_is_a_message_not_a_crash(app_url):
+def _client(url):
     from gradio_client import Client
 
-    client = Client(app_url, verbose=False)
-    with pytest.raises(Exception, match="prompt is empty"):
-        client.predict(None, "   ", ["full"], 0.3, 4, api_name="/compare")
-    with pytest.raises(Exception, match="at least one method"):
-        client.predict(None, "hello", [], 0.3, 4, api_name="/compare")
-    # still serving
-    out = client.predict(None, "hello there", ["full"], 0.5, 3, api_name="/compare")
-    assert "### Full" in out[0]
+    return Client(url, verbose=False, download_files=False)
 
 
-def test_lorenz_chart_has_gini_in_legend_and_threshold():
-    from ui.charts import lorenz_figure
+def test_compare_streams_results_for_several_methods(url, image_file):
+    from gradio_client import handle_file
 
-    imp = np.random.RandomState(0).rand(8, 50).astype("float32") ** 3
-    fig = lorenz_figure(imp, threshold=0.8, budget=0.3)
-    names = [t.name for t in fig.data]
-    assert sum("Gini" in n for n in names) == 6 and "uniform importance" in names
-    for t in fig.data:
-        assert t.y[0] == pytest.approx(0) and t.y[-1] == pytest.approx(1)
+    client = _client(url)
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/compare"]
+    names = [p["parameter_name"] for p in api["parameters"]]
+    assert names[:5] == ["image", "prompt", "methods", "budget", "max_new_tokens"]
+    assert "prefixkv__mode" in names and "zipvl__tau" in names
+
+    job = client.submit(handle_file(image_file), "Describe the picture.", ["full", "h2o", "prefixkv"], 0.3, 12,
+                        api_name="/compare")
+    final = job.result()
+    updates = job.outputs()
+    assert len(updates) >= 2  # streamed: a first render, then updates, then the final state
+    results = final[-1]
+    assert set(results["methods"]) == {"full", "h2o", "prefixkv"} and results["finished"]
+    for name, r in results["methods"].items():
+        assert r["status"] == "done" and r["tokens"] >= 1 and len(r["kept_per_layer"]) == 4
+        assert r["kv_bytes"] > 0 and r["ttft_s"] > 0
+    assert results["methods"]["full"]["kv_ratio"] == pytest.approx(1.0)
+    assert results["methods"]["h2o"]["kv_ratio"] < 0.6 and results["methods"]["prefixkv"]["kv_ratio"] < 0.6
+    assert results["methods"]["h2o"]["rouge_l_vs_full"] is not None
+    assert results["prefill"]["image_tokens"] == 16
+    assert "Done" in final[0]
+    # the panels: header HTML with badges, chat with the prompt and the answer
+    heads = dict(zip(["full", "local", "h2o", "snapkv", "pyramidkv", "elastic", "lookm", "zipvl", "prefixkv"],
+                     final[1:10]))
+    assert "of full" in heads["prefixkv"] and "tok/s" in heads["prefixkv"]
+
+    follow = client.predict("And the colours?", api_name="/follow_up")
+    assert follow[-1]["prompts"] == ["Describe the picture.", "And the colours?"]
+    assert all(len(r["answers"]) == 2 for r in follow[-1]["methods"].values())
 
 
-def test_retained_bars_split_image_and_text():
-    from prefixkv_core.events import MethodEvent
-    from ui.charts import retained_bars
+def test_bad_input_gives_messages_and_the_app_keeps_serving(url, tmp_path):
+    from gradio_client import handle_file
 
-    ev = MethodEvent("prefixkv", "PrefixKV", "done", kept_per_layer=[50, 30], kept_image_per_layer=[40, 10],
-                     full_len=100)
-    fig = retained_bars({"prefixkv": ev})
-    assert [t.name for t in fig.data] == ["PrefixKV · image", "PrefixKV · text"]
-    assert list(fig.data[0].y) == [0.4, 0.1] and list(fig.data[1].y) == pytest.approx([0.1, 0.2])
+    client = _client(url)
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("hello")
+    cases = [((None, "   ", ["full"], 0.3, 4), "prompt is empty"),
+             ((None, "hi", [], 0.3, 4), "no method selected"),
+             ((handle_file(str(bad)), "hi", ["full"], 0.3, 4), "not a readable image")]
+    for args, message in cases:
+        with pytest.raises(Exception, match=message):
+            client.predict(*args, api_name="/compare")
+    with pytest.raises(Exception, match="calibrated PrefixKV"):
+        client.predict(None, "hi", ["prefixkv"], 0.3, 4, prefixkv__mode="offline", api_name="/compare")
+    out = client.predict(None, "hello there", ["zipvl", "lookm"], 0.4, 3, zipvl__tau=0.9, lookm__merge="average",
+                         api_name="/compare")
+    assert out[-1]["knobs"] == {"lookm": {"merge": "average"}, "zipvl": {"tau": 0.9}}
+    assert {r["status"] for r in out[-1]["methods"].values()} == {"done"}
 
 
-def test_export_writes_every_format(tiny_llama, noise_image, tmp_path):
-    from prefixkv_core import GenerationSettings
-    from ui.app_builder import _outputs
-    from ui.export import export_all, find_browser
+def test_two_users_are_served_one_after_the_other(url):
+    a, b = _client(url), _client(url)
+    job_a = a.submit(None, "first user", ["full", "snapkv"], 0.3, 24, api_name="/compare")
+    job_b = b.submit(None, "second user", ["full", "snapkv"], 0.3, 4, api_name="/compare")
+    results = {}
 
-    engine = Engine(tiny_llama)
-    session = engine.new_session(noise_image, "describe it", ["full", "prefixkv"], 0.3,
-                                 GenerationSettings(max_new_tokens=3))
-    state = {"session": session, "events": {}, "trace": {}, "history": {}, "budget": 0.3}
-    for ev in session.run():
-        if hasattr(ev, "importance"):
-            state["prefill"] = ev
-        else:
-            state["events"][ev.method] = ev
-            state["trace"].setdefault(ev.method, []).append((ev.step, ev.kv_bytes, 0.01))
-    figs = dict(zip(["bars", "lorenz", "memory", "latency"], _outputs(state, 0.3)[-4:]))
-    archive, notes = export_all(state, {"lorenz": figs["lorenz"]}, tmp_path / "out", session.user_turns)
-    names = {p.name for p in (tmp_path / "out").iterdir()}
-    assert {"results.json", "results.csv", "table.tex", "transcript.md", "lorenz.html"} <= names
-    assert archive.exists() and r"\toprule" in (tmp_path / "out" / "table.tex").read_text()
-    if find_browser():
-        assert {"lorenz.png", "lorenz.svg", "lorenz.pdf"} <= names, notes
-    else:
-        assert any("no chromium" in n for n in notes)
+    def wait(name, job):
+        results[name] = job.result(timeout=120)
+
+    threads = [threading.Thread(target=wait, args=(n, j)) for n, j in (("a", job_a), ("b", job_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert results["a"][-1]["prompts"] == ["first user"] and results["b"][-1]["prompts"] == ["second user"]
+    assert results["a"][-1]["finished"] and results["b"][-1]["finished"]

@@ -1,197 +1,237 @@
-"""The Gradio Blocks: inputs, one streaming panel per method, live charts, follow-up chat.
+"""The Gradio Blocks: inputs, one streaming panel per method (3 per row), live charts, the patch overlay,
+follow-up chat and export, wired to the Controller.
 
-`build_app(engine)` takes a ready Engine so tests can inject a tiny model.
+    demo = build_app(Engine(build_tiny_model("llama")))        # tests: no model download
+    demo.launch(**launch_kwargs("127.0.0.1", 7860))
+
+`build_app` never loads a model itself unless it is given a factory (a callable returning an Engine).
 """
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
+from typing import Any, Callable
 
 import gradio as gr
 
-from prefixkv_core import METHODS, EngineError, GenerationSettings, describe
-from prefixkv_core.metrics import rouge_l
+from prefixkv_core import Engine, describe, resolve_methods
 
-import tempfile
+from .controller import Controller, SessionBox
+from .export import ALL_FORMATS
+from .inputs import MAX_PROMPT_CHARS, MAX_UPLOAD, checked_image, example_images, knob_specs
+from .panels import status_line
+from .theme import css, gradio_theme
 
-from . import charts
-from .export import export_all
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "assets" / "images"
+TITLE = "PrefixKV Lab · KV-cache compression, side by side"
+DEFAULT_PROMPT = "Describe this image in detail."
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
-LABELS = {m["name"]: m["label"] for m in describe()}
-SCHEDULES = {m["name"]: m["schedule"] for m in describe()}
-REFRESH_S = 0.4  # chart/panel refresh period while streaming: keeps the browser responsive
-MAX_PROMPT_CHARS = 4000
+HELP = """
+**Panels.** Every method answers the same prompt from the same prefill, each on its own compressed KV
+cache, one token per method in turn. Badges: KV-cache size (MB, and % of an uncompressed cache of the same
+length), decode throughput (tokens/s of model + policy time), time to first token (shared prefill +
+compression + first step) and, once both answers are complete, ROUGE-L F1 against the Full answer.
 
+**Retained KV entries per layer.** One small chart per method: bar height = entries kept in that layer /
+entries an uncompressed cache would hold; the solid part is image tokens, the hatched part text tokens.
+The dotted line is the budget r. Uniform methods give flat profiles; PyramidKV a staircase; PrefixKV a
+profile shaped by each layer's importance distribution. ZipVL keeps every entry (quantised), so its bars
+are full while its KV size is small.
 
-def _badge(ev, full_text: str | None) -> str:
-    mb = ev.kv_bytes / 2**20
-    parts = [f"**KV** {mb:.2f} MiB ({ev.kv_ratio:.0%} of full)"]
-    if ev.tokens_per_s:
-        parts.append(f"**{ev.tokens_per_s:.1f} tok/s**")
-    if ev.ttft_s is not None:
-        parts.append(f"TTFT {ev.ttft_s:.2f} s")
-    if ev.kind == "done" and full_text is not None and ev.method != "full":
-        parts.append(f"ROUGE-L vs Full {rouge_l(ev.text, full_text):.3f}")
-    return " · ".join(parts)
+**Importance retained vs tokens kept** (PrefixKV paper, Fig. 2). For one layer, sort the prompt tokens by
+prefill attention importance; the curve gives the share of total importance (y) held by the top x share
+of tokens. A curve near the diagonal means importance is spread out (Gini near 0); a curve that rises
+steeply means a few tokens hold most of it (Gini near 1). The dashed vertical line keeps the same ratio r
+in every layer (what uniform methods do): each layer then retains a different amount of importance (open
+circles). PrefixKV instead keeps the same importance p in every layer (dashed horizontal line): each layer
+gets its own ratio (diamonds), found by bisection so that the ratios average to r. Moving the budget
+slider previews the threshold for the new budget.
 
+**Kept image patches.** The image as the vision tower sees it, with each patch lit in proportion to the
+share of KV heads that still hold it at the chosen layer (dark = evicted everywhere).
 
-def _panel(name: str, state: dict) -> str:
-    title = f"### {LABELS[name]}\n<sub>{SCHEDULES[name]}</sub>\n\n"
-    events = state.get("events", {})
-    if name not in events:
-        return title + "_not selected_"
-    ev = events[name]
-    full = events.get("full")
-    full_text = full.text if full is not None and full.kind == "done" else None
-    history = "".join(f"> **You:** {q}\n>\n> {a}\n\n" for q, a in state.get("history", {}).get(name, []))
-    status = {"error": f"⚠️ {ev.error}", "cancelled": "⏹ stopped"}.get(ev.kind, "")
-    notes = "; ".join(ev.extras.get("notes", []))
-    return (title + _badge(ev, full_text) + "\n\n" + history + (ev.text or "…") + "\n\n" + status
-            + (f"\n\n<sub>{notes}</sub>" if notes else ""))
+**KV-cache size while decoding / per-token latency.** Per generated token over all turns: cache
+megabytes, and the model forward time plus the policy's own time in milliseconds.
 
-
-def _outputs(state: dict, budget: float):
-    events = state.get("events", {})
-    prefill = state.get("prefill")
-    threshold = None
-    if "prefixkv" in events:
-        threshold = events["prefixkv"].extras.get("threshold")
-    lorenz = charts.lorenz_figure(prefill.importance, threshold=threshold, budget=budget) if prefill else None
-    panels = [_panel(m, state) for m in METHODS]
-    return [state, *panels, charts.retained_bars(events), lorenz, charts.memory_figure(state.get("trace", {})),
-            charts.latency_figure(state.get("trace", {}))]
+**Answer quality vs KV-cache size.** Final KV share of uncompressed (x) against ROUGE-L to Full (y): up and
+to the left is better.
+"""
 
 
-def _stream(state: dict, iterator, budget: float):
-    """Consume engine events; yield UI updates at most every REFRESH_S (and always at the end)."""
-    last = 0.0
-    try:
-        for ev in iterator:
-            if hasattr(ev, "importance"):
-                state["prefill"] = ev
-                continue
-            state["events"][ev.method] = ev
-            step_time = ev.step_latency_s + ev.policy_s
-            state["trace"].setdefault(ev.method, []).append((ev.step, ev.kv_bytes, step_time))
-            if time.monotonic() - last > REFRESH_S:
-                last = time.monotonic()
-                yield _outputs(state, budget)
-    finally:
-        close = getattr(iterator, "close", None)
-        if close:
-            close()  # a closed tab stops the engine at the next step and frees its lock
-    yield _outputs(state, budget)
+def _methods_help(methods: list[str]) -> str:
+    rows = ["| Method | Compresses | How |", "|---|---|---|"]
+    for d in describe():
+        if d["name"] in methods:
+            rows.append(f"| **{d['label']}** | {d['schedule']} | {d['summary']} |")
+    return "\n".join(rows)
 
 
-def _run_guarded(fn):
-    """Show EngineError messages to the user; never a traceback."""
-    def wrapper(*args):
-        try:
-            yield from fn(*args)
-        except EngineError as exc:
-            raise gr.Error(str(exc)) from None
-        except gr.Error:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the app must stay up
-            raise gr.Error(f"internal error ({exc.__class__.__name__}); the other results are kept") from None
-    return wrapper
+def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any = "all",
+              default_methods: Any = None, max_new_tokens_limit: int = 256, examples_dir: Path | str | None = None,
+              title: str = TITLE) -> gr.Blocks:
+    """Blocks for one loaded model. `methods` are the methods offered (registry order), all selected unless
+    `default_methods` says otherwise. The queue runs one engine request at a time; others wait in line."""
+    engine = engine_or_factory if isinstance(engine_or_factory, Engine) else engine_or_factory()
+    offered = resolve_methods(methods)
+    chosen = [m for m in (resolve_methods(default_methods) if default_methods else offered) if m in offered]
+    limit = max(1, int(max_new_tokens_limit))
+    described = [d for d in describe() if d["name"] in offered]
+    specs = knob_specs(described, offered)
+    ctl = Controller(engine, offered, limit, specs)
+    n_layers = ctl.num_layers
+    examples = example_images(Path(examples_dir) if examples_dir else ASSETS)
 
+    with gr.Blocks(title=title, analytics_enabled=False) as demo:
+        gr.Markdown(f"## {title}")
+        gr.Markdown(ctl.banner(), elem_id="banner")
+        # a plain instance, deep-copied for every session (a callable default would add a public load endpoint)
+        box = gr.State(SessionBox(overlay_layer=n_layers // 2))
 
-def build_app(engine, max_new_tokens_limit: int = 256, default_methods=None, banner: str | None = None) -> gr.Blocks:
-    loaded = engine.loaded
-    examples = sorted(str(p) for p in ASSETS.glob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-    default_methods = list(default_methods or METHODS)
-
-    def compare(image, prompt, methods, budget, max_new_tokens, state):
-        if not methods:
-            raise gr.Error("select at least one method")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise gr.Error("the prompt is empty: type a question or instruction")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise gr.Error(f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-        if not (0 < float(budget) <= 1):
-            raise gr.Error("budget must be in (0, 1]")
-        gen = GenerationSettings(max_new_tokens=int(min(max_new_tokens, max_new_tokens_limit)))
-        session = engine.new_session(image, prompt, list(methods), float(budget), gen)
-        cancel = threading.Event()
-        state = {"session": session, "cancel": cancel, "events": {}, "trace": {}, "history": {},
-                 "budget": float(budget)}
-        yield from _stream(state, session.run(cancel), float(budget))
-
-    def follow_up(question, state):
-        if not state or "session" not in state:
-            raise gr.Error("run a comparison first; follow-ups continue its caches")
-        session = state["session"]
-        for name, ev in state["events"].items():
-            state["history"].setdefault(name, []).append((session.user_turns[-1], ev.text))
-        state["cancel"] = threading.Event()
-        state["trace"] = {}
-        yield from _stream(state, session.follow_up(question, state["cancel"]), state["budget"])
-
-    def export(state):
-        if not state or not state.get("events"):
-            raise gr.Error("nothing to export yet: run a comparison first")
-        _, *rest = _outputs(state, state["budget"])
-        bars_fig, lorenz_fig, memory_fig, latency_fig = rest[len(METHODS):]
-        figures = {"retained_ratio": bars_fig, "lorenz": lorenz_fig, "kv_memory": memory_fig,
-                   "latency": latency_fig}
-        folder = Path(tempfile.mkdtemp(prefix="prefixkv-export-")) / "prefixkv-results"
-        archive, notes = export_all(state, figures, folder, state["session"].user_turns)
-        files = [str(archive)] + [str(p) for p in sorted(folder.iterdir())]
-        return files, "Exported: " + ", ".join(Path(f).name for f in files[1:]) + (
-            "\n\n" + "; ".join(notes) if notes else "")
-
-    def stop(state):
-        if state and state.get("cancel") is not None:
-            state["cancel"].set()
-
-    with gr.Blocks(title="PrefixKV Lab") as demo:
-        gr.Markdown("# PrefixKV Lab — KV-cache compression, side by side")
-        gr.Markdown(banner or f"Model **{loaded.name}** on **{loaded.device}** ({loaded.dtype}). "
-                    + " ".join(f"⚠️ {n}" for n in loaded.notes))
-        state = gr.State({})
-        with gr.Row():
-            with gr.Column(scale=1):
-                image = gr.Image(type="pil", label="Image", height=280)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=4, min_width=300):
+                image = checked_image(label="Image", height=300, sources=["upload", "clipboard"],
+                                     elem_id="image-input")
                 if examples:
-                    gr.Examples(examples=[[e] for e in examples], inputs=[image], label="Example images")
-            with gr.Column(scale=1):
-                prompt = gr.Textbox(label="Prompt", value="Describe the image in detail.", lines=3)
-                methods = gr.CheckboxGroup(choices=[(LABELS[m], m) for m in METHODS], value=default_methods,
-                                           label="Methods")
-                budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, label="Budget: kept fraction of the KV cache "
-                                   "(ZipVL uses its τ instead)")
-                max_new = gr.Slider(1, max_new_tokens_limit, value=min(48, max_new_tokens_limit), step=1,
-                                    label="Max new tokens")
+                    gr.Examples(examples=[[p] for p in examples], inputs=[image], label="Example images",
+                                examples_per_page=12)
+            with gr.Column(scale=5, min_width=340):
+                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, max_lines=8,
+                                    max_length=MAX_PROMPT_CHARS, elem_id="prompt")
+                method_box = gr.CheckboxGroup(choices=[(ctl.labels[m], m) for m in offered], value=chosen,
+                                              label="Methods", elem_id="methods")
+                budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
+                                   label="KV budget r: kept share of the cache, applied to every method",
+                                   info="ZipVL keeps every token (quantised); its τ knob sets its trade-off")
+                max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
+                                    elem_id="max-new")
+                with gr.Accordion("Sampling", open=False):
+                    with gr.Row():
+                        do_sample = gr.Checkbox(False, label="Sample (greedy when off)")
+                        seed = gr.Number(0, precision=0, label="Seed", minimum=0)
+                    with gr.Row():
+                        temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
+                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
+                knob_widgets: dict[str, gr.components.Component] = {}
+                with gr.Accordion("Advanced: per-method knobs", open=False):
+                    for d in described:
+                        mine = [s for s in specs if s.method == d["name"]]
+                        if not mine:
+                            continue
+                        gr.Markdown(f"**{d['label']}**", elem_classes=["knob-title"])
+                        with gr.Row():
+                            for spec in mine:
+                                knob_widgets[spec.key] = spec.widget()
                 with gr.Row():
-                    run_btn = gr.Button("Compare", variant="primary")
-                    stop_btn = gr.Button("Stop")
-        panels = []
-        for row in range(0, len(METHODS), 3):
-            with gr.Row(equal_height=False):
-                for name in METHODS[row:row + 3]:
-                    panels.append(gr.Markdown(f"### {LABELS[name]}", elem_id=f"panel-{name}"))
-        with gr.Row():
-            followup = gr.Textbox(label="Follow-up question (continues every method's own cache)", scale=4)
-            ask_btn = gr.Button("Ask", scale=1)
-        with gr.Row():
-            bars = gr.Plot(label="Retained ratio per layer")
-            lorenz = gr.Plot(label="Lorenz curves")
-        with gr.Row():
-            memory = gr.Plot(label="KV memory")
-            latency = gr.Plot(label="Latency")
+                    run_btn = gr.Button("Compare", variant="primary", elem_id="run")
+                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                    clear_btn = gr.Button("Clear", elem_id="clear")
 
-        with gr.Row():
-            export_btn = gr.Button("Export for papers (PNG/SVG/PDF, JSON, CSV, LaTeX, Markdown)")
-        export_files = gr.File(label="Exported files", file_count="multiple")
-        export_status = gr.Markdown()
+        status = gr.Markdown(status_line(None), elem_id="status-line")
+        heads, chats, cols = {}, {}, []
+        with gr.Row(elem_id="panels", elem_classes=["panel-grid"]):
+            for m in offered:
+                with gr.Column(visible=m in chosen, elem_id=f"panel-{m}", min_width=260,
+                               elem_classes=["method-panel", f"m-{m}"]) as col:
+                    heads[m] = gr.HTML(ctl.head(m, None), elem_id=f"head-{m}")
+                    chats[m] = gr.Chatbot(height=240, show_label=False, elem_id=f"chat-{m}", buttons=["copy"],
+                                          feedback_options=None, placeholder="…", autoscroll=True)
+                cols.append(col)
+        with gr.Row(equal_height=True):
+            followup = gr.Textbox(label="Follow-up question: every method continues on its own compressed cache",
+                                  scale=5, max_length=MAX_PROMPT_CHARS, elem_id="followup",
+                                  placeholder="e.g. What colours stand out?")
+            ask_btn = gr.Button("Ask every method", scale=1, elem_id="ask")
 
-        outputs = [state, *panels, bars, lorenz, memory, latency]
-        run_event = run_btn.click(_run_guarded(compare), [image, prompt, methods, budget, max_new, state], outputs,
-                                  api_name="compare")
-        ask_event = ask_btn.click(_run_guarded(follow_up), [followup, state], outputs, api_name="follow_up")
-        stop_btn.click(stop, [state], None, cancels=[run_event, ask_event], api_name="stop")
-        export_btn.click(export, [state], [export_files, export_status], api_name="export")
+        bars_plot = gr.Plot(ctl.bars(None), show_label=False, elem_id="chart-bars")
+        empty = ctl.figures(None, SessionBox())
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                lorenz_plot = gr.Plot(empty["lorenz"], show_label=False, elem_id="chart-lorenz")
+                lorenz_layers = gr.Dropdown(choices=list(range(n_layers)), multiselect=True,
+                                            value=_default_layers(n_layers), label="Layers shown",
+                                            elem_id="lorenz-layers")
+            with gr.Column(scale=2):
+                quality_plot = gr.Plot(empty["quality-vs-memory"], show_label=False, elem_id="chart-quality")
+        gallery = gr.Gallery(label="Kept image patches at one layer (bright = kept by every KV head, "
+                                   "dark = evicted)", columns=min(5, len(offered)), height="auto",
+                             object_fit="contain", elem_id="overlay", buttons=["download", "fullscreen"],
+                             allow_preview=True)
+        overlay_layer = gr.Slider(0, max(n_layers - 1, 0), value=n_layers // 2, step=1,
+                                  label="Layer of the overlay", elem_id="overlay-layer")
+        with gr.Row(equal_height=False):
+            memory_plot = gr.Plot(empty["kv-memory"], show_label=False, elem_id="chart-memory")
+            latency_plot = gr.Plot(empty["latency"], show_label=False, elem_id="chart-latency")
+        table = gr.Dataframe(headers=list(_table_headers()), value=[], label="Metrics (final step of the last turn)",
+                             interactive=False, wrap=True, elem_id="metrics-table")
+
+        with gr.Accordion("Export for papers", open=True):
+            with gr.Row(equal_height=True):
+                formats = gr.CheckboxGroup([("PNG ×3", "png"), ("SVG", "svg"), ("PDF", "pdf"), ("HTML", "html")],
+                                           value=list(ALL_FORMATS), label="Figure formats", scale=3,
+                                           elem_id="export-formats")
+                export_btn = gr.Button("Export figures, tables and transcript", scale=2, elem_id="export")
+            export_msg = gr.Markdown(elem_id="export-msg")
+            export_files = gr.File(label="Exported files (zip first)", file_count="multiple", interactive=False,
+                                   visible=False, elem_id="export-files")
+        with gr.Accordion("Raw results (JSON, as the API returns them)", open=False):
+            results = gr.JSON(elem_id="results")
+        with gr.Accordion("How to read the panels and charts", open=False):
+            gr.Markdown(HELP)
+            gr.Markdown(_methods_help(offered))
+
+        outputs = [status, *heads.values(), *chats.values(), bars_plot, lorenz_plot, memory_plot, latency_plot,
+                   quality_plot, gallery, table, results, box]
+        assert len(outputs) == len(ctl.output_keys)
+        compare_inputs = [image, prompt, method_box, budget, max_new, do_sample, temperature, top_p, seed, box]
+        engine_queue = dict(concurrency_id="engine", concurrency_limit=1, show_progress="minimal",
+                            show_progress_on=[status])
+
+        method_box.change(ctl.visibility, [method_box], cols, queue=False, api_visibility="private")
+        run_events = []
+        for trigger in (run_btn.click, prompt.submit):
+            run_events.append(
+                trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
+                .then(ctl.compare, compare_inputs, outputs, inputs_kwargs=knob_widgets,
+                      api_name="compare" if not run_events else False, **engine_queue))
+        ask_events = []
+        for trigger in (ask_btn.click, followup.submit):
+            ev = (trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
+                  .then(ctl.follow_up, [followup, box], outputs, api_name="follow_up" if not ask_events else False,
+                        **engine_queue))
+            ev.success(lambda: "", None, followup, queue=False, api_visibility="private")
+            ask_events.append(ev)
+        stop_btn.click(ctl.stop, [box], [status], queue=False, api_name="stop")
+        clear_btn.click(ctl.clear, [box], [*outputs, followup, export_files, export_msg],
+                        cancels=[*run_events, *ask_events], concurrency_limit=None, api_name="clear")
+        overlay_layer.release(ctl.set_overlay_layer, [overlay_layer, box], [gallery], concurrency_limit=None,
+                              api_visibility="private")
+        lorenz_layers.input(ctl.set_lorenz_layers, [lorenz_layers, box], [lorenz_plot], concurrency_limit=None,
+                            api_visibility="private")
+        budget.release(ctl.set_view_budget, [budget, box], [lorenz_plot], concurrency_limit=None,
+                       api_visibility="private")
+        export_btn.click(ctl.export, [formats, box], [export_files, export_msg], concurrency_id="export",
+                         concurrency_limit=1, api_name="export")
+
+    demo.queue(default_concurrency_limit=1, max_size=64)
+    demo.controller = ctl  # for tests and app.py
     return demo
+
+
+def _default_layers(n: int) -> list[int]:
+    from .charts import default_layers
+
+    return default_layers(n)
+
+
+def _table_headers():
+    from .controller import TABLE_HEADERS
+
+    return TABLE_HEADERS
+
+
+def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, **extra: Any) -> dict[str, Any]:
+    """The launch settings the app always uses: no share link, 10 MB uploads, offline-safe theme."""
+    kwargs = dict(server_name=host, server_port=port, share=False, max_file_size=MAX_UPLOAD, theme=gradio_theme(),
+                  css=css(), ssr_mode=False, show_error=False, allowed_paths=[str(ASSETS)])
+    kwargs.update(extra)
+    return kwargs

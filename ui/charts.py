@@ -1,76 +1,275 @@
-"""Pure functions: engine data -> Plotly figures (no gradio, no torch state)."""
+"""Pure functions: engine data in, Plotly figures out (no gradio, no session state).
+
+Every figure uses the method colours of ui.theme, names its units on the axes and keeps
+`uirevision` fixed, so a figure redrawn while tokens stream keeps the user's zoom.
+"""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
-import torch
+from plotly.subplots import make_subplots
 
-from prefixkv_core.lorenz import gini, retention_curves
+from .lorenz_np import bisect_threshold, gini, retention_curves
+from .theme import FONT, GRID, colour, layer_colours, tint
 
-from .theme import FONT, colour
+MB = 1e6  # badges and charts use decimal megabytes
 
 
-def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, font=FONT, template="plotly_white",
-                      margin=dict(l=60, r=20, t=50, b=50), legend=dict(font=dict(size=11)))
+@dataclass
+class Series:
+    """One method's per-token telemetry over every turn of a conversation."""
+
+    label: str
+    steps: list[int] = field(default_factory=list)  # running token index over all turns (1, 2, ...)
+    kv_bytes: list[int] = field(default_factory=list)
+    full_kv_bytes: list[int] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)  # model forward of that step (0 when not timed)
+    policy_s: list[float] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)
+
+
+def _fig() -> go.Figure:
+    """An empty figure without a plotly template: templates cost ~25 ms per figure to copy and validate,
+    which matters when charts redraw while tokens stream. _style() sets the few things a template would."""
+    return go.Figure(layout=dict(template="none"))
+
+
+AXIS = dict(gridcolor=GRID, showgrid=True, zeroline=False, ticks="outside", showline=True, linecolor="#888",
+            tickcolor="#888", automargin=True)
+
+
+def _style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None, height: int = 380,
+           subplots: bool | None = False, **layout) -> go.Figure:
+    """Title, fonts, white background, light grid, one update call (each plotly update costs milliseconds)."""
+    spec = dict(
+        title=dict(text=title, x=0.01, xanchor="left", font=dict(size=15)),
+        font=FONT, height=height, uirevision="keep", paper_bgcolor="white", plot_bgcolor="white",
+        margin=dict(l=64, r=16, t=64, b=56), hoverlabel=dict(font_size=12),
+        legend=dict(font=dict(size=11), bgcolor="rgba(255,255,255,0.6)"),
+    )
+    if subplots is None:  # the caller styles its own axes in `layout`
+        pass
+    elif subplots:
+        fig.update_xaxes(**AXIS)
+        fig.update_yaxes(**AXIS)
+    else:
+        spec["xaxis"] = dict(AXIS, **({"title": dict(text=x)} if x else {}), **layout.pop("xaxis", {}))
+        spec["yaxis"] = dict(AXIS, **({"title": dict(text=y)} if y else {}), **layout.pop("yaxis", {}))
+    spec.update(layout)
+    fig.update_layout(spec)
     return fig
 
 
-def retained_bars(events: dict) -> go.Figure:
-    """Per-layer retained ratio per method; the image part solid, the text part hatched."""
-    fig = go.Figure()
-    for name, ev in events.items():
-        if not ev.kept_per_layer or not ev.full_len:
-            continue
-        layers = list(range(len(ev.kept_per_layer)))
-        img = np.asarray(ev.kept_image_per_layer, dtype=float) / ev.full_len
-        txt = (np.asarray(ev.kept_per_layer, dtype=float) - np.asarray(ev.kept_image_per_layer)) / ev.full_len
-        fig.add_bar(x=layers, y=img, name=f"{ev.label} · image", marker_color=colour(name), offsetgroup=name,
-                    legendgroup=name)
-        fig.add_bar(x=layers, y=txt, base=img, name=f"{ev.label} · text", marker_color=colour(name),
-                    marker_pattern_shape="/", marker_opacity=0.55, offsetgroup=name, legendgroup=name)
-    fig.update_layout(barmode="group", yaxis_range=[0, 1.05])
-    return _layout(fig, "Retained KV entries per layer (share of the full cache)", "layer", "retained ratio")
+def placeholder(title: str, message: str = "Run a comparison to fill this chart.", height: int = 380) -> go.Figure:
+    """An empty figure with a centred hint."""
+    fig = _fig()
+    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=14, color="#777"))
+    return _style(fig, title, height=height, xaxis=dict(visible=False), yaxis=dict(visible=False))
 
 
-def lorenz_figure(importance: np.ndarray, layers: list[int] | None = None, threshold: float | None = None,
-                  budget: float | None = None) -> go.Figure:
-    """Information-retention curves (tokens sorted by importance) per layer, Gini in the legend."""
-    imp = torch.from_numpy(np.asarray(importance, dtype=np.float32))
-    curves = retention_curves(imp).numpy()
-    ginis = gini(imp).numpy()
-    n_layers, n = curves.shape[0], curves.shape[1] - 1
-    if layers is None:
-        layers = sorted(set(np.linspace(0, n_layers - 1, min(6, n_layers)).round().astype(int).tolist()))
-    x = np.arange(n + 1) / n
-    fig = go.Figure()
-    for l in layers:
-        fig.add_scatter(x=x, y=curves[l], mode="lines", name=f"layer {l} (Gini {ginis[l]:.2f})")
-    fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="uniform importance",
-                    line=dict(dash="dot", color="#999"))
-    if threshold is not None:
-        fig.add_hline(y=threshold, line=dict(dash="dash", color=colour("prefixkv")),
-                      annotation_text=f"PrefixKV threshold p = {threshold:.3f}")
+# -- per-layer retained ratio --------------------------------------------------------------------------------
+
+def retained_bars(latest: Mapping[str, Any], budget: float | None = None, columns: int = 3) -> go.Figure:
+    """Small multiples, one per method: per-layer retained share of the full cache, image part solid and
+    text part hatched (stacked), so the bar height is the whole retained ratio of that layer.
+
+    `latest` maps method name -> an object with label, kept_per_layer, kept_image_per_layer, full_len
+    (a MethodEvent). Methods without per-layer data are left out."""
+    items = [(m, ev) for m, ev in latest.items() if ev is not None and ev.kept_per_layer and ev.full_len]
+    title = "Retained KV entries per layer (share of the uncompressed cache)"
+    if not items:
+        return placeholder(title)
+    cols = max(1, min(columns, len(items)))
+    rows = math.ceil(len(items) / cols)
+    kept_all = [np.asarray(ev.kept_per_layer, dtype=float) for _, ev in items]
+    subtitles = [f"<b>{ev.label}</b> · {k.mean() / ev.full_len:.0%} kept" for (_, ev), k in zip(items, kept_all)]
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, subplot_titles=subtitles, figure=_fig(),
+                        horizontal_spacing=0.04, vertical_spacing=min(0.3, 0.5 / rows) if rows > 1 else 0.1)
+    hover = ("%{meta}<br>layer %{x}<br>image: %{customdata[0]:.0f} entries<br>text: %{customdata[1]:.0f}"
+             "<br>kept %{customdata[2]:.0f} of %{customdata[3]:.0f}<extra></extra>")
+    traces, rs, cs, shapes = [], [], [], []
+    layout: dict[str, Any] = {}
+    for i, ((method, ev), kept) in enumerate(zip(items, kept_all)):
+        r, c = i // cols + 1, i % cols + 1
+        img = np.asarray(ev.kept_image_per_layer or [0] * len(kept), dtype=float)
+        txt = kept - img
+        layers = np.arange(len(kept))
+        custom = np.stack([img, txt, kept, np.full_like(kept, ev.full_len)], axis=-1)
+        col = colour(method)
+        traces.append(go.Bar(x=layers, y=img / ev.full_len, name=f"{ev.label} · image", legendgroup="image",
+                             showlegend=False, marker=dict(color=col, line=dict(width=0)), customdata=custom,
+                             meta=ev.label, hovertemplate=hover))
+        traces.append(go.Bar(x=layers, y=txt / ev.full_len, name=f"{ev.label} · text", legendgroup="text",
+                             showlegend=False, customdata=custom, meta=ev.label, hovertemplate=hover,
+                             marker=dict(color=tint(col, 0.55), line=dict(width=0),
+                                         pattern=dict(shape="/", fgcolor=col, size=5, solidity=0.25))))
+        rs += [r, r]
+        cs += [c, c]
+        k = "" if i == 0 else str(i + 1)
+        xa = dict(AXIS, showgrid=False)
+        ya = dict(AXIS, range=[0, 1.05], tickformat=".0%")
+        if c == 1:
+            ya["title"] = dict(text="retained ratio")
+        if i + cols >= len(items):
+            xa["title"] = dict(text="layer")
+        layout[f"xaxis{k}"], layout[f"yaxis{k}"] = xa, ya
+        if budget is not None:
+            shapes.append(dict(type="line", xref=f"x{k} domain", yref=f"y{k}", x0=0, x1=1, y0=budget, y1=budget,
+                               line=dict(dash="dot", color="#555", width=1)))
+    # legend keys: what solid and hatched mean, independent of the method colours
+    traces.append(go.Bar(x=[None], y=[None], name="image tokens", marker=dict(color="#777"), legendgroup="image"))
+    traces.append(go.Bar(x=[None], y=[None], name="text tokens", legendgroup="text",
+                         marker=dict(color="#ddd", pattern=dict(shape="/", fgcolor="#777", size=5, solidity=0.25))))
+    rs += [1, 1]
+    cs += [1, 1]
     if budget is not None:
-        fig.add_vline(x=budget, line=dict(dash="dot", color="#555"), annotation_text=f"budget r = {budget:.2f}")
-    fig.update_layout(xaxis_range=[0, 1], yaxis_range=[0, 1.02])
-    return _layout(fig, "Importance retained vs tokens kept (per layer)", "fraction of tokens kept (by importance)",
-                   "fraction of importance retained")
+        traces.append(go.Scatter(x=[None], y=[None], mode="lines", name=f"budget r = {budget:.2f}",
+                                 line=dict(dash="dot", color="#555", width=1)))
+        rs.append(1)
+        cs.append(1)
+    fig.add_traces(traces, rows=rs, cols=cs)
+    annotations = []
+    for ann, (method, _) in zip(fig.layout.annotations, items):  # subplot titles in the method colours
+        a = ann.to_plotly_json()
+        a["font"] = dict(color=colour(method), size=13)
+        annotations.append(a)
+    return _style(fig, title, height=150 + 210 * rows, subplots=None, barmode="stack", bargap=0.15,
+                  shapes=shapes, annotations=annotations,
+                  legend=dict(orientation="h", yanchor="bottom", y=1.0 + 0.12 / rows, xanchor="right", x=1,
+                              font=dict(size=11)),
+                  **layout)
 
 
-def memory_figure(history: dict) -> go.Figure:
-    """KV megabytes per method over decoding steps."""
-    fig = go.Figure()
-    for name, points in history.items():
-        steps = [p[0] for p in points]
-        fig.add_scatter(x=steps, y=[p[1] / 2**20 for p in points], mode="lines", name=name,
-                        line=dict(color=colour(name)))
-    return _layout(fig, "KV cache size while decoding", "generated tokens", "KV cache (MiB)")
+# -- Lorenz / information-retention curves -------------------------------------------------------------------
+
+def default_layers(num_layers: int, k: int = 6) -> list[int]:
+    """k evenly spaced layers from first to last (all of them when there are at most k)."""
+    if num_layers <= k:
+        return list(range(num_layers))
+    return sorted(set(np.linspace(0, num_layers - 1, k).round().astype(int).tolist()))
 
 
-def latency_figure(history: dict) -> go.Figure:
-    fig = go.Figure()
-    for name, points in history.items():
-        fig.add_scatter(x=[p[0] for p in points], y=[p[2] * 1000 for p in points], mode="lines", name=name,
-                        line=dict(color=colour(name)))
-    return _layout(fig, "Per-token latency (model forward + policy)", "generated tokens", "ms per token")
+def _thin(n_points: int, max_points: int) -> np.ndarray:
+    if n_points <= max_points:
+        return np.arange(n_points)
+    return np.unique(np.linspace(0, n_points - 1, max_points).round().astype(int))
+
+
+def lorenz_figure(importance: np.ndarray, layers: Sequence[int] | None = None, threshold: float | None = None,
+                  budget: float | None = None, threshold_label: str = "PrefixKV threshold",
+                  max_points: int = 400) -> go.Figure:
+    """PrefixKV paper, Figure 2: per layer, the share of attention importance retained (y) when keeping the
+    most important x share of tokens. The legend gives each layer's Gini coefficient. The diagonal is a
+    perfectly uniform importance; the vertical line keeps the same ratio r in every layer (what uniform
+    methods do) and the horizontal line keeps the same importance p in every layer (PrefixKV)."""
+    title = "Importance retained vs tokens kept, per layer"
+    imp = np.asarray(importance, dtype=np.float32)
+    if imp.ndim != 2 or imp.shape[1] == 0:
+        return placeholder(title)
+    curves = retention_curves(imp)
+    ginis = gini(imp)
+    n_layers, n = curves.shape[0], curves.shape[1] - 1
+    layers = [int(l) for l in (layers if layers is not None else default_layers(n_layers)) if 0 <= int(l) < n_layers]
+    idx = _thin(n + 1, max_points)
+    x = idx / n
+    fig = _fig()
+    fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="uniform importance (Gini 0)",
+                    line=dict(dash="dot", color="#9a9a9a", width=1.5), hoverinfo="skip")
+    palette = layer_colours(len(layers))
+    for l, col in zip(layers, palette):
+        fig.add_scatter(x=x, y=curves[l, idx], mode="lines", name=f"layer {l} (Gini {ginis[l]:.2f})",
+                        line=dict(color=col, width=2.2), legendgroup=f"L{l}",
+                        hovertemplate=f"layer {l}<br>tokens kept %{{x:.1%}}<br>importance retained "
+                                      "%{y:.1%}<extra></extra>")
+    if budget is not None:
+        fig.add_vline(x=budget, line=dict(dash="dash", color="#555", width=1.2))
+        fig.add_scatter(x=[None], y=[None], mode="lines", name=f"same ratio r = {budget:.2f} in every layer",
+                        line=dict(dash="dash", color="#555", width=1.2))
+        k = min(n, max(0, int(round(budget * n))))
+        fig.add_scatter(x=[k / n] * len(layers), y=[float(curves[l, k]) for l in layers], mode="markers",
+                        marker=dict(color=palette, size=8, symbol="circle-open", line=dict(width=2)),
+                        showlegend=False, hovertemplate="ratio r keeps %{y:.1%} of this layer's importance"
+                                                        "<extra></extra>")
+    if threshold is not None:
+        col = colour("prefixkv")
+        fig.add_hline(y=threshold, line=dict(dash="dash", color=col, width=1.5))
+        fig.add_scatter(x=[None], y=[None], mode="lines", name=f"{threshold_label} p = {threshold:.3f}",
+                        line=dict(dash="dash", color=col, width=1.5))
+        cross = [int(np.argmax(curves[l] >= threshold - 1e-7)) / n for l in layers]
+        fig.add_scatter(x=cross, y=[threshold] * len(layers), mode="markers", showlegend=False,
+                        marker=dict(color=palette, size=8, symbol="diamond", line=dict(width=1, color=col)),
+                        hovertemplate="PrefixKV keeps %{x:.1%} of this layer<extra></extra>")
+    return _style(fig, title, "tokens kept, most important first (share of N)", "importance retained (share)",
+                  height=420, xaxis=dict(range=[0, 1], tickformat=".0%"), yaxis=dict(range=[0, 1.02], tickformat=".0%"),
+                  legend=dict(x=1.02, y=1.0, xanchor="left", yanchor="top", font=dict(size=11)))
+
+
+def preview_threshold(importance: np.ndarray, budget: float) -> float:
+    """The retention threshold PrefixKV's bisection would pick for this prefill at `budget` (uncalibrated,
+    without the engine's protected tokens): lets the budget slider move the threshold line before a run."""
+    return bisect_threshold(np.asarray(importance, dtype=np.float32), budget)
+
+
+# -- memory and latency over decoding ------------------------------------------------------------------------
+
+def memory_figure(series: Mapping[str, Series]) -> go.Figure:
+    """KV-cache megabytes per method after every generated token (all turns), with the uncompressed size."""
+    title = "KV-cache size while decoding"
+    series = {m: s for m, s in series.items() if s.steps}
+    if not series:
+        return placeholder(title)
+    fig = _fig()
+    if "full" not in series:  # the uncompressed reference, from the longest series
+        ref = max(series.values(), key=lambda s: len(s.steps))
+        fig.add_scatter(x=ref.steps, y=np.asarray(ref.full_kv_bytes) / MB, mode="lines", name="uncompressed",
+                        line=dict(color="#9a9a9a", dash="dot", width=1.5),
+                        hovertemplate="uncompressed<br>token %{x}<br>%{y:.2f} MB<extra></extra>")
+    for method, s in series.items():
+        fig.add_scatter(x=s.steps, y=np.asarray(s.kv_bytes) / MB, mode="lines", name=s.label,
+                        line=dict(color=colour(method), width=2.2, shape="hv"), customdata=s.turn,
+                        hovertemplate=f"{s.label}<br>token %{{x}} (turn %{{customdata}})<br>%{{y:.3f}} MB"
+                                      "<extra></extra>")
+    return _style(fig, title, "generated tokens (all turns)", "KV cache (MB)", yaxis=dict(rangemode="tozero"))
+
+
+def latency_figure(series: Mapping[str, Series], include_policy: bool = True) -> go.Figure:
+    """Per-token latency of each method: model forward (+ the policy's own time) in milliseconds."""
+    title = "Per-token latency" + (" (forward + policy)" if include_policy else " (forward)")
+    fig = _fig()
+    any_points = False
+    for method, s in series.items():
+        lat = np.asarray(s.latency_s, dtype=float) + (np.asarray(s.policy_s, dtype=float) if include_policy else 0)
+        steps = np.asarray(s.steps)
+        ok = np.asarray(s.latency_s, dtype=float) > 0  # the first token of a turn comes from the prefill
+        if not ok.any():
+            continue
+        any_points = True
+        fig.add_scatter(x=steps[ok], y=lat[ok] * 1000, mode="lines+markers", name=s.label,
+                        line=dict(color=colour(method), width=1.6), marker=dict(size=3),
+                        hovertemplate=f"{s.label}<br>token %{{x}}<br>%{{y:.1f}} ms<extra></extra>")
+    if not any_points:
+        return placeholder(title)
+    return _style(fig, title, "generated tokens (all turns)", "latency per token (ms)",
+                  yaxis=dict(rangemode="tozero"))
+
+
+def quality_figure(points: Mapping[str, tuple[str, float, float | None]]) -> go.Figure:
+    """Quality vs memory: final KV share of full (x) against ROUGE-L to the Full answer (y), per method.
+    `points` maps method -> (label, kv_ratio, rouge or None)."""
+    title = "Answer quality vs KV-cache size"
+    pts = {m: p for m, p in points.items() if p[2] is not None}
+    if not pts:
+        return placeholder(title, "Select Full and let the answers finish to compare quality.")
+    fig = _fig()
+    for method, (label, ratio, rouge) in pts.items():
+        fig.add_scatter(x=[ratio], y=[rouge], mode="markers+text", name=label, text=[label],
+                        textposition="top center", textfont=dict(size=11, color=colour(method)),
+                        marker=dict(color=colour(method), size=12, line=dict(width=1, color="white")),
+                        hovertemplate=f"{label}<br>KV %{{x:.1%}} of full<br>ROUGE-L %{{y:.3f}}<extra></extra>")
+    return _style(fig, title, "KV cache (share of uncompressed)", "ROUGE-L F1 vs Full", showlegend=False,
+                  xaxis=dict(range=[0, 1.08], tickformat=".0%"), yaxis=dict(range=[0, 1.08]))

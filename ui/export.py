@@ -1,111 +1,284 @@
-"""Export for papers: figures (PNG at scale 3, SVG, PDF through kaleido and the system chromium; HTML
-always), results as JSON and CSV, a LaTeX table, the transcript as Markdown, and one zip of it all."""
+"""Export for papers: every chart as PNG (scale 3), SVG and PDF in a clean print style, all charts as one
+interactive HTML file, the results as JSON and CSV, a LaTeX table of the metrics, the transcript as
+Markdown, and a zip of everything.
+
+Static images need a Chromium/Chrome (kaleido 1.x drives one through choreographer). The browser is taken
+from BROWSER_PATH, else found on PATH (chromium, google-chrome, ...). Without one the static formats are
+skipped with a message and the HTML, JSON, CSV, LaTeX and Markdown files are still written.
+"""
 from __future__ import annotations
 
+import copy
 import csv
+import io
 import json
+import logging
 import os
+import re
 import shutil
+import tempfile
+import threading
+import time
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import plotly.graph_objects as go
 
-from prefixkv_core.metrics import rouge_l
+from .theme import PAPER_FONT
 
-CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+log = logging.getLogger(__name__)
+
+STATIC_FORMATS = ("png", "svg", "pdf")
+ALL_FORMATS = (*STATIC_FORMATS, "html")
+PNG_SCALE = 3
+BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+STATIC_TIMEOUT_S = 240
+
+
+@dataclass
+class ExportResult:
+    directory: str
+    files: list[str] = field(default_factory=list)  # individual files, zip first
+    zip_path: str | None = None
+    messages: list[str] = field(default_factory=list)
+    static_ok: bool = False
 
 
 def find_browser() -> str | None:
-    for path in (os.environ.get("BROWSER_PATH"), *CHROMIUM_CANDIDATES, shutil.which("chromium")):
-        if path and Path(path).exists():
+    """A Chromium-family executable for kaleido, or None. Sets BROWSER_PATH so choreographer uses it."""
+    env = os.environ.get("BROWSER_PATH")
+    if env and os.path.isfile(env) and os.access(env, os.X_OK):
+        return env
+    for name in BROWSER_NAMES:
+        path = shutil.which(name)
+        if path:
+            os.environ["BROWSER_PATH"] = path
             return path
     return None
 
 
-def paper_style(fig: go.Figure) -> go.Figure:
-    """A clean, print-friendly copy: white background, serif font, no title bar clutter."""
-    out = go.Figure(fig)
-    out.update_layout(template="simple_white", font=dict(family="Times New Roman, serif", size=14),
-                      width=720, height=440, margin=dict(l=70, r=20, t=50, b=60))
+def paper_figure(fig: go.Figure, width: int = 720, height: int | None = None) -> go.Figure:
+    """A copy in print style: white background, black axes, no in-figure title (it goes in the caption)."""
+    out = go.Figure(copy.deepcopy(fig.to_dict()))
+    h = height or int(out.layout.height or 420)
+    out.update_layout(template="simple_white", font=PAPER_FONT, title=None, width=width, height=h,
+                      paper_bgcolor="white", plot_bgcolor="white", margin=dict(l=70, r=20, t=40, b=60))
+    out.update_xaxes(showgrid=False, linecolor="black", tickcolor="black", mirror=False)
+    out.update_yaxes(showgrid=True, gridcolor="#ececec", linecolor="black", tickcolor="black", mirror=False)
     return out
 
 
-def results_rows(state: dict) -> list[dict]:
-    events = state.get("events", {})
-    full = events.get("full")
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "figure"
+
+
+# -- tables ----------------------------------------------------------------------------------------------------
+
+def result_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per method from Comparison.to_dict()."""
     rows = []
-    for name, ev in events.items():
+    for method, r in results.get("methods", {}).items():
+        kept = r.get("kept_per_layer") or []
+        full_len = r.get("full_len") or 0
+        mean_kept = (sum(kept) / len(kept) / full_len) if kept and full_len else None
         rows.append({
-            "method": name, "label": ev.label, "status": ev.kind, "tokens": ev.step, "full_len": ev.full_len,
-            "kv_bytes": ev.kv_bytes, "full_kv_bytes": ev.full_kv_bytes, "kv_ratio": round(ev.kv_ratio, 4),
-            "ttft_s": None if ev.ttft_s is None else round(ev.ttft_s, 4),
-            "tokens_per_s": None if ev.tokens_per_s is None else round(ev.tokens_per_s, 3),
-            "rouge_l_vs_full": round(rouge_l(ev.text, full.text), 4) if full is not None else None,
-            "kept_per_layer": ev.kept_per_layer, "kept_image_per_layer": ev.kept_image_per_layer,
-            "text": ev.text, "error": ev.error, "extras": ev.extras,
+            "method": method, "label": r.get("label"), "status": r.get("status"), "tokens": r.get("tokens"),
+            "kv_mb": r.get("kv_mb"), "kv_ratio": r.get("kv_ratio"),
+            "kept_ratio_mean": round(mean_kept, 4) if mean_kept is not None else None,
+            "tokens_per_s": r.get("tokens_per_s"), "ttft_s": r.get("ttft_s"),
+            "rouge_l_vs_full": r.get("rouge_l_vs_full"),
+            "threshold": (r.get("extras") or {}).get("threshold"), "error": r.get("error"),
         })
     return rows
 
 
-def latex_table(rows: list[dict], budget: float | None) -> str:
-    lines = [r"\begin{table}[t]", r"\centering",
-             rf"\caption{{KV-cache compression at budget $r={budget}$.}}" if budget is not None else r"\caption{}",
-             r"\begin{tabular}{lrrrr}", r"\toprule",
-             r"Method & KV (\% of full) & TTFT (s) & tokens/s & ROUGE-L \\", r"\midrule"]
-    for r in rows:
-        def fmt(v, spec):
-            return "--" if v is None else format(v, spec)
-        lines.append(f"{r['label']} & {100 * r['kv_ratio']:.1f} & {fmt(r['ttft_s'], '.2f')} & "
-                     f"{fmt(r['tokens_per_s'], '.1f')} & {fmt(r['rouge_l_vs_full'], '.3f')} \\\\")
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
-    return "\n".join(lines) + "\n"
+def results_csv(results: Mapping[str, Any]) -> str:
+    rows = result_rows(results)
+    buf = io.StringIO()
+    fields = list(rows[0]) if rows else ["method"]
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    return buf.getvalue()
 
 
-def transcript(state: dict, user_turns: list[str]) -> str:
-    out = ["# Transcript\n"]
-    for name, ev in state.get("events", {}).items():
-        out.append(f"## {ev.label}\n")
-        answers = [a for _, a in state.get("history", {}).get(name, [])] + [ev.text]
-        for q, a in zip(user_turns, answers):
-            out.append(f"**User:** {q}\n\n**{ev.label}:** {a}\n")
-    return "\n".join(out)
+_LATEX_SPECIAL = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
+                  "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}"}
 
 
-def export_all(state: dict, figures: dict[str, go.Figure], folder: Path, user_turns: list[str]) -> tuple[Path, list[str]]:
-    """Write everything under `folder`; returns the zip and notes (e.g. no browser for static images)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = []
-    rows = results_rows(state)
-    (folder / "results.json").write_text(json.dumps({"budget": state.get("budget"), "methods": rows}, indent=1))
-    with open(folder / "results.csv", "w", newline="") as fh:
-        flat = [{k: v for k, v in r.items() if k not in ("kept_per_layer", "kept_image_per_layer", "extras")}
-                for r in rows]
-        if flat:
-            writer = csv.DictWriter(fh, fieldnames=list(flat[0]))
-            writer.writeheader()
-            writer.writerows(flat)
-    (folder / "table.tex").write_text(latex_table(rows, state.get("budget")))
-    (folder / "transcript.md").write_text(transcript(state, user_turns))
-    browser = find_browser()
-    if browser:
-        os.environ.setdefault("BROWSER_PATH", browser)
-    for name, fig in figures.items():
-        if fig is None:
-            continue
-        styled = paper_style(fig)
-        styled.write_html(folder / f"{name}.html", include_plotlyjs="cdn")
-        if browser is None:
-            continue
+def latex_escape(text: str) -> str:
+    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in str(text))
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "--" if v is None else format(v, fmt)
+
+
+def results_latex(results: Mapping[str, Any]) -> str:
+    """A booktabs table: KV size, share of full, mean kept ratio, ROUGE-L vs Full, TTFT, throughput."""
+    rows = result_rows(results)
+    model = latex_escape(results.get("model") or "the model")
+    budget = results.get("budget")
+    lines = [
+        r"% requires \usepackage{booktabs}",
+        r"\begin{table}[t]",
+        r"  \centering",
+        rf"  \caption{{KV-cache compression on {model} at budget $r = {budget:.2f}$ "
+        r"(ROUGE-L against the uncompressed answer).}",
+        r"  \label{tab:kv-compression}",
+        r"  \begin{tabular}{lrrrrrr}",
+        r"    \toprule",
+        r"    Method & KV (MB) & KV (\% of full) & Kept ratio & ROUGE-L & TTFT (ms) & Tokens/s \\",
+        r"    \midrule",
+    ]
+    for row in rows:
+        ttft = None if row["ttft_s"] is None else row["ttft_s"] * 1000
+        ratio = None if row["kv_ratio"] is None else row["kv_ratio"] * 100
+        lines.append(
+            f"    {latex_escape(row['label'])} & {_num(row['kv_mb'], '.3f')} & {_num(ratio, '.1f')} & "
+            f"{_num(row['kept_ratio_mean'], '.2f')} & {_num(row['rouge_l_vs_full'], '.3f')} & "
+            f"{_num(ttft, '.0f')} & {_num(row['tokens_per_s'], '.1f')} \\\\")
+    lines += [r"    \bottomrule", r"  \end{tabular}", r"\end{table}", ""]
+    return "\n".join(lines)
+
+
+def transcript_markdown(results: Mapping[str, Any]) -> str:
+    """The conversation, turn by turn, with every method's answer and its final badges."""
+    out = ["# KV-cache compression comparison", "",
+           f"- model: `{results.get('model')}` on {results.get('device')}",
+           f"- budget r = {results.get('budget')}",
+           f"- settings: {json.dumps(results.get('settings', {}))}"]
+    knobs = {m: k for m, k in (results.get("knobs") or {}).items() if k}
+    if knobs:
+        out.append(f"- knobs: {json.dumps(knobs)}")
+    pre = results.get("prefill")
+    if pre:
+        out.append(f"- prompt: {pre['prompt_tokens']} tokens ({pre['image_tokens']} image), "
+                   f"{pre['num_layers']} layers, prefill {pre['prefill_s']} s")
+    methods = results.get("methods", {})
+    for i, prompt in enumerate(results.get("prompts", [])):
+        out += ["", f"## Turn {i + 1}", "", "**User:** " + prompt.strip(), ""]
+        for method, r in methods.items():
+            answers = r.get("answers") or []
+            answer = answers[i] if i < len(answers) else ""
+            out += [f"### {r.get('label', method)}", "", (answer.strip() or "_(no answer)_"), ""]
+    out += ["## Final metrics", "", "| method | KV (MB) | KV % of full | ROUGE-L vs Full | TTFT (s) | tokens/s | status |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for row in result_rows(results):
+        ratio = "" if row["kv_ratio"] is None else f"{row['kv_ratio'] * 100:.1f}"
+        out.append(f"| {row['label']} | {row['kv_mb'] if row['kv_mb'] is not None else ''} | {ratio} | "
+                   f"{row['rouge_l_vs_full'] if row['rouge_l_vs_full'] is not None else ''} | "
+                   f"{row['ttft_s'] if row['ttft_s'] is not None else ''} | "
+                   f"{row['tokens_per_s'] if row['tokens_per_s'] is not None else ''} | {row['status']} |")
+    return "\n".join(out) + "\n"
+
+
+# -- figures ---------------------------------------------------------------------------------------------------
+
+def _write_static(jobs: list[tuple[go.Figure, Path, str]]) -> None:
+    import plotly.io as pio
+
+    figs = [f for f, _, _ in jobs]
+    pio.write_images(figs, [str(p) for _, p, _ in jobs], format=[fmt for _, _, fmt in jobs],
+                     scale=[PNG_SCALE if fmt == "png" else 1 for _, _, fmt in jobs],
+                     width=[int(f.layout.width or 720) for f in figs],
+                     height=[int(f.layout.height or 420) for f in figs])
+
+
+def write_static(jobs: list[tuple[go.Figure, Path, str]], timeout: float = STATIC_TIMEOUT_S) -> str | None:
+    """Render with kaleido on a helper thread; returns an error message or None."""
+    box: dict[str, Any] = {}
+
+    def work():
         try:
-            for fmt in ("png", "svg", "pdf"):
-                styled.write_image(folder / f"{name}.{fmt}", format=fmt, scale=3 if fmt == "png" else 1)
-        except Exception as exc:  # noqa: BLE001 - static export is best effort; HTML is always there
-            notes.append(f"static export of {name} failed ({exc.__class__.__name__}); HTML exported")
-    if browser is None:
-        notes.append("no chromium found: figures exported as HTML only (install chromium for PNG/SVG/PDF)")
-    archive = folder.with_suffix(".zip")
-    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
-        for path in sorted(folder.iterdir()):
-            zf.write(path, path.name)
-    return archive, notes
+            _write_static(jobs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the user as one line
+            box["error"] = exc
+
+    t = threading.Thread(target=work, name="kaleido-export", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        return f"static export timed out after {timeout:.0f} s"
+    if "error" in box:
+        exc = box["error"]
+        log.warning("static export failed: %r", exc)
+        return f"static export failed ({exc.__class__.__name__}: {str(exc)[:200]})"
+    return None
+
+
+def figures_html(figures: Mapping[str, go.Figure], title: str = "KV-cache comparison") -> str:
+    """All charts in one self-contained, interactive HTML page (plotly.js embedded once)."""
+    parts = []
+    for i, (name, fig) in enumerate(figures.items()):
+        parts.append(f"<section><h2>{name}</h2>"
+                     + fig.to_html(full_html=False, include_plotlyjs=(i == 0)) + "</section>")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
+            "<style>body{font-family:Helvetica,Arial,sans-serif;max-width:1100px;margin:auto}</style>"
+            f"</head><body><h1>{title}</h1>{''.join(parts)}</body></html>")
+
+
+def export_all(figures: Mapping[str, go.Figure], results: Mapping[str, Any], formats=ALL_FORMATS,
+               out_root: str | None = None, images: Mapping[str, Any] | None = None) -> ExportResult:
+    """Write every requested artefact under a fresh directory and zip it. Never raises for a missing browser.
+    `images` (name -> PIL image, e.g. the patch overlays) are saved as PNG next to the figures."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path(tempfile.mkdtemp(prefix="prefixkv-export-", dir=out_root))
+    base = root / f"kv-compare-{stamp}"
+    fig_dir = base / "figures"
+    fig_dir.mkdir(parents=True)
+    result = ExportResult(directory=str(base))
+    formats = [f for f in formats if f in ALL_FORMATS]
+
+    files: list[Path] = []
+    (base / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (base / "results.csv").write_text(results_csv(results))
+    (base / "table.tex").write_text(results_latex(results))
+    (base / "transcript.md").write_text(transcript_markdown(results))
+    files += [base / "results.json", base / "results.csv", base / "table.tex", base / "transcript.md"]
+
+    titles = {name: (fig.layout.title.text or name) for name, fig in figures.items()}
+    (base / "figures" / "captions.md").write_text(
+        "\n".join(f"- `{slug(n)}`: {re.sub('<[^>]+>', '', t)}" for n, t in titles.items()) + "\n")
+    for name, img in (images or {}).items():
+        path = fig_dir / f"{slug(name)}.png"
+        img.save(path)
+        files.append(path)
+    if "html" in formats and figures:
+        (fig_dir / "figures.html").write_text(figures_html(figures))
+        files.append(fig_dir / "figures.html")
+
+    static = [f for f in formats if f in STATIC_FORMATS]
+    if static and figures:
+        browser = find_browser()
+        if browser is None:
+            result.messages.append("No Chromium or Chrome found (set BROWSER_PATH or install chromium): "
+                                   "PNG/SVG/PDF skipped; the interactive HTML and the tables were exported.")
+        else:
+            jobs = []
+            for name, fig in figures.items():
+                paper = paper_figure(fig)
+                for fmt in static:
+                    jobs.append((paper, fig_dir / f"{slug(name)}.{fmt}", fmt))
+            t0 = time.perf_counter()
+            err = write_static(jobs)
+            if err is None:
+                result.static_ok = True
+                files += [p for _, p, _ in jobs if p.exists()]
+                result.messages.append(f"{len(jobs)} figure files ({', '.join(static).upper()}) rendered with "
+                                       f"{Path(browser).name} in {time.perf_counter() - t0:.1f} s.")
+            else:
+                result.messages.append(err + "; the interactive HTML and the tables were exported.")
+                files += [p for _, p, _ in jobs if p.exists()]
+
+    zip_path = root / f"kv-compare-{stamp}.zip"
+    with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(base.rglob("*")):
+            if path.is_file():
+                zf.write(path, path.relative_to(root))
+    result.zip_path = str(zip_path)
+    result.files = [str(zip_path)] + [str(p) for p in files]
+    return result

@@ -83,6 +83,11 @@ def css() -> str:
 .method-error {{ color: #a40000; font-size: 0.8rem; margin-top: 2px; }}
 .banner-warn {{ color: #8a5300; }}
 #status-line {{ min-height: 1.6em; }}
+#panels {{ display: grid !important; grid-template-columns: repeat(3, minmax(0, 1fr)); gap: 12px; }}
+@media (max-width: 900px) {{ #panels {{ grid-template-columns: minmax(0, 1fr); }} }}
+#panels > .hidden, #panels > [hidden] {{ display: none !important; }}
+.knob-title {{ margin-top: 6px; }}
+[id^="chat-"] button[aria-label="Clear"] {{ display: none !important; }}
 {per_method}
 """
 
@@ -91,5 +96,8 @@ def gradio_theme():
     """A quiet Gradio theme (imported lazily so the chart code does not need gradio)."""
     import gradio as gr
 
+    # system fonts only: the page must load with no network (offline machines, air-gapped clusters)
     return gr.themes.Soft(primary_hue="orange", secondary_hue="slate", neutral_hue="slate",
-                          text_size="sm", spacing_size="sm", radius_size="sm")
+                          text_size="sm", spacing_size="sm", radius_size="sm",
+                          font=["Helvetica", "Arial", "sans-serif"],
+                          font_mono=["Menlo", "DejaVu Sans Mono", "monospace"])

@@ -1,0 +1,150 @@
+"""The app's event handlers called directly (no server): errors in one method, stop, a closed stream,
+follow-ups, the overlay / Lorenz / export handlers."""
+import time
+
+import gradio as gr
+import pytest
+
+from prefixkv_core import Engine
+
+ALL = ["full", "local", "h2o", "snapkv", "pyramidkv", "elastic", "lookm", "zipvl", "prefixkv"]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_llama):
+    from ui.app_builder import build_app
+
+    return build_app(Engine(tiny_llama), max_new_tokens_limit=64)
+
+
+@pytest.fixture
+def ctl(app):
+    return app.controller
+
+
+def _run(ctl, box, image, methods, max_new=6, prompt="Describe the picture.", **kw):
+    outs = list(ctl.compare(image, prompt, methods, 0.3, max_new, box=box, **kw))
+    return outs, box.run
+
+
+def _wait_unlocked(engine, timeout=10.0):
+    end = time.monotonic() + timeout
+    while engine.lock.locked() and time.monotonic() < end:
+        time.sleep(0.02)
+    return not engine.lock.locked()
+
+
+def test_compare_fills_every_output(ctl, noise_image):
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    outs, comp = _run(ctl, box, noise_image, ["full", "h2o", "prefixkv"])
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert "Done" in final["status"]
+    assert final["results"]["methods"]["h2o"]["status"] == "done"
+    assert final["results"]["methods"]["h2o"]["rouge_l_vs_full"] is not None
+    assert final["chat:prefixkv"][0] == {"role": "user", "content": "Describe the picture."}
+    assert "of full" in final["head:prefixkv"] and "ROUGE-L" in final["head:prefixkv"]
+    assert len(final["gallery"]) == 3 and "patches kept" in final["gallery"][0][1]
+    assert len(final["table"]) == 3 and final["box"] is box
+    assert comp.threshold() is not None  # PrefixKV's online threshold reached the Lorenz chart
+    assert any("PrefixKV threshold p" in (t.name or "") for t in final["lorenz"].data)
+    assert _wait_unlocked(ctl.engine)
+
+
+def test_error_in_one_method_leaves_the_others(ctl, noise_image, monkeypatch):
+    from prefixkv_core.policies.h2o import H2OPolicy
+    from ui.controller import SessionBox
+
+    def boom(self, view):
+        raise RuntimeError("synthetic failure")
+
+    monkeypatch.setattr(H2OPolicy, "prefill", boom)
+    box = SessionBox()
+    outs, comp = _run(ctl, box, noise_image, ["full", "h2o", "snapkv"])
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    status = {m: comp.tracks[m].turn.status for m in comp.methods}
+    assert status == {"full": "done", "h2o": "error", "snapkv": "done"}
+    assert "synthetic failure" in final["head:h2o"] and "Traceback" not in final["head:h2o"]
+    assert "Done" in final["status"]
+
+
+def test_bad_inputs_raise_user_messages(ctl, noise_image):
+    from ui.controller import SessionBox
+
+    cases = [("  ", ["full"], 0.3, 4, "prompt is empty"), ("hi", [], 0.3, 4, "no method selected"),
+             ("hi", ["full"], 0.0, 4, "budget"), ("hi", ["full"], 1.5, 4, "budget"),
+             ("hi", ["nope"], 0.3, 4, "unknown"), ("x" * 5000, ["full"], 0.3, 4, "limit is 2000"),
+             ("hi", ["full"], 0.3, 0, "max new tokens")]
+    for prompt, methods, budget, max_new, message in cases:
+        with pytest.raises(gr.Error, match=message):
+            list(ctl.compare(noise_image, prompt, methods, budget, max_new, box=SessionBox()))
+    with pytest.raises(gr.Error, match="calibrated PrefixKV"):
+        list(ctl.compare(noise_image, "hi", ["prefixkv"], 0.3, 4, box=SessionBox(), prefixkv__mode="offline"))
+    with pytest.raises(gr.Error, match="run a comparison first"):
+        list(ctl.follow_up("and?", SessionBox()))
+    with pytest.raises(gr.Error, match="nothing to export"):
+        ctl.export(["html"], SessionBox())
+
+
+def test_stop_cancels_every_method_within_a_token(ctl, noise_image):
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    gen = ctl.compare(noise_image, "Describe.", ALL, 0.3, 64, box=box)
+    outs = [next(gen), next(gen)]  # first render, then the prefill
+    assert "Stopping" in ctl.stop(box)
+    outs += list(gen)
+    comp = box.run
+    assert "Stopped" in outs[-1][0]
+    states = comp.session.states
+    assert all(s.finished for s in states.values())
+    # each method stopped within one token of the others (round-robin), well before 64
+    steps = [len(s.turn_ids) for s in states.values()]
+    assert max(steps) - min(steps) <= 1 and max(steps) < 64
+    assert {t.turn.status for t in comp.tracks.values()} <= {"stopped", "done"}
+    assert _wait_unlocked(ctl.engine)
+
+
+def test_closing_the_stream_releases_the_engine(ctl, noise_image):
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    gen = ctl.compare(noise_image, "Describe.", ALL, 0.3, 64, box=box)
+    next(gen)
+    next(gen)
+    gen.close()  # what gradio does when the tab closes or Clear cancels the event
+    assert box.run.cancel.is_set()
+    assert _wait_unlocked(ctl.engine)
+    assert max(len(s.turn_ids) for s in box.run.session.states.values()) < 64
+
+
+def test_follow_up_overlay_lorenz_budget_export_clear(ctl, noise_image):
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    _run(ctl, box, noise_image, ["full", "prefixkv"], max_new=4)
+    outs = list(ctl.follow_up("And the colours?", box))
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert final["results"]["prompts"] == ["Describe the picture.", "And the colours?"]
+    chat = final["chat:prefixkv"]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    assert chat[2]["content"] == "And the colours?"
+    assert max(box.run.tracks["prefixkv"].series.steps) >= 5  # the series continues over turns
+
+    gallery = ctl.set_overlay_layer(1, box)
+    assert len(gallery) == 2 and "layer 1" in gallery[0][1]
+    fig = ctl.set_lorenz_layers([0, 2], box)
+    assert [t.name.split(" (")[0] for t in fig.data if (t.name or "").startswith("layer")] == ["layer 0", "layer 2"]
+    fig = ctl.set_view_budget(0.6, box)
+    assert any("preview" in (t.name or "") for t in fig.data)
+
+    update, message = ctl.export(["html"], box)
+    files = update["value"]
+    assert update["visible"] is True
+    names = {f.rsplit("/", 1)[-1] for f in files}
+    assert {"results.json", "results.csv", "table.tex", "transcript.md", "figures.html"} <= names
+    assert "Exported" in message
+
+    cleared = ctl.clear(box)
+    assert box.run is None and "Upload an image" in cleared[0]

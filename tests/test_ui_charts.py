@@ -1,0 +1,204 @@
+"""Pure UI pieces on synthetic data: chart builders, overlay, panels, run state, export tables."""
+import json
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+from PIL import Image
+
+from prefixkv_core.events import MethodEvent, PrefillInfo
+from ui import charts
+from ui.lorenz_np import gini, retention_curves
+from ui.theme import METHOD_COLOURS, colour
+
+
+def _ev(method, label, kept, img, full_len, kind="done", turn=0, step=5, text="a cat", kv=100, full_kv=400, **kw):
+    return MethodEvent(method, label, kind, turn=turn, step=step, text=text, kept_per_layer=kept,
+                       kept_image_per_layer=img, full_len=full_len, kv_bytes=kv, full_kv_bytes=full_kv, **kw)
+
+
+def _importance(layers=8, n=60, seed=0):
+    rng = np.random.RandomState(seed)
+    # deeper layers more concentrated: higher powers
+    return np.stack([rng.rand(n) ** (1 + 2 * l) for l in range(layers)]).astype(np.float32)
+
+
+def test_retained_bars_stack_image_and_text_per_method():
+    latest = {"h2o": _ev("h2o", "H2O", [50, 30], [40, 10], 100),
+              "prefixkv": _ev("prefixkv", "PrefixKV", [70, 20], [20, 5], 100),
+              "lookm": None}
+    fig = charts.retained_bars(latest, budget=0.3)
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["H2O · image"].y) == pytest.approx([0.4, 0.1])
+    assert list(by_name["H2O · text"].y) == pytest.approx([0.1, 0.2])
+    assert list(by_name["PrefixKV · text"].y) == pytest.approx([0.5, 0.15])
+    # same colour per method, text hatched, image solid
+    assert by_name["H2O · image"].marker.color == colour("h2o")
+    assert by_name["H2O · text"].marker.pattern.shape == "/" and not by_name["H2O · image"].marker.pattern.shape
+    assert {"image tokens", "text tokens", "budget r = 0.30"} <= set(by_name)
+    assert fig.layout.barmode == "stack"
+    assert len(fig.layout.shapes) == 2 and fig.layout.shapes[0].y0 == 0.3  # budget line in each small chart
+    assert "H2O" in fig.layout.annotations[0].text and fig.layout.annotations[0].font.color == colour("h2o")
+    assert fig.layout.yaxis.title.text == "retained ratio" and fig.layout.xaxis.title.text == "layer"
+
+
+def test_retained_bars_without_data_is_a_placeholder():
+    fig = charts.retained_bars({})
+    assert len(fig.data) == 0 and "Run a comparison" in fig.layout.annotations[0].text
+
+
+def test_lorenz_figure_layers_gini_threshold_and_uniform_lines():
+    imp = _importance()
+    fig = charts.lorenz_figure(imp, threshold=0.8, budget=0.3)
+    layer_traces = [t for t in fig.data if t.name and t.name.startswith("layer ")]
+    assert [t.name.split(" (")[0] for t in layer_traces] == [f"layer {l}" for l in charts.default_layers(8)]
+    g = gini(imp)
+    for t in layer_traces:
+        l = int(t.name.split()[1])
+        assert f"Gini {g[l]:.2f}" in t.name
+        assert t.y[0] == pytest.approx(0) and t.y[-1] == pytest.approx(1)
+        assert np.all(np.diff(t.y) >= -1e-6)  # monotone
+    names = [t.name for t in fig.data if t.name]
+    assert "uniform importance (Gini 0)" in names
+    assert any(n.startswith("PrefixKV threshold p = 0.800") for n in names)
+    assert any("same ratio r = 0.30" in n for n in names)
+    assert fig.layout.xaxis.title.text.startswith("tokens kept") and "importance" in fig.layout.yaxis.title.text
+    # concentrated (deep) layers have larger Gini than the flat first layer
+    assert g[-1] > g[0]
+
+
+def test_lorenz_figure_selected_layers_and_thinning():
+    imp = _importance(layers=30, n=2000)
+    assert charts.default_layers(30) == [0, 6, 12, 17, 23, 29]
+    fig = charts.lorenz_figure(imp, layers=[3, 29], max_points=200)
+    layer_traces = [t for t in fig.data if t.name and t.name.startswith("layer ")]
+    assert [t.name.split(" (")[0] for t in layer_traces] == ["layer 3", "layer 29"]
+    assert len(layer_traces[0].x) <= 200 and layer_traces[0].x[-1] == pytest.approx(1.0)
+
+
+def test_preview_threshold_matches_the_retention_curves():
+    imp = _importance()
+    p = charts.preview_threshold(imp, 0.3)
+    curves = retention_curves(imp)
+    kept = (np.argmax(curves >= p - 1e-7, axis=1)).mean() / imp.shape[1]
+    assert 0 < p < 1 and kept == pytest.approx(0.3, abs=0.05)
+
+
+def test_memory_and_latency_figures():
+    s1 = charts.Series("H2O", steps=[1, 2, 3], kv_bytes=[1e6, 1.1e6, 1.1e6], full_kv_bytes=[3e6, 3.1e6, 3.2e6],
+                       latency_s=[0.0, 0.02, 0.03], policy_s=[0.0, 0.001, 0.001], turn=[1, 1, 1])
+    s2 = charts.Series("PrefixKV", steps=[1, 2], kv_bytes=[0.9e6, 0.95e6], full_kv_bytes=[3e6, 3.1e6],
+                       latency_s=[0.0, 0.01], policy_s=[0.0, 0.002], turn=[1, 1])
+    mem = charts.memory_figure({"h2o": s1, "prefixkv": s2})
+    names = [t.name for t in mem.data]
+    assert names == ["uncompressed", "H2O", "PrefixKV"]  # reference line when Full is not selected
+    assert list(mem.data[1].y) == pytest.approx([1.0, 1.1, 1.1])
+    assert mem.data[1].line.color == colour("h2o") and mem.layout.yaxis.title.text == "KV cache (MB)"
+    lat = charts.latency_figure({"h2o": s1, "prefixkv": s2})
+    assert list(lat.data[0].x) == [2, 3]  # the prefill-made first token has no step latency
+    assert list(lat.data[0].y) == pytest.approx([21.0, 31.0])
+    assert lat.layout.yaxis.title.text == "latency per token (ms)"
+    assert charts.memory_figure({}).layout.annotations  # placeholder
+
+
+def test_quality_figure():
+    fig = charts.quality_figure({"h2o": ("H2O", 0.3, 0.7), "zipvl": ("ZipVL", 0.25, None)})
+    assert [t.name for t in fig.data] == ["H2O"] and fig.data[0].x[0] == 0.3 and fig.data[0].y[0] == 0.7
+
+
+def test_palette_is_consistent_and_complete():
+    from prefixkv_core import METHODS
+
+    assert set(METHODS) <= set(METHOD_COLOURS)
+    assert len(set(METHOD_COLOURS.values())) == len(METHOD_COLOURS)
+    assert colour("unknown-method") == colour("unknown-method")
+
+
+def test_overlay_dims_evicted_patches():
+    from ui.overlay import caption, model_view, overlay
+
+    img = Image.new("RGB", (80, 40), (200, 50, 50))
+    assert model_view(img, crop=True, side=64).size == (64, 64)
+    share = np.array([[1.0, 0.0], [0.5, 1.0]])
+    out = np.asarray(overlay(img, share, "prefixkv", crop=False, side=64))
+    kept, evicted = out[8:24, 8:24].mean(), out[8:24, 40:56].mean()
+    assert kept > 2 * evicted  # the evicted top-right patch is dark
+    assert "3 of 4 patches kept" in caption("PrefixKV", share, 5)
+
+
+def _comparison():
+    from ui.runstate import Comparison
+
+    comp = Comparison(["full", "h2o"], {"full": "Full", "h2o": "H2O"}, "What is this?", 0.3,
+                      {"max_new_tokens": 4}, {}, model={"name": "tiny", "device": "cpu"})
+    comp.apply(PrefillInfo(10, 4, 2, _importance(2, 10), np.arange(10) < 4, (2, 2), 0, 0.1))
+    for method, label, kv in (("full", "Full", 400), ("h2o", "H2O", 120)):
+        comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv))
+        comp.apply(_ev(method, label, [10, 10], [4, 4], 11, kind="token", step=2, text="A cat",
+                       kv=kv, step_latency_s=0.01))
+        comp.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3,
+                       text="A cat sits" if method == "full" else "A cat", kv=kv, step_latency_s=0.01,
+                       tokens_per_s=50.0, ttft_s=0.2))
+    return comp
+
+
+def test_runstate_series_rouge_and_json():
+    comp = _comparison()
+    assert comp.finished
+    assert comp.tracks["h2o"].series.steps == [1, 2, 3]
+    assert comp.rouge("h2o") == pytest.approx(0.8)
+    data = comp.to_dict()
+    json.dumps(data)
+    assert data["methods"]["h2o"]["kv_ratio"] == pytest.approx(0.3)
+    assert data["methods"]["h2o"]["rouge_l_vs_full"] == pytest.approx(0.8)
+    comp.begin_turn("And then?")
+    assert [t.status for t in comp.tracks["h2o"].turns] == ["done", "waiting"] and comp.rouge("h2o") is None
+    comp.rollback_turn()
+    assert len(comp.prompts) == 1 and len(comp.tracks["h2o"].turns) == 1
+
+
+def test_panels_badges_and_chat():
+    from ui.panels import chat_messages, clean, header_html
+
+    comp = _comparison()
+    head = header_html(comp.tracks["h2o"], "every step", comp)
+    for text in ("H2O", "KV 0.1 kB · 30% of full", "50.0 tok/s", "TTFT 200 ms", "ROUGE-L 0.800 vs Full"):
+        assert text in head
+    assert "ROUGE-L reference" in header_html(comp.tracks["full"], "none", comp)
+    msgs = chat_messages(comp.tracks["h2o"])
+    assert msgs == [{"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A cat"}]
+    comp.tracks["h2o"].turns[-1].status, comp.tracks["h2o"].turns[-1].error = "error", "RuntimeError: boom"
+    assert "RuntimeError: boom" in header_html(comp.tracks["h2o"], "every step", comp)
+    assert clean("a\x00b\x1fc\nd") == "abc\nd"
+
+
+def test_export_tables_and_files(tmp_path):
+    from ui.export import export_all, results_csv, results_latex, transcript_markdown
+
+    comp = _comparison()
+    data = comp.to_dict()
+    csv_text = results_csv(data)
+    assert csv_text.splitlines()[0].startswith("method,label,status") and "h2o,H2O,done" in csv_text
+    tex = results_latex(data)
+    assert r"\toprule" in tex and "H2O & " in tex and r"\bottomrule" in tex
+    md = transcript_markdown(data)
+    assert "## Turn 1" in md and "What is this?" in md and "A cat sits" in md
+    fig = charts.memory_figure(comp.series())
+    res = export_all({"kv-memory": fig}, data, formats=["html"], out_root=str(tmp_path),
+                     images={"overlay": Image.new("RGB", (8, 8))})
+    names = {p.rsplit("/", 1)[-1] for p in res.files}
+    assert {"results.json", "results.csv", "table.tex", "transcript.md", "figures.html", "overlay.png"} <= names
+    assert res.files[0].endswith(".zip")
+    import zipfile
+
+    with zipfile.ZipFile(res.files[0]) as zf:
+        assert any(n.endswith("table.tex") for n in zf.namelist())
+
+
+def test_paper_figure_is_a_clean_copy():
+    from ui.export import paper_figure
+
+    fig = charts.memory_figure({"h2o": charts.Series("H2O", [1, 2], [1, 2], [2, 4], [0, 0.1], [0, 0], [1, 1])})
+    paper = paper_figure(fig)
+    assert isinstance(paper, go.Figure) and paper.layout.title.text is None and fig.layout.title.text
+    assert paper.layout.width == 720 and paper.layout.plot_bgcolor == "white"

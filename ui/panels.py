@@ -1,0 +1,128 @@
+"""Text of the method panels (header with live badges, chat history), the status line and the banner."""
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+from .charts import MB
+from .runstate import Comparison, Track
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+STATUS_TEXT = {"waiting": "waiting", "streaming": "streaming…", "done": "done", "stopped": "stopped",
+               "error": "error"}
+
+
+def clean(text: str) -> str:
+    """Drop control characters a (random) model may emit; keep newlines and tabs."""
+    return _CONTROL.sub("", text or "")
+
+
+def _badge(text: str, cls: str = "") -> str:
+    return f'<span class="badge {cls}">{html.escape(text)}</span>'
+
+
+def _fmt_mb(nbytes: int) -> str:
+    mb = nbytes / MB
+    return f"{mb:.2f} MB" if mb >= 0.1 else f"{mb * 1000:.1f} kB"
+
+
+def _extras_note(method: str, extras: dict[str, Any], settings: dict[str, Any] | None = None) -> str:
+    notes = []
+    if extras.get("threshold") is not None:
+        notes.append(f"retention threshold p = {extras['threshold']:.3f}")
+    if method == "prefixkv" and extras.get("mode") == "offline":
+        notes.append("offline (calibrated) ratios")
+    if extras.get("capacities"):
+        caps = extras["capacities"]
+        notes.append(f"capacities {caps[0]}→{caps[-1]} per layer")
+    if extras.get("important_ratios"):
+        r = extras["important_ratios"]
+        notes.append(f"4-bit share {min(r):.0%}–{max(r):.0%} over layers")
+    for n in extras.get("notes", []) or []:
+        notes.append(str(n))
+    return " · ".join(notes)
+
+
+def header_html(track: Track, summary: str, comparison: Comparison | None, uses_budget: bool = True) -> str:
+    """Method name, one-line description, badges: state, KV size (MB and % of full), tokens/s, TTFT, ROUGE-L."""
+    name = html.escape(track.label)
+    turn = track.turn
+    status = turn.status if turn is not None and comparison is not None else "waiting"
+    badges = [_badge(STATUS_TEXT.get(status, status), f"state-{status}")]
+    ev = track.last if comparison is not None else None
+    if ev is not None:
+        badges.append(_badge(f"KV {_fmt_mb(ev.kv_bytes)} · {ev.kv_ratio:.0%} of full", "kv"))
+        if ev.tokens_per_s:
+            badges.append(_badge(f"{ev.tokens_per_s:.1f} tok/s"))
+        if ev.ttft_s is not None:
+            badges.append(_badge(f"TTFT {ev.ttft_s * 1000:.0f} ms" if ev.ttft_s < 1 else f"TTFT {ev.ttft_s:.2f} s"))
+    if comparison is not None:
+        if track.method == "full":
+            if "full" in comparison.tracks and len(comparison.tracks) > 1:
+                badges.append(_badge("ROUGE-L reference", "rouge"))
+        else:
+            r = comparison.rouge(track.method)
+            if r is not None:
+                badges.append(_badge(f"ROUGE-L {r:.3f} vs Full", "rouge"))
+    sub = html.escape(summary)
+    if not uses_budget:
+        sub += " <i>(budget slider not used)</i>"
+    out = [f'<div class="method-head m-{track.method}"><span class="method-name">{name}</span>'
+           f'<div class="method-sub">{sub}</div><div class="badges">{"".join(badges)}</div>']
+    if ev is not None:
+        note = _extras_note(track.method, ev.extras)
+        if note:
+            out.append(f'<div class="method-note">{html.escape(note)}</div>')
+    if turn is not None and turn.error and comparison is not None:
+        out.append(f'<div class="method-error">⚠ {html.escape(turn.error)}</div>')
+    out.append("</div>")
+    return "".join(out)
+
+
+def chat_messages(track: Track) -> list[dict[str, str]]:
+    """This method's conversation in Chatbot 'messages' format; the answer streams into the last turn."""
+    msgs: list[dict[str, str]] = []
+    for turn in track.turns:
+        msgs.append({"role": "user", "content": clean(turn.user)})
+        if turn.status == "error" and not turn.answer:
+            msgs.append({"role": "assistant", "content": f"⚠ {clean(turn.error or 'failed')}"})
+        elif turn.answer or turn.status != "waiting":
+            text = clean(turn.answer) or "…"
+            if turn.status == "stopped":
+                text += " ■"
+            msgs.append({"role": "assistant", "content": text})
+    return msgs
+
+
+def status_line(comparison: Comparison | None, phase: str | None = None) -> str:
+    """One line above the panels: what is happening and the shared prefill facts."""
+    if comparison is None:
+        return phase or "Upload an image (or pick an example), type a prompt and press **Compare**."
+    parts = []
+    if phase:
+        parts.append(phase)
+    pre = comparison.prefill
+    if pre is not None:
+        parts.append(f"prompt {pre.prompt_tokens} tokens ({pre.image_tokens} image) · {pre.num_layers} layers · "
+                     f"shared prefill {pre.prefill_s:.2f} s")
+    parts.append(f"budget r = {comparison.budget:.2f}")
+    if len(comparison.prompts) > 1:
+        parts.append(f"turn {len(comparison.prompts)}")
+    return " · ".join(parts)
+
+
+def banner_markdown(info: dict[str, Any]) -> str:
+    """Names the model and device; warns when the vision tower is untrained."""
+    line = (f"**Model:** `{info.get('name')}` on **{info.get('device')}** ({info.get('dtype')}) · "
+            f"{info.get('num_layers')} layers · {info.get('image_tokens')} image tokens per image · "
+            f"context {info.get('max_context')}")
+    out = [line]
+    if not info.get("vision_trained", True):
+        out.append('<span class="banner-warn">⚠ This model\'s vision tower is untrained: it cannot see the '
+                   "image, so answers ignore its content. The compression methods still run on the image "
+                   "tokens exactly as on a trained model.</span>")
+    notes = [n for n in info.get("notes", []) if "untrained" not in n]
+    if notes:
+        out.append("<small>" + html.escape("; ".join(notes)) + "</small>")
+    return "<br>".join(out)
