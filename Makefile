@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export GRADIO_ANALYTICS_ENABLED := False
 PYTEST_ARGS ?=
 
-.PHONY: setup browser run test calibrate bench clean
+.PHONY: setup browser run test calibrate bench quality clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,9 @@ calibrate: setup
 
 bench: setup
 	$(PY) benchmarks/speed.py --model embedded --quick
+
+quality: setup
+	$(PY) benchmarks/quality.py --model embedded --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -52,8 +52,10 @@ class PrefixKVPolicy(Policy):
         return result.counts
 
     def prefill(self, view: PrefillView):
-        if view.cache.layers[0].positions.shape[0] != 1:
-            raise ValueError("PrefixKV's per-layer search runs with batch size 1 only")
+        if self.mode == "online" and view.cache.layers[0].positions.shape[0] != 1:
+            # the searched per-layer counts depend on the sample; offline ratios are shared by every row
+            raise ValueError("online PrefixKV's per-layer search runs with batch size 1 only; "
+                             "use mode='offline' (calibrated or fixed ratios) for batches")
         counts = self.layer_counts(view)
         self.anchors = counts
         self.layer_ratios = [c / view.prompt_len for c in counts]

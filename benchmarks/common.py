@@ -1,0 +1,358 @@
+"""Shared pieces of the benchmark scripts: run facts (machine, commit, date), tables written as Markdown /
+CSV / LaTeX, Plotly figures written as HTML (and PNG when a Chromium is present), an append-only JSONL
+record store for resumable runs, and the process's peak memory for CPU runs."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import io
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+
+
+# -- run facts ---------------------------------------------------------------------------------------------
+
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """Short commit hash, with '+dirty' when tracked files differ from it; 'unknown' outside git."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: Any = None) -> str:
+    """'NVIDIA H100 80GB HBM3' on CUDA, else '<cpu model>, N cores'."""
+    import torch
+
+    dev = str(device) if device is not None else ""
+    if dev.startswith("cuda") and torch.cuda.is_available():
+        idx = torch.device(dev).index or 0
+        return torch.cuda.get_device_name(idx)
+    return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def run_info(device: Any = None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {
+        "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "commit": git_commit(),
+        "machine": machine_description(device),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# -- tables ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Table:
+    """A methods x budgets (or any rows x columns) table of numbers; None = no value, str = a status (OOM)."""
+
+    title: str
+    row_header: str
+    rows: list[str]
+    columns: list[str]
+    values: dict[tuple[str, str], Any] = field(default_factory=dict)
+    digits: int = 3
+    best: str | None = None  # "min" or "max": bold the best value of each column (rows in `exclude` skipped)
+    exclude_from_best: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    def cell(self, row: str, col: str) -> str:
+        v = self.values.get((row, col))
+        if v is None:
+            return "-"
+        if isinstance(v, str):
+            return v
+        if isinstance(v, float) and not math.isfinite(v):
+            return "inf" if v > 0 else "nan"
+        return f"{v:.{self.digits}f}" if isinstance(v, float) else str(v)
+
+    def best_rows(self, col: str) -> set[str]:
+        if self.best not in ("min", "max"):
+            return set()
+        nums = {r: self.values.get((r, col)) for r in self.rows if r not in self.exclude_from_best}
+        nums = {r: v for r, v in nums.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if len(nums) < 2:
+            return set()
+        target = (min if self.best == "min" else max)(round(v, self.digits) for v in nums.values())
+        return {r for r, v in nums.items() if round(v, self.digits) == target}
+
+    def to_markdown(self) -> str:
+        out = [f"**{self.title}**", "", "| " + " | ".join([self.row_header] + self.columns) + " |",
+               "|" + "---|" * (len(self.columns) + 1)]
+        bold = {c: self.best_rows(c) for c in self.columns}
+        for r in self.rows:
+            cells = [f"**{self.cell(r, c)}**" if r in bold[c] else self.cell(r, c) for c in self.columns]
+            out.append("| " + " | ".join([r] + cells) + " |")
+        out += [""] + [f"{n}" for n in self.notes]
+        return "\n".join(out).rstrip() + "\n"
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow([self.row_header] + self.columns)
+        for r in self.rows:
+            w.writerow([r] + ["" if self.values.get((r, c)) is None else self.cell(r, c) for c in self.columns])
+        return buf.getvalue()
+
+    def to_latex(self) -> str:
+        def esc(s: str) -> str:
+            for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#")):
+                s = s.replace(a, b)
+            return s
+
+        bold = {c: self.best_rows(c) for c in self.columns}
+        lines = [r"\begin{table}[t]", r"\centering", r"\small",
+                 r"\begin{tabular}{l" + "r" * len(self.columns) + "}", r"\toprule",
+                 " & ".join([esc(self.row_header)] + [esc(c) for c in self.columns]) + r" \\", r"\midrule"]
+        for r in self.rows:
+            cells = [(r"\textbf{" + esc(self.cell(r, c)) + "}") if r in bold[c] else esc(self.cell(r, c))
+                     for c in self.columns]
+            lines.append(" & ".join([esc(r)] + cells) + r" \\")
+        lines += [r"\bottomrule", r"\end{tabular}", r"\caption{" + esc(self.title) + "}", r"\end{table}"]
+        return "\n".join(lines) + "\n"
+
+    def write(self, out_dir: Path, stem: str) -> list[Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for ext, text in (("md", self.to_markdown()), ("csv", self.to_csv()), ("tex", self.to_latex())):
+            p = out_dir / f"{stem}.{ext}"
+            p.write_text(text)
+            paths.append(p)
+        return paths
+
+
+# -- figures -----------------------------------------------------------------------------------------------
+
+def find_chromium() -> str | None:
+    """The Chromium kaleido should drive: $BROWSER_PATH, /usr/bin/chromium, or one on PATH."""
+    for cand in (os.environ.get("BROWSER_PATH"), CHROMIUM, shutil.which("chromium"),
+                 shutil.which("chromium-browser"), shutil.which("google-chrome")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def save_figure(fig, stem: Path, png: bool = True, timeout_s: float = 120.0) -> tuple[list[Path], str]:
+    """Write `stem`.html (self-contained, always) and `stem`.png (kaleido + Chromium, if present).
+    Returns (paths written, a one-line message about the PNG)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    html = stem.with_suffix(".html")
+    fig.write_html(str(html), include_plotlyjs=True, full_html=True)
+    paths = [html]
+    if not png:
+        return paths, "PNG not requested"
+    browser = find_chromium()
+    if browser is None:
+        return paths, f"PNG skipped: no Chromium at {CHROMIUM} (install chromium for static export); HTML written"
+    os.environ.setdefault("BROWSER_PATH", browser)
+    box: dict[str, Any] = {}
+    png_path = stem.with_suffix(".png")
+
+    def work():
+        try:
+            fig.write_image(str(png_path), width=int(fig.layout.width or 1100), height=int(fig.layout.height or 480),
+                            scale=2)
+        except BaseException as exc:  # noqa: BLE001 - reported as one line
+            box["error"] = exc
+
+    t = threading.Thread(target=work, daemon=True, name="kaleido")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return paths, f"PNG skipped: kaleido timed out after {timeout_s:.0f} s"
+    if "error" in box:
+        exc = box["error"]
+        return paths, f"PNG failed ({exc.__class__.__name__}: {str(exc)[:160]})"
+    return paths + [png_path], f"PNG written with {browser}"
+
+
+# -- resumable records -------------------------------------------------------------------------------------
+
+class RecordStore:
+    """Append-only JSONL records, one file per process (`<stem>.rank<R>.jsonl`); every shard is read back on
+    resume, so a run may continue with a different number of processes. A record's identity is `key(record)`;
+    when a key occurs twice the later line wins. A torn last line (a crash mid-write) is ignored."""
+
+    def __init__(self, out_dir: Path, rank: int = 0, stem: str = "records"):
+        self.out_dir = Path(out_dir)
+        self.stem = stem
+        self.path = self.out_dir / f"{stem}.rank{rank}.jsonl"
+
+    def shards(self) -> list[Path]:
+        return sorted(self.out_dir.glob(f"{self.stem}.rank*.jsonl"))
+
+    def load(self) -> list[dict[str, Any]]:
+        records = []
+        for path in self.shards():
+            with open(path) as fh:
+                for line in fh:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        continue  # torn write at a crash
+        return records
+
+    def append(self, records: Iterable[dict[str, Any]]) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as fh:
+            for r in records:
+                fh.write(json.dumps(r, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+def current_rss() -> int:
+    """Resident set size of this process in bytes (psutil if installed, else /proc/self/statm)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _vm_hwm() -> int | None:
+    """This process's peak resident set (VmHWM) in bytes, from /proc/self/status; None where unavailable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return _vm_hwm() is not None
+    except OSError:
+        return False
+
+
+class PeakRSS:
+    """Context manager for this process's peak RSS over a block; `.peak` and `.start` in bytes.
+
+    On Linux the kernel's own high-water mark is reset at entry and read at exit (exact, no thread that could
+    disturb the timings). Elsewhere a thread samples the RSS every `interval_s` (`.method` says which)."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.peak = 0
+        self.start = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, current_rss())
+            time.sleep(self.interval_s)
+
+    def __enter__(self):
+        self.start = self.peak = current_rss()
+        if _reset_hwm():
+            self.method = "process peak RSS (kernel VmHWM, reset per configuration)"
+            return self
+        self.method = f"process RSS sampled every {self.interval_s * 1000:.0f} ms"
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.peak = max(self.peak, _vm_hwm() or 0)
+        self.peak = max(self.peak, current_rss())
+        return False
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_float_list(text: str, name: str = "values") -> list[float]:
+    try:
+        vals = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{name} expects comma-separated numbers, e.g. 0.1,0.3,0.5; got {text!r}") from None
+    if not vals:
+        raise SystemExit(f"--{name} is empty")
+    return vals
+
+
+def parse_knobs(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """METHOD.KNOB=VALUE items -> {method: {knob: value}} (numbers and booleans parsed)."""
+    knobs: dict[str, dict[str, Any]] = {}
+    for item in items:
+        try:
+            key, raw = item.split("=", 1)
+            method, name = key.split(".", 1)
+        except ValueError:
+            raise SystemExit(f"--knob expects METHOD.KNOB=VALUE (e.g. snapkv.window=16), got {item!r}") from None
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        knobs.setdefault(method, {})[name] = value
+    return knobs

@@ -1,0 +1,511 @@
+"""Quality vs budget, the papers' protocol: for every method and budget, PPL of the reference answers fed
+through the compressed cache (teacher forcing, compressing after every token as in generation) and ROUGE-L
+F1 of the greedy output against the full-cache greedy output of the same model.
+
+    python benchmarks/quality.py --model embedded --quick                 # 5 samples, 3 budgets: < 10 min on 2 CPU cores
+    python benchmarks/quality.py --model llava-hf/llava-1.5-7b-hf --device cuda
+    accelerate launch --multi_gpu --num_processes 4 benchmarks/quality.py --model ...  # data parallel, same tables
+    accelerate launch --multi_gpu --num_processes 2 benchmarks/quality.py --device cpu ...  # 2 CPU processes (gloo)
+
+Full (and every method that ignores the budget, e.g. ZipVL) runs once per sample and is reused for every
+budget; Full's output is the ROUGE reference. Records are appended to <out>/records.rank<R>.jsonl after each
+(sample, budget), so a crashed or interrupted run continues where it stopped when started again with the
+same --out. Outputs in <out>: ppl / rouge_l / kv_kept tables (.md, .csv, .tex), results.json (every raw
+number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at every budget?), quality.html
+(+ quality.png when Chromium is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tqdm.auto import tqdm  # noqa: E402
+
+from benchmarks.common import REPO_ROOT, RecordStore, Table, parse_float_list, parse_knobs, run_info, save_figure  # noqa: E402
+from benchmarks.data import DataError, Sample, dataset_spec, load_dataset, resolve_image  # noqa: E402
+
+DEFAULT_BUDGETS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"
+QUICK = {"limit": 5, "budgets": "0.1,0.3,0.5", "max_new_tokens": 12, "max_answer_tokens": 16}
+FULL_DEFAULTS = {"limit": None, "budgets": DEFAULT_BUDGETS, "max_new_tokens": 64, "max_answer_tokens": 0}
+# The PrefixKV paper's claim (a): PrefixKV beats these at every budget.
+CLAIM_BASELINES = ("local", "h2o", "pyramidkv", "elastic")
+
+
+def budget_key(b: float | None) -> str:
+    return "-" if b is None else f"{b:.2f}"
+
+
+def record_key(r: dict[str, Any]) -> tuple[str, str, str]:
+    return (r["sample"], r["method"], budget_key(r["budget"]))
+
+
+# -- evaluation of one sample ------------------------------------------------------------------------------
+
+def truncate_answer(tokenizer, answer: str, max_tokens: int) -> str:
+    """The first `max_tokens` tokens of the answer (0 = all), decoded back to text."""
+    if max_tokens <= 0:
+        return answer
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return answer if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+
+
+def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], budget: float | None,
+               settings, knobs: dict, steps_bar=None) -> list[dict[str, Any]]:
+    """One generation session and one teacher-forcing session for `methods` at `budget`."""
+    from prefixkv_core import GenerationSettings
+    from prefixkv_core.events import MethodEvent
+
+    gen = GenerationSettings(max_new_tokens=settings["max_new_tokens"])
+    session_budget = 1.0 if budget is None else budget
+    out = {m: {"sample": sample.id, "method": m, "budget": budget, "text": "", "nll": None, "n_tokens": None,
+               "error": None} for m in methods}
+    try:
+        session = engine.new_session(image, sample.question, methods, session_budget, gen, knobs)
+        for ev in session.run():
+            if steps_bar is not None and isinstance(ev, MethodEvent) and ev.kind in ("token", "done"):
+                steps_bar.update(1)
+        for m, res in session.results().items():
+            ratios = [k / res["full_len"] for k in res["kept_per_layer"]] if res["full_len"] else []
+            out[m].update(text=res["text"], kv_bytes=res["kv_bytes"], full_kv_bytes=res["full_kv_bytes"],
+                          kept_ratio=sum(ratios) / len(ratios) if ratios else None, full_len=res["full_len"],
+                          prompt_tokens=session.prefill.prompt_tokens if session.prefill else None,
+                          error=res["error"], extras=_small_extras(res.get("extras") or {}))
+        scorer = engine.new_session(image, sample.question, methods, session_budget, gen, knobs)
+        for m, (nll, n) in scorer.score_answer(answer).items():
+            out[m].update(nll=nll, n_tokens=n)
+            if steps_bar is not None:
+                steps_bar.update(n)
+        for m, st in scorer.states.items():
+            if st.error and not out[m]["error"]:
+                out[m]["error"] = f"scoring: {st.error}"
+    except Exception as exc:  # one bad sample must not end a long run: record it and go on
+        for r in out.values():
+            r["error"] = r["error"] or f"{exc.__class__.__name__}: {exc}"
+    return list(out.values())
+
+
+def _small_extras(extras: dict[str, Any]) -> dict[str, Any]:
+    keep = {}
+    for k in ("mode", "threshold", "notes"):
+        if k in extras:
+            keep[k] = extras[k]
+    return keep
+
+
+def evaluate_sample(engine, sample: Sample, image_root: Path, methods: list[str], budgets: list[float],
+                    settings: dict, knobs: dict, done: set, store: RecordStore | None = None,
+                    steps_bar=None) -> list[dict[str, Any]]:
+    """Every missing (sample, method, budget) record of this sample; budget-free methods once (budget None)."""
+    from prefixkv_core.policies import REGISTRY
+
+    fixed = [m for m in methods if not REGISTRY[m].uses_budget]
+    varying = [m for m in methods if REGISTRY[m].uses_budget]
+    groups: list[tuple[float | None, list[str]]] = [(None, [m for m in fixed if (sample.id, m, "-") not in done])]
+    for b in budgets:
+        groups.append((b, [m for m in varying if (sample.id, m, budget_key(b)) not in done]))
+    groups = [(b, ms) for b, ms in groups if ms]
+    if not groups:
+        return []
+    new: list[dict[str, Any]] = []
+    try:
+        image = resolve_image(sample.image, image_root)
+    except DataError as exc:
+        for b, ms in groups:
+            new += [{"sample": sample.id, "method": m, "budget": b, "text": "", "nll": None, "n_tokens": None,
+                     "error": str(exc)} for m in ms]
+        if store is not None:
+            store.append(new)
+        return new
+    answer = truncate_answer(engine.loaded.tokenizer, sample.answer, settings["max_answer_tokens"])
+    for b, ms in groups:
+        recs = _run_group(engine, image, sample, answer, ms, b, settings, knobs, steps_bar)
+        if store is not None:
+            store.append(recs)  # after every (sample, budget): a crash loses at most this group
+        new += recs
+    return new
+
+
+# -- aggregation -------------------------------------------------------------------------------------------
+
+def aggregate(records: list[dict[str, Any]], sample_ids: list[str], methods: list[str],
+              budgets: list[float]) -> dict[str, Any]:
+    """Tables (method -> budget -> value) over `sample_ids` in that order, so every process count gives the
+    same sums in the same order."""
+    from prefixkv_core.metrics import perplexity, rouge_l
+    from prefixkv_core.policies import REGISTRY
+
+    by_key = {record_key(r): r for r in records}
+    ppl: dict[str, dict[str, Any]] = {}
+    rouge: dict[str, dict[str, Any]] = {}
+    kept: dict[str, dict[str, Any]] = {}
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for m in methods:
+        ppl[m], rouge[m], kept[m], counts[m] = {}, {}, {}, {}
+        for b in budgets:
+            bk = budget_key(b) if REGISTRY[m].uses_budget else "-"
+            pairs, rls, kvs, errors, missing = [], [], [], 0, 0
+            for sid in sample_ids:
+                r = by_key.get((sid, m, bk))
+                if r is None:
+                    missing += 1
+                    continue
+                if r.get("error"):
+                    errors += 1
+                    continue
+                if r.get("nll") is not None and r.get("n_tokens"):
+                    pairs.append((float(r["nll"]), int(r["n_tokens"])))
+                ref = by_key.get((sid, "full", "-"))
+                if ref is not None and not ref.get("error"):
+                    rls.append(rouge_l(r.get("text", ""), ref.get("text", "")))
+                if r.get("full_kv_bytes"):
+                    kvs.append(r["kv_bytes"] / r["full_kv_bytes"])
+            col = budget_key(b)
+            ppl[m][col] = perplexity(pairs) if pairs else ("ERR" if errors else None)
+            rouge[m][col] = sum(rls) / len(rls) if rls else ("ERR" if errors else None)
+            kept[m][col] = 100.0 * sum(kvs) / len(kvs) if kvs else ("ERR" if errors else None)
+            counts[m][col] = {"samples": len(sample_ids) - missing - errors, "errors": errors, "missing": missing,
+                              "answer_tokens": sum(n for _, n in pairs)}
+    return {"ppl": ppl, "rouge_l": rouge, "kv_kept_pct": kept, "counts": counts}
+
+
+def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], note: str) -> dict[str, Table]:
+    cols = [budget_key(b) for b in budgets]
+    specs = {
+        "ppl": ("PPL of the reference answers (teacher forcing through the compressed cache; lower is better)",
+                "min", 3),
+        "rouge_l": ("ROUGE-L F1 of the greedy output vs Full's greedy output (higher is better)", "max", 3),
+        "kv_kept": ("KV cache kept at the end of generation, % of Full's bytes (ZipVL: packed 4/2-bit)", None, 1),
+    }
+    source = {"ppl": agg["ppl"], "rouge_l": agg["rouge_l"], "kv_kept": agg["kv_kept_pct"]}
+    tables = {}
+    for name, (title, best, digits) in specs.items():
+        t = Table(title=title, row_header="method \\ budget", rows=list(methods), columns=cols, digits=digits,
+                  best=best, exclude_from_best=("full",), notes=[note])
+        for m in methods:
+            for c in cols:
+                t.values[(m, c)] = source[name][m].get(c)
+        errs = {m: sum(v["errors"] for v in agg["counts"][m].values()) for m in methods}
+        bad = [f"{m} ({n})" for m, n in errs.items() if n]
+        if bad:
+            t.notes.append("Errored runs left out of the averages: " + ", ".join(bad) + "; see results.json.")
+        tables[name] = t
+    return tables
+
+
+def check_claims(agg: dict[str, Any], methods: list[str], budgets: list[float]) -> list[str]:
+    """Claim (a) of the PrefixKV paper, checked on this run: lower PPL and higher ROUGE-L than Local, H2O,
+    PyramidKV and Elastic Cache at every budget, the gap widening as the budget shrinks."""
+    base = [m for m in CLAIM_BASELINES if m in methods]
+    if "prefixkv" not in methods or not base:
+        return ["Claim (a) not checked: needs prefixkv and at least one of " + ", ".join(CLAIM_BASELINES) + "."]
+    lines = [f"Claim (a): PrefixKV has lower PPL and higher ROUGE-L than {', '.join(base)} at every budget, "
+             "with the gap widening as the budget shrinks.", ""]
+    overall = True
+    for metric, better in (("ppl", "lower"), ("rouge_l", "higher")):
+        holds_at, fails_at, gaps = [], [], []
+        for b in budgets:
+            c = budget_key(b)
+            p = agg[metric]["prefixkv"].get(c)
+            others = {m: agg[metric][m].get(c) for m in base}
+            others = {m: v for m, v in others.items() if isinstance(v, float)}
+            if not isinstance(p, float) or not others:
+                fails_at.append(f"{c} (no value)")
+                continue
+            if better == "lower":
+                best_m = min(others, key=others.get)
+                ok, gap = p < others[best_m], others[best_m] - p
+            else:
+                best_m = max(others, key=others.get)
+                ok, gap = p > others[best_m], p - others[best_m]
+            gaps.append((b, gap))
+            (holds_at if ok else fails_at).append(c if ok else f"{c} ({best_m} {others[best_m]:.3f} vs "
+                                                               f"PrefixKV {p:.3f})")
+        overall &= not fails_at
+        name = "PPL" if metric == "ppl" else "ROUGE-L"
+        lines.append(f"- {name}: {'HOLDS' if not fails_at else 'DOES NOT HOLD'} at every budget. "
+                     f"Better at: {', '.join(holds_at) or 'none'}. Not better at: {', '.join(fails_at) or 'none'}.")
+        if len(gaps) >= 2:
+            lo, hi = gaps[0], gaps[-1]
+            widening = lo[1] > hi[1] and lo[1] > 0
+            lines.append(f"  Margin over the best of the baselines (positive = PrefixKV better): "
+                         + ", ".join(f"{budget_key(b)}: {g:+.3f}" for b, g in gaps)
+                         + f" -> the advantage {'widens' if widening else 'does not widen'} as the budget shrinks "
+                           f"(margin {lo[1]:+.3f} at {budget_key(lo[0])} vs {hi[1]:+.3f} at {budget_key(hi[0])}).")
+    lines += ["", f"Overall: claim (a) {'HOLDS' if overall else 'DOES NOT HOLD'} on this model and data."]
+    return lines
+
+
+def make_figure(agg: dict[str, Any], methods: list[str], budgets: list[float], title: str):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from prefixkv_core.policies import REGISTRY
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("PPL (lower is better)", "ROUGE-L vs Full (higher is better)",
+                                                        "KV kept (% of Full)"))
+    palette = ["#222222", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#d62728"]
+    xs = [float(b) for b in budgets]
+    for i, m in enumerate(methods):
+        color = palette[i % len(palette)]
+        fixed = not REGISTRY[m].uses_budget
+        for col, key in enumerate(("ppl", "rouge_l", "kv_kept_pct"), start=1):
+            ys = [agg[key][m].get(budget_key(b)) for b in budgets]
+            ys = [y if isinstance(y, float) else None for y in ys]
+            fig.add_trace(go.Scatter(
+                x=xs, y=ys, name=REGISTRY[m].label + (" (no budget)" if fixed and m != "full" else ""),
+                legendgroup=m, showlegend=col == 1, mode="lines" if fixed else "lines+markers",
+                line=dict(color=color, dash="dash" if fixed else "solid", width=3 if m == "prefixkv" else 2)),
+                row=1, col=col)
+    for col in (1, 2, 3):
+        fig.update_xaxes(title_text="budget (kept fraction)", row=1, col=col)
+    fig.update_layout(title=title, width=1400, height=480, template="plotly_white",
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def weights_digest(model) -> str:
+    """A cheap identity of the weights (strided samples of every parameter), so a resumed run notices when a
+    model's weights changed under the same name (e.g. the embedded model's vision tower after training)."""
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 1024)].double()
+            h.update(f"{name}:{tuple(p.shape)}:{float(sample.sum()):.9e}:{float(sample.abs().sum()):.9e}".encode())
+    return h.hexdigest()[:12]
+
+
+def repo_relative(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(Path(path).resolve())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from prefixkv_core.policies import METHODS
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Examples:\n  python benchmarks/quality.py --model embedded --quick\n"
+               "  python benchmarks/quality.py --data mmvet.jsonl --image-root images/ --methods full,local,prefixkv "
+               "--budgets 0.1,0.5\n  accelerate launch --num_processes 2 benchmarks/quality.py --limit 20\n"
+               f"Methods: {', '.join(METHODS)}.")
+    p.add_argument("--model", default="embedded",
+                   help="'embedded' (default), 'tiny-llama'/'tiny-qwen2', a local model dir or a hub id")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA if present; under accelerate each process takes its own GPU), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
+    p.add_argument("--data", default="builtin",
+                   help="'builtin' (benchmarks/data/builtin.jsonl, 45 samples) or a .jsonl/.json file in the flat "
+                        "(image, question, answer) or LLaVA conversation format")
+    p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the data file's)")
+    p.add_argument("--methods", default="all", help="'all' or a comma-separated list; 'full' is always added "
+                                                    "(it is the ROUGE reference)")
+    p.add_argument("--budgets", default=None, help=f"comma-separated kept fractions (default {DEFAULT_BUDGETS}; "
+                                                   f"--quick: {QUICK['budgets']})")
+    p.add_argument("--limit", type=int, default=None, help="use the first N samples (--quick: 5)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per output (default 64; --quick 12)")
+    p.add_argument("--max-answer-tokens", type=int, default=None,
+                   help="score only the first N tokens of each reference answer, 0 = all (default 0; --quick 16)")
+    p.add_argument("--quick", action="store_true",
+                   help="a subset that finishes in minutes on a 2-core CPU with the embedded model: "
+                        "first 5 samples, budgets 0.1/0.3/0.5, 12 new tokens, answers cut at 16 tokens "
+                        "(explicit options override these)")
+    p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
+                   help="offline = calibrated per-layer ratios from assets/prefix_configs (the paper's default); "
+                        "online = search on each prompt; auto = offline when this model is calibrated (default)")
+    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
+                   help="a method's own setting, repeatable (e.g. snapkv.window=16, zipvl.tau=0.95)")
+    p.add_argument("--out", default=None, help="output folder (default out/benchmarks/quality-<model>[-quick]); "
+                                               "records there are resumed")
+    p.add_argument("--fresh", action="store_true", help="discard the records already in --out and start over")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads per process (default: cores / processes)")
+    p.add_argument("--no-png", action="store_true", help="HTML figure only, skip the PNG export")
+    p.add_argument("--quiet", action="store_true", help="no progress bars; print only the output paths")
+    return p
+
+
+def resolve_settings(args) -> dict[str, Any]:
+    base = QUICK if args.quick else FULL_DEFAULTS
+    limit = args.limit if args.limit is not None else base["limit"]
+    return {
+        "limit": limit,
+        "budgets": sorted(set(parse_float_list(args.budgets or base["budgets"], "budgets"))),
+        "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else base["max_new_tokens"],
+        "max_answer_tokens": (args.max_answer_tokens if args.max_answer_tokens is not None
+                              else base["max_answer_tokens"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from prefixkv_core import Engine, load_model
+    from prefixkv_core.calibrate import load_ratios
+    from prefixkv_core.policies import PolicyError, check_budget, resolve_methods
+
+    # On a machine without a GPU (or with --device cpu) processes started by `accelerate launch --multi_gpu`
+    # / torchrun must be told to use CPU collectives (gloo); otherwise accelerate sees no distributed run.
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=on_cpu)
+    rank, world = state.process_index, state.num_processes
+    main_proc = state.is_main_process
+    settings = resolve_settings(args)
+    for b in settings["budgets"]:
+        try:
+            check_budget(b)
+        except PolicyError as exc:
+            raise SystemExit(f"--budgets: {exc}") from None
+    if settings["max_new_tokens"] < 1:
+        raise SystemExit("--max-new-tokens must be at least 1")
+    try:
+        methods = resolve_methods(args.methods)
+    except PolicyError as exc:
+        raise SystemExit(f"--methods: {exc}") from None
+    if "full" not in methods:
+        methods = ["full"] + methods
+    data_path, default_root = dataset_spec(args.data)
+    try:
+        samples = load_dataset(data_path, settings["limit"])
+    except DataError as exc:
+        raise SystemExit(f"--data: {exc}") from None
+    image_root = Path(args.image_root) if args.image_root else default_root
+
+    device = args.device
+    if device == "auto" and world > 1 and torch.cuda.is_available():
+        device = f"cuda:{state.local_process_index}"
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    elif world > 1 and "OMP_NUM_THREADS" not in os.environ and not str(device).startswith("cuda"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    loaded = load_model(args.model, device=device, dtype=args.dtype)
+    engine = Engine(loaded)
+
+    knobs = parse_knobs(args.knob)
+    mode = args.prefixkv_mode
+    if mode == "auto":
+        mode = "offline" if load_ratios(loaded.slug, settings["budgets"][0], loaded.num_layers) else "online"
+    if "prefixkv" in methods:
+        knobs.setdefault("prefixkv", {}).setdefault("mode", mode)
+        mode = knobs["prefixkv"]["mode"]
+
+    out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
+        f"quality-{loaded.slug}" + ("-quick" if args.quick else ""))
+    fingerprint = {
+        "model": loaded.name, "model_slug": loaded.slug, "weights": weights_digest(loaded.model),
+        "vision_trained": loaded.vision_trained, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "device_type": loaded.device.type, "data": repo_relative(data_path), "data_sha": file_sha(data_path),
+        "image_root": repo_relative(image_root), "max_new_tokens": settings["max_new_tokens"],
+        "max_answer_tokens": settings["max_answer_tokens"], "knobs": knobs,
+    }
+    store = RecordStore(out, rank)
+    cfg_path = out / "config.json"
+    # Every process checks (so none is left waiting at the barrier below); only the main one writes.
+    if not args.fresh and cfg_path.is_file() and store.shards():
+        old = json.loads(cfg_path.read_text())
+        if old != fingerprint:
+            diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
+            raise SystemExit(f"{out} holds records of a different configuration {diff}; use --fresh to discard "
+                             "them or another --out")
+    state.wait_for_everyone()
+    if main_proc:
+        out.mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            for shard in store.shards():
+                shard.unlink()
+        cfg_path.write_text(json.dumps(fingerprint, indent=1) + "\n")
+    state.wait_for_everyone()
+
+    # Later lines win; a record that ended in an error is tried again (an OOM or a crash may not recur).
+    done_records = list({record_key(r): r for r in store.load()}.values())
+    done = {record_key(r) for r in done_records if not r.get("error")}
+    sample_ids = [s.id for s in samples]
+    my_new: list[dict[str, Any]] = []
+    quiet = args.quiet or not main_proc
+    t0 = time.perf_counter()
+    with state.split_between_processes(list(range(len(samples)))) as my_indices:
+        my_samples = [samples[i] for i in my_indices]
+        bar = tqdm(my_samples, desc=f"samples (process {rank + 1}/{world})" if world > 1 else "samples",
+                   disable=quiet, unit="sample")
+        steps = tqdm(desc="tokens generated + scored", disable=quiet, unit="tok", leave=False)
+        for sample in bar:
+            bar.set_postfix_str(sample.id)
+            my_new += evaluate_sample(engine, sample, image_root, methods, settings["budgets"], settings, knobs,
+                                      done, store, steps)
+        steps.close()
+        bar.close()
+        mine = {s.id for s in my_samples}
+        my_records = [r for r in done_records if r["sample"] in mine] + my_new
+    elapsed = time.perf_counter() - t0
+    all_records = gather_object(my_records) if world > 1 else my_records
+    elapsed_all = gather_object([elapsed]) if world > 1 else [elapsed]
+    new_all = gather_object([len(my_new)]) if world > 1 else [len(my_new)]
+    if not main_proc:
+        return 0
+
+    merged = {record_key(r): r for r in all_records}
+    records = sorted(merged.values(), key=lambda r: (sample_ids.index(r["sample"]) if r["sample"] in sample_ids
+                                                     else len(sample_ids), methods.index(r["method"])
+                                                     if r["method"] in methods else 99, budget_key(r["budget"])))
+    agg = aggregate(records, sample_ids, methods, settings["budgets"])
+    info = run_info(loaded.device)
+    note = (f"{loaded.name} ({loaded.slug}), {len(samples)} samples of {data_path.name}, "
+            f"{settings['max_new_tokens']} new tokens, answers {'cut at ' + str(settings['max_answer_tokens']) + ' tokens' if settings['max_answer_tokens'] else 'whole'}, "
+            f"PrefixKV {mode}; {info['machine']}, {info['date']}, commit {info['commit']}.")
+    if not loaded.vision_trained:
+        note += " The vision tower is untrained: the numbers measure language-side behaviour."
+    tables = make_tables(agg, methods, settings["budgets"], note)
+    written = []
+    for name, t in tables.items():
+        written += t.write(out, name)
+    claims = check_claims(agg, methods, settings["budgets"])
+    (out / "claims.md").write_text("\n".join(claims) + "\n")
+    summary_md = "\n".join(Table(**{**vars(t), "notes": []}).to_markdown() for t in tables.values())
+    summary_md += "\n" + note + "\n\n" + "\n".join(claims) + "\n"
+    (out / "tables.md").write_text(summary_md)
+    fig = make_figure(agg, methods, settings["budgets"], f"Quality vs budget: {loaded.name}, {len(samples)} samples")
+    fig_paths, png_msg = save_figure(fig, out / "quality", png=not args.no_png)
+    payload = {
+        "run": info, "config": fingerprint, "settings": settings, "prefixkv_mode": mode, "processes": world,
+        "elapsed_s_per_process": elapsed_all, "new_records": sum(new_all),
+        "resumed_records": len(records) - sum(new_all), "methods": methods, "budgets": settings["budgets"],
+        "samples": sample_ids, "model_notes": loaded.notes, "vision_trained": loaded.vision_trained,
+        "tables": {"ppl": agg["ppl"], "rouge_l": agg["rouge_l"], "kv_kept_pct": agg["kv_kept_pct"]},
+        "counts": agg["counts"], "claims": claims, "records": records,
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    if not args.quiet:
+        print(summary_md)
+        print(png_msg)
+        print(f"elapsed {max(elapsed_all):.0f} s on {world} process(es); {sum(new_all)} new records, "
+              f"{len(records) - sum(new_all)} resumed from {out}")
+    print(f"wrote {out}/(ppl|rouge_l|kv_kept).(md|csv|tex), tables.md, claims.md, results.json, "
+          + ", ".join(p.name for p in fig_paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

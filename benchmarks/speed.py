@@ -1,0 +1,413 @@
+"""Speed and memory vs budget: decode throughput, time to first token, per-token latency, KV bytes and the real
+peak memory of `full` and every method at budgets 0.2/0.4/0.6/0.8, for given prompt / generation lengths and
+batch size, all measured in one run (warm-up first, CUDA synchronised around every timed region).
+
+    python benchmarks/speed.py --model embedded --quick                        # CPU smoke run, ~3 minutes
+    python benchmarks/speed.py --paper                                         # PrefixKV Table 3 setting:
+        # random LLaVA-1.5-7B shapes, batch 16, 1024 + 512 and 624 + 256 tokens, bf16 on the GPU
+    python benchmarks/speed.py --random-weights llava-1.5-13b --batch 8 --settings 1024x512
+
+Prompts are synthetic and of exact length: BOS, the image block (random pixels), random text ids. With a
+batch above 1, methods whose per-layer kept counts do not depend on the sample run batched (full, local,
+H2O, SnapKV, PyramidKV, LOOK-M, PrefixKV with offline/fixed ratios); Elastic Cache, ZipVL and online
+PrefixKV run the prompts one after another at batch 1, and the table says so in its `mode` column.
+`full-stock` is the full cache through transformers' own DynamicCache and sdpa (no tracking): the
+engine-free baseline. An out-of-memory configuration is reported as OOM, not as a crash.
+Outputs in --out: speed.md/.csv/.tex, results.json (every step time), speed.html (+ .png with Chromium).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from benchmarks.batched import (RANDOM_CONFIGS, STOCK, SpeedModel, build_random_model, can_batch,  # noqa: E402
+                                from_loaded, prefixkv_fixed_ratios, run_timed, sync, synthetic_batch)
+from benchmarks.common import (REPO_ROOT, PeakRSS, Table, parse_float_list, parse_knobs, run_info,  # noqa: E402
+                               save_figure)
+
+DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
+QUICK = {"settings": "512x32", "batch": 1, "warmup_steps": 2}
+PAPER = {"random_weights": "llava-1.5-7b", "batch": 16, "settings": "1024x512,624x256",
+         "methods": "full,local,h2o,snapkv,pyramidkv,lookm,prefixkv"}
+PAPER_SPEEDUP = 1.8  # PrefixKV Table 3: decode throughput at a 20% budget vs full, LLaVA-1.5-7B
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower().replace("+", "x")
+        try:
+            p, g = item.split("x")
+            out.append((int(p), int(g)))
+        except ValueError:
+            raise SystemExit(f"--settings expects PROMPTxGEN pairs such as 1024x512,624x256; got {item!r}") from None
+        if out[-1][1] < 2:
+            raise SystemExit("--settings: generation length must be at least 2 (one prefill token + one decode step)")
+    return out
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(sm: SpeedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
+            warmup_steps: int) -> dict[str, Any]:
+    """Warm up, then time one configuration. Batched when the method allows it, else row by row."""
+    ids, is_image, pixels = batch_inputs
+    b = ids.shape[0]
+    batched = b == 1 or can_batch(method, knobs)
+    chunks = [slice(0, b)] if batched else [slice(i, i + 1) for i in range(b)]
+    first = chunks[0]
+    run_timed(sm, method, budget, knobs, ids[first], is_image[first], pixels[first], max(2, warmup_steps + 1))
+    free_memory(sm.device)
+    sync(sm.device)
+    if sm.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(sm.device)
+        base = torch.cuda.memory_allocated(sm.device)
+    results = []
+    rss = PeakRSS() if sm.device.type != "cuda" else None
+    if rss:
+        rss.__enter__()
+    try:
+        for ch in chunks:
+            results.append(run_timed(sm, method, budget, knobs, ids[ch], is_image[ch], pixels[ch], gen_len))
+    finally:
+        if rss:
+            rss.__exit__(None, None, None)
+    if sm.device.type == "cuda":
+        peak, peak_over = torch.cuda.max_memory_allocated(sm.device), torch.cuda.max_memory_allocated(sm.device) - base
+        peak_kind = "torch.cuda.max_memory_allocated"
+    else:
+        peak, peak_over = rss.peak, rss.peak - rss.start
+        peak_kind = rss.method
+    steps = [s for r in results for s in r["step_s"]]
+    decode_s = sum(steps)
+    ttft = [r["ttft_s"] for r in results]
+    new_tokens = b * (gen_len - 1)
+    kv = sum(r["kv_bytes"] for r in results)
+    true_len = results[0]["true_len"]
+    full_kv = sm.kv_bytes_per_token() * true_len * b
+    return {
+        "status": "ok", "mode": "batch 1" if b == 1 else (f"batched x{b}" if batched else f"sequential {b} x1"),
+        "batched": batched, "ttft_s": statistics.mean(ttft), "ttft_max_s": max(ttft),
+        "decode_s": decode_s, "decode_tokens_per_s": new_tokens / decode_s if decode_s > 0 else None,
+        "e2e_tokens_per_s": b * gen_len / (sum(ttft) + decode_s),
+        "ms_per_token": 1000 * statistics.mean(steps) if steps else None,
+        "ms_per_token_p50": 1000 * statistics.median(steps) if steps else None,
+        "ms_per_token_p90": 1000 * sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else None,
+        "kv_bytes": kv, "full_kv_bytes": full_kv, "kv_pct": 100.0 * kv / full_kv if full_kv else None,
+        "kept_per_layer": results[0]["kept_per_layer"], "peak_bytes": peak, "peak_over_start_bytes": peak_over,
+        "peak_kind": peak_kind, "step_s": steps, "extras": results[0]["extras"],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from prefixkv_core.policies import METHODS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Examples:\n  python benchmarks/speed.py --model embedded --quick\n"
+                                       "  python benchmarks/speed.py --paper --device cuda\n"
+                                       "  python benchmarks/speed.py --random-weights embedded --batch 4 "
+                                       "--settings 1024x64 --methods full,local,prefixkv\n"
+                                       f"Methods: {', '.join(METHODS)} (+ {STOCK}, added unless --no-stock).")
+    p.add_argument("--model", default=None, help="'embedded' (default), 'tiny-llama', a local model dir or a hub id")
+    p.add_argument("--random-weights", default=None, choices=sorted(RANDOM_CONFIGS),
+                   help="build a randomly initialised model with these exact shapes instead of loading one "
+                        "(llava-1.5-7b / llava-1.5-13b: CLIP ViT-L/14-336 + Llama-2; embedded / tiny for CPU)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
+    p.add_argument("--methods", default=None, help="'all' (default) or a comma-separated list")
+    p.add_argument("--no-stock", action="store_true", help=f"leave out the {STOCK} baseline")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"kept fractions (default {DEFAULT_BUDGETS})")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens, image block included (default 1024)")
+    p.add_argument("--gen-len", type=int, default=512, help="generated tokens per prompt (default 512)")
+    p.add_argument("--settings", default=None,
+                   help="several PROMPTxGEN settings, e.g. 1024x512,624x256 (overrides --prompt-len/--gen-len)")
+    p.add_argument("--batch", type=int, default=None, help="prompts per batch (default 1; --paper 16)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="untimed decode steps after an untimed prefill before each configuration (default 4)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every configuration N times, round-robin, and keep the median decode run")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run for CPU: 512-token prompt, 32 new tokens, batch 1, 2 warm-up steps")
+    p.add_argument("--paper", action="store_true",
+                   help="PrefixKV Table 3: random LLaVA-1.5-7B shapes, batch 16, settings 1024x512 and 624x256, "
+                        "batchable methods (explicit options override)")
+    p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
+                   help="offline: calibrated ratios from assets/prefix_configs; auto (default): calibrated if "
+                        "present, else fixed ratios from one online search on the first prompt; online: per-prompt "
+                        "search (batch 1 only)")
+    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
+                   help="a method's own setting, repeatable")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and random weights")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", default=None, help="output folder (default out/benchmarks/speed-<model>[-quick])")
+    p.add_argument("--no-png", action="store_true", help="HTML figure only")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def load_speed_model(args) -> SpeedModel:
+    from prefixkv_core import load_model
+    from prefixkv_core.models import resolve_device, resolve_dtype
+
+    if args.random_weights:
+        dev, _ = resolve_device(args.device)
+        return build_random_model(args.random_weights, dev, resolve_dtype(args.dtype, dev), seed=args.seed)
+    return from_loaded(load_model(args.model or "embedded", device=args.device, dtype=args.dtype))
+
+
+def prefixkv_knobs(sm: SpeedModel, mode: str, budget: float, inputs, base: dict) -> tuple[dict, str]:
+    from prefixkv_core.calibrate import load_ratios
+
+    knobs = dict(base)
+    if "mode" in knobs and knobs["mode"] == "online":
+        return knobs, "online (per-prompt search)"
+    if knobs.get("ratios"):
+        return {**knobs, "mode": "offline"}, "offline (ratios from --knob)"
+    if mode == "online":
+        return {**knobs, "mode": "online"}, "online (per-prompt search)"
+    found = load_ratios(sm.slug, budget, sm.num_layers)
+    if found is not None:
+        return {**knobs, "mode": "offline", "ratios": found.ratios}, f"offline ({Path(found.source).name})"
+    if mode == "offline":
+        raise SystemExit(f"no calibrated PrefixKV configuration for {sm.slug}: run `python -m prefixkv_core calibrate "
+                         f"--model ...` or use --prefixkv-mode auto")
+    ids, is_image, pixels = inputs
+    ratios = prefixkv_fixed_ratios(sm, budget, ids, is_image, pixels)
+    return {**knobs, "mode": "offline", "ratios": ratios}, "fixed (online search on prompt 0, shared by all rows)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from prefixkv_core.policies import REGISTRY, PolicyError, check_budget, resolve_methods
+
+    if args.paper:
+        if args.model is None and args.random_weights is None:
+            args.random_weights = PAPER["random_weights"]
+        args.batch = args.batch or PAPER["batch"]
+        args.settings = args.settings or PAPER["settings"]
+        args.methods = args.methods or PAPER["methods"]
+    if args.quick:
+        args.settings = args.settings or QUICK["settings"]
+        args.batch = args.batch or QUICK["batch"]
+        args.warmup_steps = QUICK["warmup_steps"] if args.warmup_steps is None else args.warmup_steps
+    batch = args.batch or 1
+    warmup = 4 if args.warmup_steps is None else args.warmup_steps
+    if batch < 1 or args.repeats < 1 or warmup < 0:
+        raise SystemExit("--batch and --repeats must be at least 1, --warmup-steps at least 0")
+    settings = parse_settings(args.settings or f"{args.prompt_len}x{args.gen_len}")
+    budgets = sorted(set(parse_float_list(args.budgets, "budgets")))
+    for b in budgets:
+        try:
+            check_budget(b)
+        except PolicyError as exc:
+            raise SystemExit(f"--budgets: {exc}") from None
+    try:
+        methods = resolve_methods(args.methods or "all")
+    except PolicyError as exc:
+        raise SystemExit(f"--methods: {exc}") from None
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    knobs_all = parse_knobs(args.knob)
+
+    t_load = time.perf_counter()
+    sm = load_speed_model(args)
+    load_s = time.perf_counter() - t_load
+    for p_len, g_len in settings:
+        if sm.max_context and p_len + g_len > sm.max_context:
+            raise SystemExit(f"setting {p_len}x{g_len} exceeds the model's context of {sm.max_context} tokens")
+    info = run_info(sm.device)
+    out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
+        f"speed-{sm.slug}" + ("-quick" if args.quick else "") + ("-paper" if args.paper else ""))
+    out.mkdir(parents=True, exist_ok=True)
+
+    # configurations: (setting, method, budget); budget-free methods once per setting
+    rows = ([STOCK] if not args.no_stock else []) + methods
+    configs = []
+    for si, _ in enumerate(settings):
+        for m in rows:
+            uses = m != STOCK and REGISTRY[m].uses_budget
+            for b in (budgets if uses else [None]):
+                configs.append((si, m, b))
+    inputs = {si: synthetic_batch(sm, batch, p, seed=args.seed + si) for si, (p, _) in enumerate(settings)}
+    prefix_modes: dict[tuple[int, float], str] = {}
+    knob_cache: dict[tuple[int, str, Any], dict] = {}
+
+    def knobs_for(si: int, m: str, b: float | None) -> dict:
+        key = (si, m, b)
+        if key not in knob_cache:
+            base = dict(knobs_all.get(m, {}))
+            if m == "prefixkv":
+                base, desc = prefixkv_knobs(sm, args.prefixkv_mode, b, inputs[si], base)
+                prefix_modes[(si, b)] = desc
+            knob_cache[key] = base
+        return knob_cache[key]
+
+    results: dict[tuple[int, str, Any], list[dict]] = {c: [] for c in configs}
+    bar = tqdm(total=len(configs) * args.repeats, desc="configurations", disable=args.quiet, unit="cfg")
+    for rep in range(args.repeats):
+        for si, m, b in configs:
+            p_len, g_len = settings[si]
+            bar.set_postfix_str(f"{p_len}x{g_len} {m} {'' if b is None else b}")
+            try:
+                res = measure(sm, m, 1.0 if b is None else b, knobs_for(si, m, b) if m != STOCK else {},
+                              inputs[si], g_len, warmup)
+            except Exception as exc:  # noqa: BLE001 - OOM and per-method failures become table cells
+                res = {"status": "OOM" if is_oom(exc) else "error", "error": f"{exc.__class__.__name__}: {exc}"[:300],
+                       "batched": batch == 1 or can_batch(m, knob_cache.get((si, m, b), {}))}
+                if not args.quiet:
+                    tqdm.write(f"{settings[si][0]}x{settings[si][1]} {m} {'' if b is None else b}: {res['status']} "
+                               f"({res['error'][:160]})")
+            if res["status"] != "ok":
+                free_memory(sm.device)  # after the except block, so the traceback's tensors can go too
+            results[(si, m, b)].append(res)
+            bar.update(1)
+    bar.close()
+
+    def pick(runs: list[dict]) -> dict:
+        ok = [r for r in runs if r["status"] == "ok"]
+        if not ok:
+            return runs[0]
+        ok.sort(key=lambda r: r["decode_tokens_per_s"] or 0)
+        return ok[len(ok) // 2]
+
+    final = {c: pick(r) for c, r in results.items()}
+    tables, claim_lines, raw = [], [], []
+    for si, (p_len, g_len) in enumerate(settings):
+        full = final.get((si, "full", None))
+        full_tps = full.get("decode_tokens_per_s") if full and full["status"] == "ok" else None
+        stock = final.get((si, STOCK, None))
+        stock_tps = stock.get("decode_tokens_per_s") if stock and stock["status"] == "ok" else None
+        cols = ["mode", "decode tok/s", "x full", "e2e tok/s", "TTFT ms", "ms/token", "p90 ms/token", "KV MiB",
+                "KV % full", "peak MiB", "peak +MiB", "status"]
+        t = Table(title=f"Speed and memory: {sm.name}, batch {batch}, prompt {p_len} + generate {g_len} tokens",
+                  row_header="method @ budget", rows=[], columns=cols, digits=2)
+        for (sj, m, b), r in final.items():
+            if sj != si:
+                continue
+            label = m if b is None else f"{m} @ {b:.1f}"
+            t.rows.append(label)
+            raw.append({"prompt_len": p_len, "gen_len": g_len, "batch": batch, "method": m, "budget": b,
+                        **{k: v for k, v in r.items()},
+                        "repeats": [x.get("decode_tokens_per_s") for x in results[(sj, m, b)]]})
+            if r["status"] != "ok":
+                t.values[(label, "status")] = r["status"]
+                t.values[(label, "mode")] = "batched" if r.get("batched") else "sequential"
+                continue
+            tps = r["decode_tokens_per_s"]
+            vals = {"mode": r["mode"], "decode tok/s": tps, "x full": tps / full_tps if full_tps else None,
+                    "e2e tok/s": r["e2e_tokens_per_s"], "TTFT ms": 1000 * r["ttft_s"], "ms/token": r["ms_per_token"],
+                    "p90 ms/token": r["ms_per_token_p90"], "KV MiB": r["kv_bytes"] / 2**20, "KV % full": r["kv_pct"],
+                    "peak MiB": r["peak_bytes"] / 2**20, "peak +MiB": r["peak_over_start_bytes"] / 2**20,
+                    "status": "ok"}
+            t.values.update({(label, c): v for c, v in vals.items()})
+        if stock_tps and full_tps:
+            t.notes.append(f"Engine overhead: full through the engine decodes at {full_tps / stock_tps:.2f}x the "
+                           f"speed of {STOCK} (plain DynamicCache + sdpa).")
+        for (sj, b), desc in sorted(prefix_modes.items(), key=lambda x: (x[0][0], x[0][1])):
+            if sj == si:
+                t.notes.append(f"PrefixKV @ {b:.1f}: {desc}.")
+        tables.append(t)
+        pk = final.get((si, "prefixkv", 0.2))
+        if "prefixkv" in methods and 0.2 in budgets and pk is not None:
+            if pk["status"] == "ok" and full_tps:
+                ratio = pk["decode_tokens_per_s"] / full_tps
+                e2e = pk["e2e_tokens_per_s"] / full["e2e_tokens_per_s"]
+                claim_lines.append(
+                    f"- {p_len}+{g_len}, batch {batch}: PrefixKV @ 0.2 decodes at {ratio:.2f}x full "
+                    f"({pk['decode_tokens_per_s']:.1f} vs {full_tps:.1f} tok/s; end to end {e2e:.2f}x) -> the paper's "
+                    f"{PAPER_SPEEDUP}x {'HOLDS' if ratio >= PAPER_SPEEDUP else 'DOES NOT HOLD'} here "
+                    f"({pk['mode']}).")
+            else:
+                claim_lines.append(f"- {p_len}+{g_len}, batch {batch}: PrefixKV @ 0.2 {pk['status']}, full "
+                                   f"{'ok' if full_tps else 'failed/OOM'}: no ratio.")
+    header = [f"Model: {sm.name} ({sm.param_count() / 1e9:.2f} B parameters, {sm.num_layers} layers, "
+              f"{str(sm.dtype).replace('torch.', '')}, {sm.device})" + (" - random weights" if sm.random_weights else ""),
+              f"Machine: {info['machine']}; {info['date']}; commit {info['commit']}; torch {info['torch']}, "
+              f"{info['torch_threads']} threads; model ready in {load_s:.0f} s.",
+              f"Peak memory: {'torch.cuda.max_memory_allocated (weights included); +MiB = above the allocation before the configuration' if sm.device.type == 'cuda' else 'process peak RSS (weights included; kernel VmHWM reset per configuration where Linux allows it, else sampled); +MiB = above the RSS at the start of the configuration'}.",
+              f"decode tok/s = batch x (generated - 1) / decode time (every step synchronised, policy time included); "
+              f"e2e adds the prefill; warm-up {warmup} steps per configuration; repeats {args.repeats} (median).",
+              "Batched methods: " + ", ".join(sorted({r['method'] for r in raw if r.get('batched') and batch > 1}))
+              if batch > 1 else "Batch 1: every method runs alone."]
+    claims = ["Claim (b): PrefixKV at a 20% budget decodes 1.8x faster than full (paper: LLaVA-1.5-7B, batch 16)."]
+    claims += claim_lines or ["- not measured (needs prefixkv, full and budget 0.2)"]
+    md = "\n".join(header) + "\n\n" + "\n".join(t.to_markdown() for t in tables) + "\n" + "\n".join(claims) + "\n"
+    (out / "speed.md").write_text(md)
+    for i, t in enumerate(tables):
+        suffix = "" if len(tables) == 1 else f"-{settings[i][0]}x{settings[i][1]}"
+        (out / f"speed{suffix}.csv").write_text(t.to_csv())
+        (out / f"speed{suffix}.tex").write_text(t.to_latex())
+    payload = {"run": info, "model": sm.name, "slug": sm.slug, "random_weights": sm.random_weights,
+               "params": sm.param_count(), "dtype": str(sm.dtype), "device": str(sm.device), "batch": batch,
+               "settings": settings, "budgets": budgets, "methods": rows, "warmup_steps": warmup,
+               "repeats": args.repeats, "prefixkv_modes": {f"{settings[s][0]}x{settings[s][1]}@{b}": d
+                                                           for (s, b), d in prefix_modes.items()},
+               "header": header, "claims": claims, "results": raw, "model_notes": sm.notes}
+    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    fig = make_figure(raw, settings, budgets, f"Speed vs budget: {sm.name}, batch {batch}")
+    paths, png_msg = save_figure(fig, out / "speed", png=not args.no_png)
+    if not args.quiet:
+        print(md)
+        print(png_msg)
+    print(f"wrote {out}/speed.md, speed*.csv, speed*.tex, results.json, " + ", ".join(p.name for p in paths))
+    return 0
+
+
+def make_figure(raw: list[dict], settings, budgets, title: str):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=len(settings), cols=3, subplot_titles=[
+        f"{s[0]}+{s[1]}: {name}" for s in settings for name in ("decode tok/s", "KV MiB", "peak memory MiB")])
+    palette = ["#7f7f7f", "#222222", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+               "#d62728"]
+    methods = list(dict.fromkeys(r["method"] for r in raw))
+    xs = [float(b) for b in budgets]
+    for si, (p_len, g_len) in enumerate(settings):
+        for mi, m in enumerate(methods):
+            rs = [r for r in raw if r["method"] == m and r["prompt_len"] == p_len and r["gen_len"] == g_len]
+            if not rs:
+                continue
+            fixed = rs[0]["budget"] is None
+            for col, key, scale in ((1, "decode_tokens_per_s", 1.0), (2, "kv_bytes", 2**-20), (3, "peak_bytes", 2**-20)):
+                if fixed:
+                    v = rs[0].get(key) if rs[0]["status"] == "ok" else None
+                    ys = [v * scale if v is not None else None] * len(xs)
+                else:
+                    by_b = {r["budget"]: r for r in rs}
+                    ys = [by_b[b][key] * scale if b in by_b and by_b[b]["status"] == "ok" else None for b in budgets]
+                fig.add_trace(go.Scatter(x=xs, y=ys, name=m, legendgroup=m, showlegend=(si == 0 and col == 1),
+                                         mode="lines" if fixed else "lines+markers",
+                                         line=dict(color=palette[mi % len(palette)], dash="dash" if fixed else "solid",
+                                                   width=3 if m == "prefixkv" else 2)), row=si + 1, col=col)
+    fig.update_xaxes(title_text="budget (kept fraction)")
+    fig.update_layout(title=title, width=1400, height=420 * len(settings), template="plotly_white")
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""The benchmark harnesses (benchmarks/quality.py, benchmarks/speed.py) on the tiny model: table shapes, the
+Full reference row, resumability, batched speed runs, OOM reporting, LLaVA-1.5 shapes on the meta device,
+and the data-parallel run under `accelerate launch` (2 CPU processes) against a single-process run.
+No timing assertions."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import quality, speed
+from benchmarks.batched import BATCHABLE, build_random_model, can_batch, random_config, run_timed, synthetic_batch
+from benchmarks.common import RecordStore, Table
+from benchmarks.data import BUILTIN, DataError, load_dataset, parse_record, resolve_image
+from prefixkv_core.policies import METHODS
+
+ROOT = Path(__file__).resolve().parent.parent
+QBUDGETS = ["0.10", "0.50"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one torch thread avoids OpenMP spin-waiting (10x faster)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def read_csv(path: Path) -> list[list[str]]:
+    with open(path) as fh:
+        return list(csv.reader(fh))
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+def test_builtin_set_and_both_formats(tmp_path):
+    samples = load_dataset(BUILTIN)
+    assert len(samples) >= 40
+    kinds = {s.extra["kind"] for s in samples}
+    assert {"scene-description", "photo-description", "photo-qa"} <= kinds
+    assert any(k.startswith("scene-qa") for k in kinds)
+    for s in samples[:4]:  # scenes render, photos resolve relative to the data file
+        assert resolve_image(s.image, BUILTIN.parent).mode == "RGB"
+    conv = parse_record({"id": "a", "image": "x.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]}, "t")
+    flat = parse_record({"id": "b", "imagename": "x.png", "question": "What is it?", "answer": "A cat."}, "t")
+    assert (conv.image, conv.question, conv.answer) == (flat.image, flat.question, flat.answer) == \
+        ("x.png", "What is it?", "A cat.")
+    mmvet = tmp_path / "mmvet.json"
+    mmvet.write_text(json.dumps({"v1_0": {"imagename": "v1_0.png", "question": "Q?", "answer": "A"}}))
+    assert load_dataset(mmvet)[0].id == "v1_0"
+    with pytest.raises(DataError, match="needs 'question' and 'answer'"):
+        parse_record({"id": "c", "image": "x.png"}, "t")
+
+
+def test_table_formats():
+    t = Table("PPL", "method \\ budget", ["full", "local_1"], ["0.10"], {("full", "0.10"): 2.0,
+                                                                          ("local_1", "0.10"): "OOM"}, best="min")
+    assert "| local_1 | OOM |" in t.to_markdown()
+    assert read_csv_text(t.to_csv()) == [["method \\ budget", "0.10"], ["full", "2.000"], ["local_1", "OOM"]]
+    tex = t.to_latex()
+    assert r"\begin{tabular}{lr}" in tex and r"local\_1 & OOM \\" in tex
+
+
+def read_csv_text(text: str) -> list[list[str]]:
+    return list(csv.reader(text.splitlines()))
+
+
+# -- quality -------------------------------------------------------------------------------------------------
+
+def full_greedy_words(engine, image, question: str, n: int) -> str:
+    """Full's greedy answer restricted to whole-word tokens (" word") that survive decode -> encode, so the
+    reference answer re-tokenises to exactly the ids Full chose (byte-level pieces of a random model do not)."""
+    from prefixkv_core import GenerationSettings
+    from prefixkv_core.attention import tracked_attention_enabled
+
+    tok = engine.loaded.processor.tokenizer
+    safe = torch.zeros(len(tok), dtype=torch.bool)
+    for t in range(len(tok)):
+        text = tok.decode([t])
+        if len(text) > 2 and text[0] == " " and text[1:].isalpha() and tok(text, add_special_tokens=False)[
+                "input_ids"] == [t]:
+            safe[t] = True
+    session = engine.new_session(image, question, ["full"], 1.0, GenerationSettings(max_new_tokens=n))
+    state = session.states["full"]
+    ids = []
+    with engine.lock, tracked_attention_enabled(engine.loaded.model):
+        session.turn = 0
+        session._prefill_all()
+        logits = session._first_logits
+        for _ in range(n):
+            ids.append(int(torch.where(safe, logits.float(), float("-inf")).argmax()))
+            logits, _, _ = session._advance(state, ids[-1])
+    answer = tok.decode(ids)
+    assert tok(answer, add_special_tokens=False)["input_ids"] == ids
+    return answer
+
+
+@pytest.fixture(scope="module")
+def self_ref_data(tmp_path_factory, tiny_llama):
+    """Three scene questions whose reference answers are Full's own greedy choices: every answer token is
+    Full's favourite, so Full's teacher-forced PPL is the lowest, even on random weights."""
+    from prefixkv_core import Engine
+
+    engine = Engine(tiny_llama)
+    root = tmp_path_factory.mktemp("data")
+    lines = []
+    for i, seed in enumerate((2000000, 2000001, 2000021)):
+        question = ["Describe the image in detail.", "What shapes are there?", "Where is the circle?"][i]
+        answer = full_greedy_words(engine, resolve_image(f"scene:{seed}", root), question, 8)
+        lines.append(json.dumps({"id": f"s{i}", "image": f"scene:{seed}", "question": question, "answer": answer}))
+    path = root / "selfref.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def quality_run(tmp_path_factory, self_ref_data):
+    out = tmp_path_factory.mktemp("quality")
+    args = ["--model", "tiny-llama", "--data", str(self_ref_data), "--budgets", ",".join(QBUDGETS),
+            "--max-new-tokens", "4", "--max-answer-tokens", "0", "--threads", "1", "--out", str(out), "--no-png",
+            "--quiet"]
+    assert quality.main(args) == 0
+    return out, args
+
+
+def test_quality_tables(quality_run):
+    out, _ = quality_run
+    res = json.loads((out / "results.json").read_text())
+    assert res["methods"] == list(METHODS)
+    assert res["samples"] == ["s0", "s1", "s2"]
+    for name in ("ppl", "rouge_l", "kv_kept"):
+        for ext in ("md", "csv", "tex"):
+            assert (out / f"{name}.{ext}").is_file()
+        rows = read_csv(out / f"{name}.csv")
+        assert rows[0] == ["method \\ budget"] + QBUDGETS
+        assert [r[0] for r in rows[1:]] == list(METHODS)
+        assert all(len(r) == 1 + len(QBUDGETS) and all(r[1:]) for r in rows)
+    assert (out / "quality.html").is_file()
+    md = (out / "rouge_l.md").read_text()
+    assert "| full | 1.000 | 1.000 |" in md
+    ppl, rouge = res["tables"]["ppl"], res["tables"]["rouge_l"]
+    for b in QBUDGETS:
+        assert rouge["full"][b] == 1.0
+        others = {m: ppl[m][b] for m in METHODS if m != "full"}
+        assert all(isinstance(v, float) for v in others.values()), others
+        assert ppl["full"][b] < min(others.values()), (b, ppl["full"][b], others)
+        assert res["tables"]["kv_kept_pct"]["full"][b] == 100.0
+    # every raw number is there: one record per (sample, method, budget); budget-free methods once
+    n_fixed = sum(1 for m in METHODS if m in ("full", "zipvl"))
+    assert len(res["records"]) == 3 * (n_fixed + (len(METHODS) - n_fixed) * len(QBUDGETS))
+    assert all(r["error"] is None and r["nll"] is not None for r in res["records"])
+    assert res["counts"]["prefixkv"]["0.10"]["samples"] == 3
+    assert res["prefixkv_mode"] == "online"  # the tiny model has no calibrated configuration
+    # the budget is honoured: about 10% / 50% of Full's KV kept (sinks and the last prompt token on top)
+    assert res["tables"]["kv_kept_pct"]["local"]["0.10"] < res["tables"]["kv_kept_pct"]["local"]["0.50"] < 60
+
+
+def test_quality_resume_does_no_new_work(quality_run, capsys):
+    out, args = quality_run
+    store = RecordStore(out)
+    before = [p.read_text() for p in store.shards()]
+    first = json.loads((out / "results.json").read_text())
+    assert quality.main(args) == 0
+    second = json.loads((out / "results.json").read_text())
+    assert [p.read_text() for p in store.shards()] == before  # nothing appended
+    assert second["new_records"] == 0 and second["resumed_records"] == len(first["records"])
+    assert second["tables"] == first["tables"]
+    # a different configuration in the same folder is refused, not mixed in; new weights are one
+    with pytest.raises(SystemExit, match="different configuration"):
+        quality.main([a if a != "4" else "5" for a in args])
+    from prefixkv_core.models import build_tiny_model
+
+    assert json.loads((out / "config.json").read_text())["weights"] == quality.weights_digest(
+        build_tiny_model("llama", seed=0).model) != quality.weights_digest(build_tiny_model("llama", seed=1).model)
+
+
+def test_quality_errored_records_are_retried(tmp_path, self_ref_data):
+    args = ["--model", "tiny-llama", "--data", str(self_ref_data), "--limit", "1", "--methods", "full,local",
+            "--budgets", "0.3", "--max-new-tokens", "2", "--max-answer-tokens", "3", "--threads", "1",
+            "--out", str(tmp_path), "--no-png", "--quiet"]
+    assert quality.main(args) == 0
+    shard = RecordStore(tmp_path).shards()[0]
+    recs = [json.loads(x) for x in shard.read_text().splitlines()]
+    recs[-1]["error"] = "OutOfMemoryError: simulated"
+    shard.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert quality.main(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["new_records"] == 1 and all(r["error"] is None for r in res["records"])
+
+
+# -- data parallel under accelerate --------------------------------------------------------------------------
+
+def test_accelerate_two_processes_match_one(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` (torchrun underneath; on CPU the script asks accelerate
+    for gloo) splits the samples and gathers the records; the tables equal a single-process run's.
+    (`accelerate launch --cpu` starts one process unless MPI is configured, so it cannot test the split.)"""
+    common = ["benchmarks/quality.py", "--model", "tiny-llama", "--device", "cpu", "--limit", "4", "--methods", "local,prefixkv",
+              "--budgets", "0.3", "--max-new-tokens", "3", "--max-answer-tokens", "4", "--threads", "1",
+              "--no-png", "--quiet"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": ""}
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert quality.main(common[1:] + ["--out", str(one)]) == 0  # the single-process run, in this process
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+        + common + ["--out", str(two)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    r1 = json.loads((one / "results.json").read_text())
+    r2 = json.loads((two / "results.json").read_text())
+    assert r1["processes"] == 1 and r2["processes"] == 2
+    # both processes did work and wrote their own shard
+    assert sorted(p.name for p in RecordStore(two).shards()) == ["records.rank0.jsonl", "records.rank1.jsonl"]
+    assert r2["tables"] == r1["tables"] and r2["counts"] == r1["counts"]
+    for name in ("ppl", "rouge_l", "kv_kept"):
+        assert (two / f"{name}.csv").read_text() == (one / f"{name}.csv").read_text()
+    assert r2["records"] == r1["records"]  # every raw number, in the same order
+
+
+# -- speed ---------------------------------------------------------------------------------------------------
+
+SPEED_ARGS = ["--model", "tiny-llama", "--settings", "40x4", "--budgets", "0.2", "--warmup-steps", "0",
+              "--threads", "1", "--no-png", "--quiet"]
+
+
+def test_speed_batch2_says_which_ran_batched(tmp_path):
+    assert speed.main(SPEED_ARGS + ["--batch", "2", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in res["results"]}
+    assert set(rows) == {speed.STOCK, *METHODS}
+    assert all(r["status"] == "ok" for r in rows.values()), {m: r.get("error") for m, r in rows.items()}
+    batched = {m for m, r in rows.items() if r["batched"]}
+    # online PrefixKV would be per sample; without calibration the benchmark fixes ratios from prompt 0
+    assert batched == {speed.STOCK, "full", "local", "h2o", "snapkv", "pyramidkv", "lookm", "prefixkv"}
+    assert rows["elastic"]["mode"] == "sequential 2 x1" and rows["zipvl"]["mode"] == "sequential 2 x1"
+    assert rows["full"]["mode"] == "batched x2"
+    md = (tmp_path / "speed.md").read_text()
+    assert "Batched methods: full, full-stock, h2o, local, lookm, prefixkv, pyramidkv, snapkv" in md
+    assert rows["full"]["kv_pct"] == pytest.approx(100.0)
+    assert rows["local"]["kv_pct"] < 40
+    for r in rows.values():  # batch 2 x 3 decode steps, each timed; peak memory next to KV bytes
+        assert len(r["step_s"]) == (3 if r["batched"] else 2 * 3)
+        assert r["peak_bytes"] > r["kv_bytes"] > 0
+    rows_csv = read_csv(tmp_path / "speed.csv")
+    assert len(rows_csv) == 1 + 1 + len(METHODS) and rows_csv[0][0] == "method @ budget"
+
+
+def test_batched_rows_equal_single_runs(tiny_llama):
+    """A batched run computes what batch-1 runs compute, row by row (same greedy tokens, same kept counts)."""
+    from benchmarks.batched import from_loaded
+
+    sm = from_loaded(tiny_llama)
+    ids, is_image, pixels = synthetic_batch(sm, 2, 40, seed=3)
+    for method, knobs in (("full", {}), ("snapkv", {}), ("h2o", {}), ("prefixkv", {"mode": "offline",
+                                                                                   "ratios": [0.1, 0.2, 0.3, 0.2]})):
+        assert can_batch(method, knobs)
+        both = run_timed(sm, method, 0.25, knobs, ids, is_image, pixels, 5)
+        rows = [run_timed(sm, method, 0.25, knobs, ids[i:i + 1], is_image[i:i + 1], pixels[i:i + 1], 5)
+                for i in range(2)]
+        assert both["tokens"] == [r["tokens"][0] for r in rows], method
+        assert both["kept_per_layer"] == rows[0]["kept_per_layer"] == rows[1]["kept_per_layer"], method
+    assert not can_batch("prefixkv", {"mode": "online"}) and "elastic" not in BATCHABLE
+    with pytest.raises(ValueError, match="batch size 1"):  # its per-layer search is per sample
+        run_timed(sm, "prefixkv", 0.25, {"mode": "online"}, ids, is_image, pixels, 2)
+
+
+def test_speed_reports_oom_in_the_table(tmp_path, monkeypatch):
+    real = speed.run_timed
+
+    def fake(sm, method, *a, **k):
+        if method == "local":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        return real(sm, method, *a, **k)
+
+    monkeypatch.setattr(speed, "run_timed", fake)
+    assert speed.main(SPEED_ARGS + ["--batch", "1", "--methods", "full,local,prefixkv", "--no-stock",
+                                    "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in res["results"]}
+    assert rows["local"]["status"] == "OOM" and "OutOfMemoryError" in rows["local"]["error"]
+    assert rows["full"]["status"] == rows["prefixkv"]["status"] == "ok"
+    md = (tmp_path / "speed.md").read_text()
+    assert any(line.startswith("| local @ 0.2 |") and line.rstrip().endswith("| OOM |") for line in md.splitlines())
+    assert read_csv(tmp_path / "speed.csv")[2][-1] == "OOM"
+
+
+def test_speed_cli_errors_are_messages():
+    with pytest.raises(SystemExit, match="PROMPTxGEN"):
+        speed.main(SPEED_ARGS + ["--settings", "40"])
+    with pytest.raises(SystemExit, match="budgets"):
+        speed.main(SPEED_ARGS + ["--budgets", "1.5"])
+
+
+# -- random weights with the papers' shapes ----------------------------------------------------------------
+
+def test_random_llava_1_5_7b_shapes_on_meta():
+    """LLaVA-1.5-7B's exact shapes, built on the meta device: no 7B weights are allocated."""
+    cfg = random_config("llava-1.5-7b")
+    text, vision = cfg.text_config, cfg.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
+            text.intermediate_size, text.vocab_size) == (4096, 32, 32, 32, 11008, 32064)
+    assert (vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.image_size,
+            vision.patch_size) == (1024, 24, 16, 336, 14)
+    assert cfg.image_seq_length == (336 // 14) ** 2 == 576 and cfg.image_token_id == 32000
+    assert cfg.vision_feature_layer == -2 and cfg.vision_feature_select_strategy == "default"
+
+    sm = build_random_model("llava-1.5-7b", device="meta", dtype=torch.float16)
+    assert {p.device.type for p in sm.model.parameters()} == {"meta"}
+    assert sm.param_count() == 7_063_427_072  # llava-hf/llava-1.5-7b-hf
+    shapes = {n: tuple(p.shape) for n, p in sm.model.named_parameters()}
+    assert shapes["lm_head.weight"] == (32064, 4096)
+    assert shapes["model.language_model.embed_tokens.weight"] == (32064, 4096)
+    assert shapes["model.vision_tower.embeddings.position_embedding.weight"] == (577, 1024)  # 576 patches + CLS
+    assert shapes["model.multi_modal_projector.linear_1.weight"] == (4096, 1024)
+    assert (sm.num_layers, sm.image_seq_length, sm.kv_bytes_per_token()) == (32, 576, 2 * 32 * 32 * 128 * 2)
+
+    big = random_config("llava-1.5-13b").text_config
+    assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.vocab_size) == (5120, 40, 40, 32064)
