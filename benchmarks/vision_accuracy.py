@@ -1,0 +1,163 @@
+"""Does the model see? Accuracy per question type on held-out synthetic scenes, through the engine.
+
+    python -m benchmarks.vision_accuracy --scenes 100                       # full cache only
+    python -m benchmarks.vision_accuracy --scenes 30 --methods full,prefixkv,snapkv --budgets 0.2,0.5
+
+Every QA pair of the first --scenes seeds of the TEST split (prefixkv_core.scenes, disjoint from the
+training seeds) is asked as the first turn of its own session (image + question), greedy decoding, a
+few new tokens. An answer is correct when its normalised text (lowercase, punctuation dropped) equals
+the reference or starts with it as whole words. --describe N also asks N scenes for a description and
+reports which share of their objects ("red circle") it names. Writes <out>.json and <out>.md, plus
+<out>.html (accuracy vs budget per method) when budgets are given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from prefixkv_core import Engine, GenerationSettings
+from prefixkv_core.models import load_model
+from prefixkv_core.scenes import QTYPES, render_scene, split_seeds
+
+DESCRIBE_PROMPT = "Describe the image."
+
+
+def normalise(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9\- ]+", " ", text.lower()).split())
+
+
+def is_correct(output: str, answer: str) -> bool:
+    out, ref = normalise(output), normalise(answer)
+    return bool(ref) and (out == ref or out.startswith(ref + " "))
+
+
+def named_share(description: str, scene) -> float:
+    """Share of the scene's objects named as "<colour> <shape>" in the description."""
+    text = normalise(description)
+    return sum(f"{o.colour} {o.shape}" in text for o in scene.objects) / len(scene.objects)
+
+
+def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int) -> dict[str, str]:
+    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new))
+    for _ in session.run():
+        pass
+    return {m: (r["error"] and f"ERROR {r['error']}") or r["text"] for m, r in session.results().items()}
+
+
+def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
+             describe: int, split: str) -> dict:
+    records = []
+    descriptions = []
+    total = sum(len(render_scene(s).qa) for s in seeds) * len(budgets) + min(describe, len(seeds)) * len(budgets)
+    bar = tqdm(total=total, desc="questions", file=sys.stderr, mininterval=5)
+    for i, seed in enumerate(seeds):
+        scene = render_scene(seed)
+        for budget in budgets:
+            for qa in scene.qa:
+                outs = ask(engine, scene.image, qa.question, methods, budget, max_new)
+                for m, text in outs.items():
+                    records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
+                                    "qtype": qa.qtype, "method": m, "budget": budget, "output": text,
+                                    "correct": is_correct(text, qa.answer)})
+                bar.update()
+            if i < describe:
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, methods, budget, 96)
+                for m, text in outs.items():
+                    descriptions.append({"seed": seed, "method": m, "budget": budget, "output": text,
+                                         "reference": scene.description, "named": named_share(text, scene)})
+                bar.update()
+    bar.close()
+    return {"records": records, "descriptions": descriptions}
+
+
+def summarise(res: dict) -> dict:
+    acc: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for r in res["records"]:
+        key = f"{r['method']}@{r['budget']:g}"
+        for t in (r["qtype"], "all"):
+            acc[key][t][0] += r["correct"]
+            acc[key][t][1] += 1
+    out = {k: {t: {"correct": c, "n": n, "accuracy": c / n} for t, (c, n) in v.items()} for k, v in acc.items()}
+    named: dict = defaultdict(list)
+    for d in res["descriptions"]:
+        named[f"{d['method']}@{d['budget']:g}"].append(d["named"])
+    for k, v in named.items():
+        out.setdefault(k, {})["describe_named_objects"] = {"n": len(v), "accuracy": sum(v) / len(v)}
+    return out
+
+
+def markdown(summary: dict) -> str:
+    cols = [*QTYPES, "all", "describe_named_objects"]
+    lines = ["| method@budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for key, per in summary.items():
+        cells = [f"{per[c]['accuracy']:.1%} (n={per[c]['n']})" if c in per else "-" for c in cols]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(summary: dict, path: Path) -> None:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    by_method: dict = defaultdict(list)
+    for key, per in summary.items():
+        m, b = key.rsplit("@", 1)
+        by_method[m].append((float(b), per["all"]["accuracy"]))
+    for m, pts in sorted(by_method.items()):
+        pts.sort()
+        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m))
+    fig.update_layout(title="Scene QA accuracy vs KV budget (test split)", xaxis_title="KV budget (share kept)",
+                      yaxis_title="accuracy (all question types)", yaxis_range=[0, 1])
+    fig.write_html(str(path), include_plotlyjs=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--split", default="test", choices=["test", "val"])
+    ap.add_argument("--scenes", type=int, default=100)
+    ap.add_argument("--methods", default="full", help="comma-separated engine methods")
+    ap.add_argument("--budgets", default="", help="comma-separated KV budgets (default: 1.0 only)")
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--describe", type=int, default=0, help="also ask this many scenes for a description")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default="benchmarks/results/vision_accuracy")
+    args = ap.parse_args(argv)
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()] or [1.0]
+    t0 = time.time()
+    loaded = load_model(args.model, device=args.device)
+    engine = Engine(loaded)
+    res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
+                   args.describe, args.split)
+    summary = summarise(res)
+    full = summary.get("full@1")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "model": args.model, "vision_trained": loaded.vision_trained, "split": args.split, "scenes": args.scenes,
+        "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens,
+        "accuracy": {t: v["accuracy"] for t, v in full.items()} if full else None,
+        "n": {t: v["n"] for t, v in full.items()} if full else None,
+        "summary": summary, "seconds": round(time.time() - t0, 1), **res,
+    }
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    md = markdown(summary)
+    out.with_suffix(".md").write_text(f"Scene QA accuracy, {args.split} split, {args.scenes} scenes, "
+                                      f"model {args.model}\n\n" + md)
+    if len(budgets) > 1 or budgets != [1.0]:
+        figure(summary, out.with_suffix(".html"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
