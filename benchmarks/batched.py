@@ -17,6 +17,7 @@ import torch
 
 from prefixkv_core.attention import AttentionProbe, StatRequest, tracked_attention_enabled
 from prefixkv_core.cache import TrackedCache
+from prefixkv_core.models import TextShape
 from prefixkv_core.policies import Policy, make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
 
@@ -39,7 +40,7 @@ def can_batch(method: str, knobs: dict[str, Any] | None = None) -> bool:
 # -- models --------------------------------------------------------------------------------------------------
 
 @dataclass
-class SpeedModel:
+class SpeedModel(TextShape):
     """What the speed benchmark needs of a LLaVA model: no tokenizer or processor (prompts are synthetic)."""
 
     model: Any
@@ -54,24 +55,6 @@ class SpeedModel:
     bos_id: int
     random_weights: bool
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def text_config(self):
-        return self.model.config.get_text_config()
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.text_config.num_hidden_layers)
-
-    @property
-    def num_kv_heads(self) -> int:
-        c = self.text_config
-        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        c = self.text_config
-        return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
     @property
     def max_context(self) -> int:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from prefixkv_core.policies import parse_knobs as parse_knob_items
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 
@@ -336,23 +338,8 @@ def parse_float_list(text: str, name: str = "values") -> list[float]:
 
 
 def parse_knobs(items: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """METHOD.KNOB=VALUE items -> {method: {knob: value}} (numbers and booleans parsed)."""
-    knobs: dict[str, dict[str, Any]] = {}
-    for item in items:
-        try:
-            key, raw = item.split("=", 1)
-            method, name = key.split(".", 1)
-        except ValueError:
-            raise SystemExit(f"--knob expects METHOD.KNOB=VALUE (e.g. snapkv.window=16), got {item!r}") from None
-        value: Any = raw
-        if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
-        else:
-            for cast in (int, float):
-                try:
-                    value = cast(raw)
-                    break
-                except ValueError:
-                    continue
-        knobs.setdefault(method, {})[name] = value
-    return knobs
+    """METHOD.KNOB=VALUE items -> {method: {knob: value}}, through the engine's own parser."""
+    try:
+        return parse_knob_items(items)
+    except ValueError as exc:
+        raise SystemExit(f"--knob: {exc}") from None

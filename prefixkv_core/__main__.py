@@ -13,28 +13,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .policies import parse_knobs
 
-def _parse_knobs(items: list[str]) -> dict[str, dict[str, Any]]:
-    """METHOD.KNOB=VALUE -> {method: {knob: value}} with numbers and booleans parsed."""
-    knobs: dict[str, dict[str, Any]] = {}
-    for item in items:
-        try:
-            key, raw = item.split("=", 1)
-            method, name = key.split(".", 1)
-        except ValueError:
-            raise SystemExit(f"--knob expects METHOD.KNOB=VALUE (e.g. lookm.merge=average), got {item!r}")
-        value: Any = raw
-        if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
-        else:
-            for cast in (int, float):
-                try:
-                    value = cast(raw)
-                    break
-                except ValueError:
-                    continue
-        knobs.setdefault(method, {})[name] = value
-    return knobs
+
+def _knobs(items: list[str]) -> dict[str, dict[str, Any]]:
+    try:
+        return parse_knobs(items)
+    except ValueError as exc:
+        raise SystemExit(f"--knob: {exc}") from None
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +40,7 @@ def cmd_compare(args) -> int:
     engine = Engine(loaded)
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _parse_knobs(args.knob))
+    session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _knobs(args.knob))
     names = list(session.states)
     bar = tqdm(total=len(names) * args.max_new_tokens, desc="decoding", disable=args.quiet)
     for event in session.run():

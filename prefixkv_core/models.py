@@ -80,20 +80,10 @@ class ModelLoadError(ValueError):
     """The model spec cannot be loaded; the message names the problem and what is accepted."""
 
 
-@dataclass
-class LoadedModel:
-    model: Any  # LlavaForConditionalGeneration, eval mode, on `device`, in `dtype`
-    processor: Any  # LlavaProcessor: tokenizer + image processor + chat template
-    name: str
-    slug: str
-    device: torch.device
-    dtype: torch.dtype
-    image_token_id: int
-    image_seq_length: int
-    image_grid: tuple[int, int]
-    max_context: int
-    vision_trained: bool
-    notes: list[str] = field(default_factory=list)
+class TextShape:
+    """Shape facts of the language model under `self.model` (a LLaVA), read from its text config."""
+
+    model: Any
 
     @property
     def text_config(self):
@@ -117,6 +107,22 @@ class LoadedModel:
         cfg = self.text_config
         hd = getattr(cfg, "head_dim", None)
         return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+@dataclass
+class LoadedModel(TextShape):
+    model: Any  # LlavaForConditionalGeneration, eval mode, on `device`, in `dtype`
+    processor: Any  # LlavaProcessor: tokenizer + image processor + chat template
+    name: str
+    slug: str
+    device: torch.device
+    dtype: torch.dtype
+    image_token_id: int
+    image_seq_length: int
+    image_grid: tuple[int, int]
+    max_context: int
+    vision_trained: bool
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tokenizer(self):

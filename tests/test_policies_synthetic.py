@@ -236,3 +236,13 @@ def test_registry_and_errors():
     names = [d["name"] for d in describe()]
     assert names == list(METHODS)
     assert {d["name"] for d in describe() if not d["uses_budget"]} == {"full", "zipvl"}
+
+
+def test_parse_knobs_types_and_errors():
+    from prefixkv_core.policies import parse_knobs
+
+    assert parse_knobs(["snapkv.window=16", "zipvl.tau=0.9", "lookm.merge=average", "h2o.x=false"]) == {
+        "snapkv": {"window": 16}, "zipvl": {"tau": 0.9}, "lookm": {"merge": "average"}, "h2o": {"x": False}}
+    for bad in ("snapkv", "window=3", "snapkv.=3", ".w=3"):
+        with pytest.raises(ValueError, match="METHOD.KNOB=VALUE"):
+            parse_knobs([bad])

@@ -49,6 +49,30 @@ def make_policy(name: str, budget: float, **knobs: Any) -> Policy:
     return cls(budget=budget, **knobs)
 
 
+def parse_knobs(items) -> dict[str, dict[str, Any]]:
+    """Command-line knobs, METHOD.KNOB=VALUE, -> {method: {knob: value}}; numbers and booleans parsed.
+
+    Raises ValueError on an item without METHOD.KNOB=; make_policy later rejects unknown knobs."""
+    knobs: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = str(item).partition("=")
+        method, dot, name = key.partition(".")
+        if not sep or not dot or not method or not name:
+            raise ValueError(f"a knob is METHOD.KNOB=VALUE (e.g. snapkv.window=16), got {item!r}")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        knobs.setdefault(method, {})[name] = value
+    return knobs
+
+
 def describe() -> list[dict[str, Any]]:
     """Name, label, summary, schedule and knobs of every method (for the UI and `--help`)."""
     return [
@@ -58,5 +82,5 @@ def describe() -> list[dict[str, Any]]:
     ]
 
 
-__all__ = ["REGISTRY", "METHODS", "Policy", "PolicyError", "LayerPlan", "Merge", "Quantise", "PrefillView",
+__all__ = ["REGISTRY", "METHODS", "parse_knobs", "Policy", "PolicyError", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "make_policy", "resolve_methods", "describe"]
