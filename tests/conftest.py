@@ -35,3 +35,26 @@ def tiny(request, tiny_llama, tiny_qwen2):
 def noise_image():
     rng = np.random.RandomState(0)
     return Image.fromarray((rng.rand(48, 64, 3) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    """Launch build_app(engine, **kwargs) on a free local port; returns its URL; closed with the module."""
+    import socket
+
+    from ui.app_builder import build_app, launch_kwargs
+
+    demos = []
+
+    def start(engine, **kwargs) -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        demo = build_app(engine, **kwargs)
+        demo.launch(**launch_kwargs("127.0.0.1", port, prevent_thread_lock=True, quiet=True))
+        demos.append(demo)
+        return f"http://127.0.0.1:{port}/"
+
+    yield start
+    for demo in demos:
+        demo.close()

@@ -1,5 +1,4 @@
 """The app launched in-process on a free localhost port with a tiny model, driven through gradio_client."""
-import socket
 import threading
 
 import pytest
@@ -7,21 +6,9 @@ import pytest
 from prefixkv_core import Engine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def url(tiny_llama):
-    from ui.app_builder import build_app, launch_kwargs
-
-    demo = build_app(Engine(tiny_llama), max_new_tokens_limit=32)
-    port = _free_port()
-    demo.launch(**launch_kwargs("127.0.0.1", port, prevent_thread_lock=True, quiet=True))
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+def url(tiny_llama, serve_app):
+    return serve_app(Engine(tiny_llama), max_new_tokens_limit=32)
 
 
 @pytest.fixture

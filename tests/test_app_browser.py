@@ -2,7 +2,6 @@
 image, run three methods, wait for every panel and chart, move the budget slider, export a figure, and
 trigger a bad-input message."""
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,9 @@ ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-dev-shm-us
 METHODS = ["full", "h2o", "prefixkv"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def url(tiny_llama):
-    from ui.app_builder import build_app, launch_kwargs
-
-    demo = build_app(Engine(tiny_llama), default_methods=METHODS, max_new_tokens_limit=16)
-    port = _free_port()
-    demo.launch(**launch_kwargs("127.0.0.1", port, prevent_thread_lock=True, quiet=True))
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+def url(tiny_llama, serve_app):
+    return serve_app(Engine(tiny_llama), default_methods=METHODS, max_new_tokens_limit=16)
 
 
 def test_browser_run_charts_slider_export_and_error(url, tmp_path):
