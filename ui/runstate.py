@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from prefixkv_core.events import MethodEvent, PrefillInfo
+from prefixkv_core.metrics import rouge_l
 
 from .charts import MB, Series
-from .metrics import rouge_l
 
 STATUS_OF_KIND = {"start": "streaming", "token": "streaming", "done": "done", "cancelled": "stopped",
                   "error": "error"}
