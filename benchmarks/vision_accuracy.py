@@ -8,7 +8,8 @@ training seeds) is asked as the first turn of its own session (image + question)
 few new tokens. An answer is correct when its normalised text (lowercase, punctuation dropped) equals
 the reference or starts with it as whole words. --describe N also asks N scenes for a description and
 reports which share of their objects ("red circle") it names. Writes <out>.json and <out>.md, plus
-<out>.html (accuracy vs budget per method) when budgets are given.
+<out>.html/.png (accuracy vs budget per method) when budgets are given. Full is asked once per
+question (it keeps everything whatever the budget) and reported as full@1.
 """
 from __future__ import annotations
 
@@ -59,19 +60,24 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
     bar = tqdm(total=total, desc="questions", file=sys.stderr, mininterval=5)
     for i, seed in enumerate(seeds):
         scene = render_scene(seed)
-        for budget in budgets:
+        for j, budget in enumerate(budgets):
+            # Full keeps everything whatever the budget: ask it once, with the first budget, as full@1.
+            ms = [m for m in methods if m != "full" or j == 0]
+            if not ms:
+                continue
             for qa in scene.qa:
-                outs = ask(engine, scene.image, qa.question, methods, budget, max_new)
+                outs = ask(engine, scene.image, qa.question, ms, budget, max_new)
                 for m, text in outs.items():
                     records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
-                                    "qtype": qa.qtype, "method": m, "budget": budget, "output": text,
-                                    "correct": is_correct(text, qa.answer)})
+                                    "qtype": qa.qtype, "method": m, "budget": 1.0 if m == "full" else budget,
+                                    "output": text, "correct": is_correct(text, qa.answer)})
                 bar.update()
             if i < describe:
-                outs = ask(engine, scene.image, DESCRIBE_PROMPT, methods, budget, 96)
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96)
                 for m, text in outs.items():
-                    descriptions.append({"seed": seed, "method": m, "budget": budget, "output": text,
-                                         "reference": scene.description, "named": named_share(text, scene)})
+                    descriptions.append({"seed": seed, "method": m, "budget": 1.0 if m == "full" else budget,
+                                         "output": text, "reference": scene.description,
+                                         "named": named_share(text, scene)})
                 bar.update()
     bar.close()
     return {"records": records, "descriptions": descriptions}
@@ -102,20 +108,42 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(summary: dict, path: Path) -> None:
+def pivot(summary: dict, qtype: str = "all") -> str:
+    """Methods x budgets, one question type (default: all types pooled); Full is one column at 1.0."""
+    rows: dict = defaultdict(dict)
+    for key, per in summary.items():
+        m, b = key.rsplit("@", 1)
+        if qtype in per:
+            rows[m][float(b)] = per[qtype]["accuracy"]
+    budgets = sorted({b for r in rows.values() for b in r})
+    lines = ["| method | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for m in sorted(rows, key=lambda m: (m != "full", m)):
+        lines.append(f"| {m} | " + " | ".join(f"{rows[m][b]:.1%}" if b in rows[m] else "" for b in budgets) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(summary: dict, stem: Path) -> str:
+    """Accuracy vs budget per method (Full as a horizontal line); HTML always, PNG when Chromium is there."""
     import plotly.graph_objects as go
+
+    from benchmarks.common import save_figure
 
     fig = go.Figure()
     by_method: dict = defaultdict(list)
     for key, per in summary.items():
         m, b = key.rsplit("@", 1)
         by_method[m].append((float(b), per["all"]["accuracy"]))
+    full = dict(by_method.pop("full", [])).get(1.0)
     for m, pts in sorted(by_method.items()):
         pts.sort()
         fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m))
-    fig.update_layout(title="Scene QA accuracy vs KV budget (test split)", xaxis_title="KV budget (share kept)",
-                      yaxis_title="accuracy (all question types)", yaxis_range=[0, 1])
-    fig.write_html(str(path), include_plotlyjs=True)
+    if full is not None:
+        fig.add_hline(y=full, line_dash="dash", annotation_text=f"full cache {full:.0%}")
+    fig.update_layout(title="Scene QA accuracy vs KV budget (held-out test scenes)",
+                      xaxis_title="KV budget (share of the cache kept)",
+                      yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], width=900, height=480)
+    _, message = save_figure(fig, stem)
+    return message
 
 
 def main(argv=None) -> int:
@@ -151,10 +179,11 @@ def main(argv=None) -> int:
     }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     md = markdown(summary)
+    if len(budgets) > 1 or budgets != [1.0]:
+        md = "All question types pooled:\n\n" + pivot(summary) + "\nPer question type:\n\n" + md
+        print(figure(summary, out), file=sys.stderr)
     out.with_suffix(".md").write_text(f"Scene QA accuracy, {args.split} split, {args.scenes} scenes, "
                                       f"model {args.model}\n\n" + md)
-    if len(budgets) > 1 or budgets != [1.0]:
-        figure(summary, out.with_suffix(".html"))
     print(md)
     return 0
 

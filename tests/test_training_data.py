@@ -36,3 +36,38 @@ def test_scene_turns_single_turn_and_targets():
     t = data.vision_targets(scene)
     assert int((t["colour"] > 0).sum()) == len(scene.objects) == int(t["total"])
     assert int(t["counts"].sum()) == len(scene.objects)
+
+
+def test_tree_branches_compute_exactly_the_single_turn_prompts(tiny_llama, noise_image):
+    """A tree-packed example (one image prefix, many question branches) gives every branch the same
+    logits as its own single-turn prompt: no branch sees another branch's answer."""
+    from training.train_embedded import supervised_logits
+
+    branches = [("What colour is the square?", "red"), ("How many circles are there?", "2"),
+                ("Where is the blue star?", "top-left")]
+    ids, pos, mask, sup = data.tree_example(tiny_llama, branches)
+    assert ids.shape == pos.shape == sup.shape and mask.shape == (len(ids), len(ids))
+    model = tiny_llama.model.eval()
+    pv = data.pixels(tiny_llama, [noise_image])
+    with torch.no_grad():
+        tree_logits, tree_targets, turn = supervised_logits(model, ids, sup, pv, pos, mask)
+        for k, branch in enumerate(branches, start=1):
+            single_ids, single_sup = data.conversation(tiny_llama, [branch])
+            logits, targets, _ = supervised_logits(model, single_ids, single_sup, pv)
+            assert torch.equal(tree_targets[turn == k], targets)
+            assert torch.allclose(tree_logits[turn == k], logits, atol=1e-4)
+    # a branch's tokens never attend to another branch
+    first = (sup == 1).nonzero()[0].item()
+    assert not bool(mask[first, (sup == 2).nonzero().squeeze(1)].any())
+
+
+def test_all_qa_asks_the_test_phrasings():
+    """Training's exhaustive questions use the same templates as the scenes' own (test) questions."""
+    from prefixkv_core.scenes import all_qa
+
+    for seed in range(20):
+        scene = render_scene(seed)
+        every = {(q.question, q.answer) for q in all_qa(scene, random.Random(seed))}
+        own_yes = [q for q in scene.qa if q.answer not in ("no", "0")]  # negatives are sampled
+        assert {(q.question, q.answer) for q in own_yes} <= every
+        assert any(q.answer == "no" for q in all_qa(scene, random.Random(seed)))

@@ -106,3 +106,33 @@ def scene_turns(scene: Scene, rng: random.Random, with_description: bool, only_d
 
 def render(seed: int) -> Scene:
     return render_scene(seed, RENDER_SIZE)
+
+
+def tree_example(loaded: LoadedModel, branches: list[tuple[str, str]]):
+    """One image prompt shared by many single-turn QA branches, as one sequence.
+
+    Every branch sees the shared prefix (system turn, user turn opening, image tokens) and its own
+    question and answer, never another branch: a 4D mask hides the other branches and each branch's
+    positions continue from the prefix, so a branch computes exactly what the single-turn prompt
+    `first_turn_ids(question)` + answer computes, while the 168-token prefix is paid once.
+    Returns (input_ids [T], position_ids [T], mask [T, T] bool (True = may attend),
+    sup [T] long: k >= 1 marks the answer tokens and end-of-turn token of branch k).
+    """
+    eos = loaded.tokenizer.eos_token_id
+    first = first_turn_ids(loaded, branches[0][0])
+    cut = max(i for i, t in enumerate(first) if t == loaded.image_token_id) + 1
+    ids, pos, branch, sup = list(first[:cut]), list(range(cut)), [0] * cut, [0] * cut
+    for k, (q, a) in enumerate(branches, start=1):
+        full = first_turn_ids(loaded, q)
+        if full[:cut] != ids[:cut]:
+            raise ValueError("the prompt prefix depends on the question; cannot share it")
+        tail = full[cut:]
+        ans = _ids(loaded, a) + [eos]
+        ids += tail + ans
+        pos += list(range(cut, cut + len(tail) + len(ans)))
+        branch += [k] * (len(tail) + len(ans))
+        sup += [0] * len(tail) + [k] * len(ans)
+    b = torch.tensor(branch)
+    t = torch.arange(len(ids))
+    mask = (t[None, :] <= t[:, None]) & ((b[None, :] == 0) | (b[None, :] == b[:, None]))
+    return torch.tensor(ids), torch.tensor(pos), mask, torch.tensor(sup)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from prefixkv_core.models import EMBEDDED_VISION_DIR, load_model
-from prefixkv_core.scenes import SHAPES, SPLITS
+from prefixkv_core.scenes import SHAPES, SPLITS, all_qa
 
 from . import data
 
@@ -91,18 +91,45 @@ def aux_loss(pred: dict, tgt: dict) -> tuple[torch.Tensor, dict[str, float]]:
     return sum(parts.values()), {k: v.item() for k, v in parts.items()} | acc
 
 
-def lm_loss(model, input_ids: torch.Tensor, sup: torch.Tensor, pixel_values: torch.Tensor):
-    """CE averaged per answer, then over answers (a long description does not outweigh the one-word
-    answers); lm_head only at the positions that predict supervised tokens."""
-    out = model.model(input_ids=input_ids[None], pixel_values=pixel_values, use_cache=False)
+def supervised_logits(model, input_ids, sup, pixel_values, position_ids=None, mask=None):
+    """(logits, targets, turn) at the positions that predict supervised tokens only; `mask` [T, T] and
+    `position_ids` [T] describe a tree-packed example (see data.tree_example)."""
+    kw = {}
+    if mask is not None:
+        kw = {"attention_mask": mask[None, None], "position_ids": position_ids[None]}
+    out = model.model(input_ids=input_ids[None], pixel_values=pixel_values, use_cache=False, **kw)
     pos = torch.nonzero(sup[1:]).squeeze(1)  # hidden state at t predicts token t+1
     logits = model.lm_head(out.last_hidden_state[0, pos])
-    target = input_ids[pos + 1]
-    turn = sup[pos + 1]
+    return logits, input_ids[pos + 1], sup[pos + 1]
+
+
+def lm_loss(model, input_ids: torch.Tensor, sup: torch.Tensor, pixel_values: torch.Tensor,
+            position_ids=None, mask=None):
+    """CE averaged per answer, then over answers (a long description does not outweigh the one-word
+    answers); lm_head only at the positions that predict supervised tokens."""
+    logits, target, turn = supervised_logits(model, input_ids, sup, pixel_values, position_ids, mask)
     w = 1.0 / torch.bincount(turn)[turn].float()
     loss = (F.cross_entropy(logits.float(), target, reduction="none") * w).sum() / w.sum()
     acc = (logits.argmax(-1) == target).float().mean().item()
     return loss, acc
+
+
+@torch.no_grad()
+def answer_accuracy(model, loaded, seeds: list[int]) -> dict[str, float]:
+    """Share of each question type whose answer greedy decoding would give (every answer token is
+    the argmax after the correct earlier ones), with the scenes' own test-style questions."""
+    from prefixkv_core.scenes import render_scene
+
+    right: dict[str, list[bool]] = {}
+    for seed in seeds:
+        scene = render_scene(seed, data.RENDER_SIZE)
+        ids, pos, mask, sup = data.tree_example(loaded, [(qa.question, qa.answer) for qa in scene.qa])
+        logits, target, turn = supervised_logits(model, ids, sup, data.pixels(loaded, [scene.image]), pos, mask)
+        hit = logits.argmax(-1) == target
+        for k, qa in enumerate(scene.qa, start=1):
+            sel = turn == k
+            right.setdefault(qa.qtype, []).append(bool(hit[sel][:-1].all()))  # answer tokens, not the eos
+    return {t: sum(v) / len(v) for t, v in right.items()}
 
 
 def vision_state(model) -> dict[str, torch.Tensor]:
@@ -224,12 +251,20 @@ def train_stage(args) -> None:
                 scene = data.render(seed)
                 rng = random.Random(seed * 31 + args.seed)
                 with_desc = stage == "B" or rng.random() < args.desc_prob
-                turns = data.scene_turns(scene, rng, with_desc, only_description=stage == "B")
-                if args.turns > 0:  # later turns can give earlier answers away; fewer turns = no leak
-                    turns = turns[:args.turns]
-                ids, sup = data.conversation(loaded, turns)
                 pv = data.pixels(loaded, [scene.image])
-                loss, a = lm_loss(model, ids, sup, pv)
+                if stage == "C" and args.tree:  # every question of the scene, one branch each
+                    branches = [(qa.question, qa.answer) for qa in all_qa(scene, rng)]
+                    rng.shuffle(branches)
+                    if with_desc:
+                        branches.append((rng.choice(data.DESCRIBE_PROMPTS), scene.description))
+                    ids, pos, mask, sup = data.tree_example(loaded, branches)
+                    loss, a = lm_loss(model, ids, sup, pv, pos, mask)
+                else:
+                    turns = data.scene_turns(scene, rng, with_desc, only_description=stage == "B")
+                    if args.turns > 0:  # later turns can give earlier answers away; fewer turns = no leak
+                        turns = turns[:args.turns]
+                    ids, sup = data.conversation(loaded, turns)
+                    loss, a = lm_loss(model, ids, sup, pv)
                 (loss / args.batch).backward()
                 tot += loss.item() / args.batch
                 accs.append(a)
@@ -248,6 +283,10 @@ def train_stage(args) -> None:
             log(f"stage {stage} step {step + 1}/{args.steps} loss={run_loss / n_run:.4f} acc={run_acc / n_run:.3f} "
                 f"lr={opt.param_groups[0]['lr']:.2e} {time.time() - t0:.0f}s{extra}")
             run_loss, run_acc, n_run = 0.0, 0.0, 0
+        if stage != "A" and args.eval_every and (step + 1) % args.eval_every == 0:
+            ev = answer_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]))
+            history[-1]["val"] = ev
+            log(f"val answers ({args.eval_scenes} scenes): " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))
         if time.time() - last_save > args.ckpt_minutes * 60:
             save(step + 1)
             last_save = time.time()
@@ -333,6 +372,10 @@ def main(argv=None) -> None:
     ap.add_argument("--desc-prob", type=float, default=0.4, help="stage C: share of scenes with a description turn")
     ap.add_argument("--turns", type=int, default=0,
                     help="stage C: QA turns per conversation (0 = all; 1 = single-turn, no answer leaks between turns)")
+    ap.add_argument("--tree", action="store_true",
+                    help="stage C: every question the templates allow about a scene, as branches sharing one image prefix")
+    ap.add_argument("--eval-every", type=int, default=0, help="stages B/C: val answer accuracy every N steps")
+    ap.add_argument("--eval-scenes", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=0.0, help="safety stop (0 = none)")

@@ -1,0 +1,27 @@
+"""benchmarks/vision_accuracy.py end to end on the tiny model: records, Full asked once, the tables."""
+import json
+
+from benchmarks import vision_accuracy as va
+
+
+def test_scoring_takes_whole_words_only():
+    assert va.is_correct("Red.", "red")
+    assert va.is_correct("a blue circle in the corner", "a blue circle")
+    assert not va.is_correct("reddish", "red")
+    assert not va.is_correct("", "red")
+
+
+def test_methods_by_budgets_tables(tmp_path, monkeypatch):
+    monkeypatch.setattr(va, "figure", lambda summary, stem: "figure skipped in tests")
+    out = tmp_path / "va"
+    assert va.main(["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--methods", "full,prefixkv,snapkv",
+                    "--budgets", "0.3,0.6", "--max-new-tokens", "2", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    keys = set(res["summary"])
+    assert keys == {"full@1", "prefixkv@0.3", "prefixkv@0.6", "snapkv@0.3", "snapkv@0.6"}
+    n_questions = len({r["question"] for r in res["records"]})
+    full = [r for r in res["records"] if r["method"] == "full"]
+    assert len(full) == n_questions  # Full is budget-independent: asked once per question
+    assert res["accuracy"] is not None and set(res["accuracy"]) >= {"colour", "all"}
+    md = out.with_suffix(".md").read_text()
+    assert "| method | 0.3 | 0.6 | 1 |" in md and "| full |" in md and "| prefixkv@0.3 |" in md
