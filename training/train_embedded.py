@@ -148,6 +148,22 @@ def load_vision_state(model, state: dict[str, torch.Tensor]) -> None:
             getattr(model.model, name).load_state_dict(sub, strict=True)
 
 
+def add_lora(model, rank: int):
+    """LoRA adapters (peft) on every linear layer of the language model's decoder, in place; the base
+    weights stay frozen and are never saved. Returns the PeftModel (for its adapter state dict)."""
+    from peft import get_peft_model
+
+    from prefixkv_core.models import embedded_lora_config
+
+    return get_peft_model(model.model.language_model, embedded_lora_config(rank))
+
+
+def lora_state(peft_model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
 def lr_at(step: int, steps: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -182,6 +198,13 @@ def train_stage(args) -> None:
     proj = model.model.multi_modal_projector
     groups = []
     heads = None
+    lora = None
+    if stage == "C" and args.lora_rank > 0:  # adapters on the frozen language model's linear layers
+        lora = add_lora(model, args.lora_rank)
+        if args.init_lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+            set_peft_model_state_dict(lora, load_file(args.init_lora))
     if stage == "A":
         heads = AuxHeads(tower.config.hidden_size)
         for p in tower.parameters():
@@ -195,6 +218,8 @@ def train_stage(args) -> None:
             for p in tower.parameters():
                 p.requires_grad_(True)
             groups.append({"params": list(tower.parameters()), "lr": args.tower_lr})
+        if lora is not None:
+            groups.append({"params": [p for p in lora.parameters() if p.requires_grad], "lr": args.lora_lr})
     for g in groups:
         g["base_lr"] = g["lr"]
     opt = torch.optim.AdamW(groups, weight_decay=args.wd, betas=(0.9, 0.98))
@@ -205,6 +230,9 @@ def train_stage(args) -> None:
     if args.resume and ckpt_path.is_file():
         ck = torch.load(ckpt_path, weights_only=False)
         load_vision_state(model, ck["vision"])
+        if lora is not None and ck.get("lora"):
+            from peft import set_peft_model_state_dict
+            set_peft_model_state_dict(lora, ck["lora"])
         if heads is not None and ck.get("heads"):
             heads.load_state_dict(ck["heads"])
         opt.load_state_dict(ck["opt"])
@@ -215,10 +243,13 @@ def train_stage(args) -> None:
     def save(step: int, final: bool = False) -> None:
         ck = {"step": step, "vision": vision_state(model), "opt": opt.state_dict(), "history": history,
               "heads": heads.state_dict() if heads is not None else None, "rng": torch.get_rng_state(),
-              "args": vars(args)}
+              "args": vars(args), "lora": lora_state(lora) if lora is not None else None}
         torch.save(ck, str(ckpt_path) + ".tmp")
         Path(str(ckpt_path) + ".tmp").replace(ckpt_path)
         torch.save(vision_state(model), out / f"vision_{stage}.pt")
+        if lora is not None:
+            from safetensors.torch import save_file
+            save_file(lora_state(lora), str(out / f"lora_{stage}.safetensors"))
         (out / f"history_{stage}.json").write_text(json.dumps(history))
         if final:
             log(f"saved final stage {stage} at step {step}")
@@ -320,6 +351,19 @@ def export(args) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(dest / "vision.safetensors"),
               metadata={"format": "pt"})
+    # The language-model adapter of the same run (stage C with --lora-rank), fp16 like the vision file;
+    # a stale adapter from an earlier export must not be merged into a model trained without it.
+    from prefixkv_core.models import EMBEDDED_LORA_FILE
+
+    lora_src = src.parent / f"lora_{src.stem.split('_')[-1]}.safetensors"
+    lora_dest = dest / EMBEDDED_LORA_FILE.name
+    if lora_src.is_file():
+        from safetensors.torch import load_file
+        lora = load_file(str(lora_src))
+        save_file({k: v.to(torch.float16).contiguous() for k, v in lora.items()}, str(lora_dest),
+                  metadata={"format": "pt"})
+    elif lora_dest.is_file():
+        lora_dest.unlink()
     hist = {}
     for s in "ABC":
         h = out / f"history_{s}.json"
@@ -340,6 +384,12 @@ def export(args) -> None:
             f"stage {s}: {h['steps']} steps / {h['scenes']} scenes" for s, h in hist.items()) + (
             f", seed {next(iter(hist.values()))['seed']}")
     info["weights_from"] = src.name
+    if lora_dest.is_file():
+        lora = load_file(str(lora_dest))
+        rank = next(v.shape[0] for k, v in lora.items() if ".lora_A." in k)
+        info["language_model_adapter"] = {
+            "file": lora_dest.name, "kind": "LoRA (peft), merged into the language model at load", "rank": rank,
+            "parameters": sum(v.numel() for v in lora.values())}
     info["training"] = hist
     info["script_commit"] = git_commit()
     if args.eval_json:  # the measured held-out numbers go into info.json and the app banner
@@ -353,8 +403,9 @@ def export(args) -> None:
         info.setdefault("notes", []).append(
             f"accuracy on {ev.get('scenes')} held-out synthetic test scenes (full cache): {shown}")
     (dest / "info.json").write_text(json.dumps(info, indent=2) + "\n")
-    for f in ("vision.safetensors", "info.json"):  # readable by the app's non-root user
-        (dest / f).chmod(0o644)
+    for f in ("vision.safetensors", "info.json", lora_dest.name):  # readable by the app's non-root user
+        if (dest / f).is_file():
+            (dest / f).chmod(0o644)
     log(f"exported {src} -> {dest}/vision.safetensors ({(dest / 'vision.safetensors').stat().st_size / 1e6:.1f} MB)")
 
 
@@ -374,6 +425,10 @@ def main(argv=None) -> None:
                     help="stage C: QA turns per conversation (0 = all; 1 = single-turn, no answer leaks between turns)")
     ap.add_argument("--tree", action="store_true",
                     help="stage C: every question the templates allow about a scene, as branches sharing one image prefix")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="stage C: LoRA rank on the language model's linear layers (0 = language model fully frozen)")
+    ap.add_argument("--lora-lr", type=float, default=5e-4)
+    ap.add_argument("--init-lora", default=None, help="stage C: adapter safetensors to start from")
     ap.add_argument("--eval-every", type=int, default=0, help="stages B/C: val answer accuracy every N steps")
     ap.add_argument("--eval-scenes", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
