@@ -202,3 +202,11 @@ def test_paper_figure_is_a_clean_copy():
     paper = paper_figure(fig)
     assert isinstance(paper, go.Figure) and paper.layout.title.text is None and fig.layout.title.text
     assert paper.layout.width == 720 and paper.layout.plot_bgcolor == "white"
+
+
+def test_quality_figure_labels_coinciding_points_once():
+    fig = charts.quality_figure({"local": ("Local", 0.30, 0.80), "snapkv": ("SnapKV", 0.31, 0.81),
+                                 "h2o": ("H2O", 0.30, 0.40)})
+    texts = {t.name: t.text[0] for t in fig.data}
+    assert texts == {"Local": "Local · SnapKV", "SnapKV": "", "H2O": "H2O"}
+    assert [t.x[0] for t in fig.data] == [0.30, 0.31, 0.30]  # every marker still drawn where it is

@@ -258,6 +258,25 @@ def latency_figure(series: Mapping[str, Series], include_policy: bool = True) ->
                   yaxis=dict(rangemode="tozero"))
 
 
+def _shared_labels(points: Mapping[str, tuple[str, float, float]], near: float = 0.04) -> dict[str, str]:
+    """One label per cluster of points that sit on top of each other (within `near` on both axes):
+    the first point of a cluster carries "A · B · C", the others none, so labels never overprint."""
+    clusters: list[list[str]] = []
+    for method, (_, x, y) in points.items():
+        for cl in clusters:
+            _, x0, y0 = points[cl[0]]
+            if abs(x - x0) <= near and abs(y - y0) <= near:
+                cl.append(method)
+                break
+        else:
+            clusters.append([method])
+    texts = {}
+    for cl in clusters:
+        texts[cl[0]] = " · ".join(points[m][0] for m in cl)
+        texts.update({m: "" for m in cl[1:]})
+    return texts
+
+
 def quality_figure(points: Mapping[str, tuple[str, float, float | None]]) -> go.Figure:
     """Quality vs memory: final KV share of full (x) against ROUGE-L to the Full answer (y), per method.
     `points` maps method -> (label, kv_ratio, rouge or None)."""
@@ -266,8 +285,9 @@ def quality_figure(points: Mapping[str, tuple[str, float, float | None]]) -> go.
     if not pts:
         return placeholder(title, "Select Full and let the answers finish to compare quality.")
     fig = _fig()
+    texts = _shared_labels({m: (label, ratio, rouge) for m, (label, ratio, rouge) in pts.items()})
     for method, (label, ratio, rouge) in pts.items():
-        fig.add_scatter(x=[ratio], y=[rouge], mode="markers+text", name=label, text=[label],
+        fig.add_scatter(x=[ratio], y=[rouge], mode="markers+text", name=label, text=[texts[method]],
                         textposition="top center", textfont=dict(size=11, color=colour(method)),
                         marker=dict(color=colour(method), size=12, line=dict(width=1, color="white")),
                         hovertemplate=f"{label}<br>KV %{{x:.1%}} of full<br>ROUGE-L %{{y:.3f}}<extra></extra>")
