@@ -56,29 +56,26 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
              describe: int, split: str) -> dict:
     records = []
     descriptions = []
-    total = sum(len(render_scene(s).qa) for s in seeds) * len(budgets) + min(describe, len(seeds)) * len(budgets)
-    bar = tqdm(total=total, desc="questions", file=sys.stderr, mininterval=5)
+    # Full keeps everything whatever the budget: ask it once, with the first budget, as full@1.
+    runs = [(budget, ms) for j, budget in enumerate(budgets)
+            if (ms := [m for m in methods if m != "full" or j == 0])]
+    bar = tqdm(total=len(seeds) * len(runs), desc="scene x budget", file=sys.stderr, mininterval=5)
     for i, seed in enumerate(seeds):
         scene = render_scene(seed)
-        for j, budget in enumerate(budgets):
-            # Full keeps everything whatever the budget: ask it once, with the first budget, as full@1.
-            ms = [m for m in methods if m != "full" or j == 0]
-            if not ms:
-                continue
+        for budget, ms in runs:
             for qa in scene.qa:
                 outs = ask(engine, scene.image, qa.question, ms, budget, max_new)
                 for m, text in outs.items():
                     records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
                                     "qtype": qa.qtype, "method": m, "budget": 1.0 if m == "full" else budget,
                                     "output": text, "correct": is_correct(text, qa.answer)})
-                bar.update()
             if i < describe:
                 outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96)
                 for m, text in outs.items():
                     descriptions.append({"seed": seed, "method": m, "budget": 1.0 if m == "full" else budget,
                                          "output": text, "reference": scene.description,
                                          "named": named_share(text, scene)})
-                bar.update()
+            bar.update()
     bar.close()
     return {"records": records, "descriptions": descriptions}
 

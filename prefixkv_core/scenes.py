@@ -454,10 +454,10 @@ def all_qa(scene: Scene, rng: random.Random, negatives: int = 3) -> list[QA]:
     qa += [_q_total(q, objects) for q in _TOTAL_QUESTIONS]
     if scene.word:
         qa += [QA(q, scene.word, "word") for q in _word_questions(scene.word_region)]
+    hard = [(o.colour, s) for o in objects for s in SHAPES if (o.colour, s) not in present]
+    anywhere = [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in present]
     for i in range(negatives):
-        hard = [(o.colour, s) for o in objects for s in SHAPES if (o.colour, s) not in present]
-        pool = hard if i % 2 == 0 else [(c, s) for c in COLOURS for s in SHAPES if (c, s) not in present]
-        c, s = rng.choice(pool)
+        c, s = rng.choice(hard if i % 2 == 0 else anywhere)
         qa.append(_q_is_there(c, s, present))
     return qa
 

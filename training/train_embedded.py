@@ -339,7 +339,13 @@ def git_commit() -> str:
 
 def export(args) -> None:
     """Write assets/embedded_vision/vision.safetensors (fp16) + info.json from a stage's weights."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
+
+    from prefixkv_core.models import EMBEDDED_LORA_FILE
+
+    def save_fp16(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        save_file({k: v.to(torch.float16).contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt"})
 
     out = Path(args.out)
     src = Path(args.init) if args.init else next(
@@ -349,19 +355,14 @@ def export(args) -> None:
     state = torch.load(src)
     dest = Path(args.dest) if args.dest else EMBEDDED_VISION_DIR
     dest.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(dest / "vision.safetensors"),
-              metadata={"format": "pt"})
+    save_fp16(state, dest / "vision.safetensors")
     # The language-model adapter of the same run (stage C with --lora-rank), fp16 like the vision file;
     # a stale adapter from an earlier export must not be merged into a model trained without it.
-    from prefixkv_core.models import EMBEDDED_LORA_FILE
-
     lora_src = src.parent / f"lora_{src.stem.split('_')[-1]}.safetensors"
     lora_dest = dest / EMBEDDED_LORA_FILE.name
-    if lora_src.is_file():
-        from safetensors.torch import load_file
-        lora = load_file(str(lora_src))
-        save_file({k: v.to(torch.float16).contiguous() for k, v in lora.items()}, str(lora_dest),
-                  metadata={"format": "pt"})
+    lora = load_file(str(lora_src)) if lora_src.is_file() else None
+    if lora is not None:
+        save_fp16(lora, lora_dest)
     elif lora_dest.is_file():
         lora_dest.unlink()
     hist = {}
@@ -384,8 +385,7 @@ def export(args) -> None:
             f"stage {s}: {h['steps']} steps / {h['scenes']} scenes" for s, h in hist.items()) + (
             f", seed {next(iter(hist.values()))['seed']}")
     info["weights_from"] = src.name
-    if lora_dest.is_file():
-        lora = load_file(str(lora_dest))
+    if lora is not None:
         rank = next(v.shape[0] for k, v in lora.items() if ".lora_A." in k)
         info["language_model_adapter"] = {
             "file": lora_dest.name, "kind": "LoRA (peft), merged into the language model at load", "rank": rank,

@@ -285,7 +285,7 @@ def quality_figure(points: Mapping[str, tuple[str, float, float | None]]) -> go.
     if not pts:
         return placeholder(title, "Select Full and let the answers finish to compare quality.")
     fig = _fig()
-    texts = _shared_labels({m: (label, ratio, rouge) for m, (label, ratio, rouge) in pts.items()})
+    texts = _shared_labels(pts)
     for method, (label, ratio, rouge) in pts.items():
         fig.add_scatter(x=[ratio], y=[rouge], mode="markers+text", name=label, text=[texts[method]],
                         textposition="top center", textfont=dict(size=11, color=colour(method)),
