@@ -188,6 +188,7 @@ class Session:
         self.prefill: PrefillInfo | None = None
         self.bytes_per_token = 0.0
         self.image_offset: int | None = None
+        self.released = False
 
     # -- public ------------------------------------------------------------------------------------------
     def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
@@ -208,6 +209,8 @@ class Session:
             raise EngineError("run() the first turn before a follow-up")
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the follow-up prompt is empty")
+        if self.released:
+            raise EngineError("this comparison's caches were released to free memory; run Compare again")
         loaded = self.engine.loaded
         with self.engine.lock, tracked_attention_enabled(loaded.model):
             new_ids = encode(loaded, None, format_followup(loaded, prompt))["input_ids"][0].tolist()
@@ -234,6 +237,17 @@ class Session:
                     continue
                 yield self._event(state, "start")
             yield from self._decode_all(cancel)
+
+    def release(self) -> None:
+        """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again."""
+        with self.engine.lock:
+            for state in self.states.values():
+                state.cache = None
+            self.released = True
+
+    def cache_bytes(self) -> int:
+        """Bytes held by this session's caches right now (0 once released)."""
+        return sum(s.cache.nbytes() for s in self.states.values() if s.cache is not None)
 
     def results(self) -> dict[str, dict[str, Any]]:
         """Final per-method figures (the CLI's JSON contract)."""
