@@ -32,9 +32,29 @@ class StatRequest:
     window: int = 0  # sum over the last `window` queries only (SnapKV's observation window)
     query_subset: torch.Tensor | None = None  # sum over these query indices only (ZipVL's probe)
     last_query: bool = False  # the last query's attention row (decode-time scoring)
+    # Further observation windows recorded in the same pass, each as stats[f"window:{w}"], so methods that
+    # asked for different windows each get their own (a shared prefill serves several methods).
+    windows: tuple[int, ...] = ()
 
     def any(self) -> bool:
-        return self.colsum or self.window > 0 or self.query_subset is not None or self.last_query
+        return self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
+
+    def all_windows(self) -> tuple[int, ...]:
+        return tuple(sorted({w for w in (self.window, *self.windows) if w > 0}))
+
+    @classmethod
+    def union(cls, requests) -> "StatRequest":
+        """One request that records what every request in `requests` asked for."""
+        out = cls()
+        for r in requests:
+            out.colsum |= r.colsum
+            out.last_query |= r.last_query
+            out.windows = tuple(sorted(set(out.windows) | set(r.all_windows())))
+            if r.query_subset is not None:
+                if out.query_subset is not None and not torch.equal(out.query_subset, r.query_subset):
+                    raise ValueError("two different probe-query subsets cannot share one forward pass")
+                out.query_subset = r.query_subset
+        return out
 
 
 @dataclass
@@ -70,6 +90,10 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
 
     if request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
+    elif _only_last_query(request):
+        # decode steps: the fused kernel for the output, one softmax row per query head for the statistic
+        out = _sdpa_output(query, key, value, scale, extra_mask)
+        probe.stats[layer] = {"last_query": _last_query_row(query, key, scale, extra_mask)}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
         probe.stats[layer] = stats
@@ -90,6 +114,22 @@ def _sdpa_output(query, key, value, scale, extra_mask):
     )
 
 
+def _only_last_query(req: StatRequest) -> bool:
+    return req.last_query and not (req.colsum or req.all_windows() or req.query_subset is not None)
+
+
+def _last_query_row(query, key, scale, extra_mask) -> torch.Tensor:
+    """The last query's attention probabilities in fp32, averaged over each KV head's query group: [B, Hkv, Tk].
+    The last query sees every key (bottom-right causal alignment), so only the key mask applies."""
+    bsz, n_heads, _, head_dim = query.shape
+    n_kv = key.shape[1]
+    q = query[:, :, -1:].float().reshape(bsz, n_kv, n_heads // n_kv, head_dim)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, group, Tk]
+    if extra_mask is not None:
+        scores.masked_fill_(~extra_mask.unsqueeze(2), float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num_(0.0).mean(dim=2)
+
+
 def _expand_heads(mask: torch.Tensor, n_heads: int) -> torch.Tensor:
     if mask.shape[1] == 1:
         return mask
@@ -108,12 +148,13 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
     chunk = max(1, min(q_len, 128, _CHUNK_BYTES // max(per_query_bytes, 1)))
     want = {
         "colsum": req.colsum,
-        "window": req.window > 0,
         "subset": req.query_subset is not None,
         "last_query": req.last_query,
     }
     acc = {name: torch.zeros(bsz, n_kv, k_len, device=query.device) for name, on in want.items() if on}
-    win_start = q_len - min(req.window, q_len)
+    win_starts = {w: q_len - min(w, q_len) for w in req.all_windows()}
+    for w in win_starts:
+        acc[f"window:{w}"] = torch.zeros(bsz, n_kv, k_len, device=query.device)
     subset_flags = None
     if req.query_subset is not None:
         subset_flags = torch.zeros(q_len, dtype=torch.bool, device=query.device)
@@ -143,15 +184,18 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
         out[:, :, start:stop] = out_c.view(bsz, n_heads, tc, head_dim).to(query.dtype)
         if want["colsum"]:
             acc["colsum"][..., :visible] += probs.sum(dim=3).mean(dim=2)
-        if want["window"] and stop > win_start:
-            lo = max(start, win_start) - start
-            acc["window"][..., :visible] += probs[:, :, :, lo:].sum(dim=3).mean(dim=2)
+        for w, win_start in win_starts.items():
+            if stop > win_start:
+                lo = max(start, win_start) - start
+                acc[f"window:{w}"][..., :visible] += probs[:, :, :, lo:].sum(dim=3).mean(dim=2)
         if want["subset"]:
             rows = subset_flags[start:stop]
             if rows.any():
                 acc["subset"][..., :visible] += probs[:, :, :, rows].sum(dim=3).mean(dim=2)
         if want["last_query"] and stop == q_len:
             acc["last_query"][..., :visible] = probs[:, :, :, -1].mean(dim=2)
+    if req.window > 0:
+        acc["window"] = acc[f"window:{req.window}"]  # the single-window name policies read
     return out, acc
 
 

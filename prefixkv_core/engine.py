@@ -21,12 +21,13 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from . import calibrate
-from .attention import AttentionProbe, StatRequest, tracked_attention_enabled
+from . import runner
+from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
 from .events import MethodEvent, PrefillInfo
 from .models import LoadedModel, encode, format_followup, format_prompt
 from .policies import Policy, PolicyError, make_policy, resolve_methods
-from .policies.base import DecodeView, PrefillView, apply_plans, check_budget
+from .policies.base import check_budget
 
 MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
 
@@ -50,16 +51,6 @@ class GenerationSettings:
             raise EngineError("sampling needs temperature > 0 and top_p in (0, 1]")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _now(device: torch.device) -> float:
-    _sync(device)
-    return time.perf_counter()
-
-
 @dataclass
 class MethodState:
     name: str
@@ -76,6 +67,7 @@ class MethodState:
     compute_s: float = 0.0  # forward + policy time spent on this turn's decode steps
     steps: int = 0
     generator: torch.Generator | None = None
+    policy_state: Any = None  # what the policy's prefill returned for this run
     answers: list[str] = field(default_factory=list)  # this method's answers to the earlier turns
 
 
@@ -173,7 +165,10 @@ class Engine:
 
 
 class Session:
-    """One conversation: the image, the turns so far, and every method's own compressed cache."""
+    """One conversation: the image, the turns so far, and every method's own compressed cache.
+
+    Every active method is one row of the runner's batch: each decode step feeds all of them in one model
+    call, then each policy compresses its own cache, then one event per method is yielded."""
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
                  budget: float, generation: GenerationSettings):
@@ -192,7 +187,7 @@ class Session:
 
     # -- public ------------------------------------------------------------------------------------------
     def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
-        """First turn: shared prefill, per-method compression, interleaved decoding."""
+        """First turn: shared prefill, per-method compression, every method decoded as one batch."""
         if self.turn >= 0:
             raise EngineError("this session already ran its first turn; use follow_up()")
         with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
@@ -204,7 +199,7 @@ class Session:
             yield from self._decode_all(cancel)
 
     def follow_up(self, prompt: str, cancel: threading.Event | None = None) -> Iterator[MethodEvent]:
-        """Next user turn: each method continues on its own compressed cache."""
+        """Next user turn: each method continues on its own compressed cache (all methods in one batch)."""
         if self.turn < 0:
             raise EngineError("run() the first turn before a follow-up")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -217,25 +212,21 @@ class Session:
             for state in self.states.values():
                 if state.error is not None:
                     continue
-                chunk = self._carry_over(state) + new_ids
-                if state.true_len + len(chunk) + self.generation.max_new_tokens > loaded.max_context:
-                    raise EngineError(
-                        f"the conversation would reach {state.true_len + len(chunk) + self.generation.max_new_tokens}"
-                        f" tokens, over the model's context of {loaded.max_context}; start a new comparison")
+                total = state.true_len + len(self._carry_over(state) + new_ids) + self.generation.max_new_tokens
+                if total > loaded.max_context:
+                    raise EngineError(f"the conversation would reach {total} tokens, over the model's context of "
+                                      f"{loaded.max_context}; start a new comparison")
             self.turn += 1
             self.user_turns.append(prompt)
+            live = [s for s in self.states.values() if s.error is None]
             for state in self.states.values():
                 if state.error is not None:
                     yield self._event(state, "error")
-                    continue
+            for state in live:
                 state.answers.append(state.text)
-                try:
-                    self._feed_turn(state, new_ids)
-                except Exception as exc:  # one method failing must not stop the others
-                    self._fail(state, exc)
-                    yield self._event(state, "error")
-                    continue
-                yield self._event(state, "start")
+            self._feed_turn(live, new_ids)
+            for state in live:
+                yield self._event(state, "error" if state.error is not None else "start")
             yield from self._decode_all(cancel)
 
     def release(self) -> None:
@@ -284,9 +275,36 @@ class Session:
         counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
         return (counts / pos.shape[0]).view(grid).numpy()
 
+    def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
+        """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
+        after every token exactly as in generation (all methods in one batch). Returns
+        method -> (sum of NLL, answer tokens)."""
+        if self.turn >= 0:
+            raise EngineError("score_answer() replaces the first turn; use a fresh session")
+        tok = self.engine.loaded.processor.tokenizer
+        answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        if not answer_ids:
+            raise EngineError("the reference answer is empty")
+        with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
+            self.turn = 0
+            self._prefill_all()
+            live = [s for s in self.states.values() if s.error is None]
+            nll = {s.name: 0.0 for s in live}
+            logits = {s.name: self._first_logits for s in live}
+            for i, token in enumerate(answer_ids):
+                for s in live:
+                    nll[s.name] -= float(torch.log_softmax(logits[s.name].float(), dim=-1)[token])
+                if i + 1 < len(answer_ids):
+                    live = [s for s in live if s.error is None]
+                    if not live:
+                        break
+                    batch_logits, _, _ = self._advance(live, [[token]] * len(live), step=i + 1)
+                    logits.update({s.name: batch_logits[r] for r, s in enumerate(live)})
+        return {s.name: (nll[s.name], len(answer_ids)) for s in self.states.values() if s.error is None}
+
     # -- internals ---------------------------------------------------------------------------------------
     def _prefill_all(self) -> PrefillInfo:
-        eng, loaded = self.engine, self.engine.loaded
+        loaded = self.engine.loaded
         text = format_prompt(loaded, self.prompt, with_image=self.image is not None)
         inputs = encode(loaded, self.image, text)
         ids = inputs["input_ids"]
@@ -299,32 +317,23 @@ class Session:
                 f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
         self.image_offset = int(is_image[0].nonzero()[0]) if n_image else None
 
-        request = StatRequest(colsum=True)
-        for state in self.states.values():
-            r = state.policy.prefill_stats(n)
-            request.window = max(request.window, r.window)
-            if r.query_subset is not None:
-                request.query_subset = r.query_subset
-        probe = AttentionProbe(request)
-        cache = TrackedCache(loaded.num_layers)
-        t0 = _now(loaded.device)
-        logits = eng.forward(cache, ids, 0, probe, is_image, inputs.get("pixel_values"))
-        prefill_s = _now(loaded.device) - t0
+        policies = [s.policy for s in self.states.values()]
+        shared = runner.prefill(loaded.model, ids, is_image, inputs.get("pixel_values"), policies,
+                                loaded.num_layers, loaded.device)
+        logits = shared.logits[0]
         self._first_logits = logits
-        cache.add_scores({l: s["colsum"] for l, s in probe.stats.items()})
-        self.bytes_per_token = cache.nbytes() / n
-        importance = torch.stack([probe.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
-        subset_counts = None
+        self.bytes_per_token = shared.cache.nbytes() / n
+        importance = torch.stack([shared.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
 
         for i, state in enumerate(self.states.values()):
             state.prompt_len = state.true_len = n
             state.generator = torch.Generator(device="cpu").manual_seed(self.generation.seed)
             try:
-                t1 = _now(loaded.device)
-                state.cache = cache if i == len(self.states) - 1 else cache.clone()
-                view = PrefillView(state.cache, probe.stats, n, self.budget, request.window, subset_counts)
-                apply_plans(state.cache, state.policy.prefill(view))
-                state.ttft_s = prefill_s + (_now(loaded.device) - t1)
+                t1 = runner.now(loaded.device)
+                state.cache = shared.cache if i == len(self.states) - 1 else shared.cache.clone()
+                stats = runner.policy_stats(state.policy, shared.stats, n)
+                state.policy_state = runner.compress_prefill(state.policy, state.cache, stats, n, self.budget)
+                state.ttft_s = shared.seconds + (runner.now(loaded.device) - t1)
                 state.pending = self._sample(state, logits)
                 state.turn_ids = [state.pending]
                 state.text = self._detok(state.turn_ids)
@@ -334,24 +343,26 @@ class Session:
         self.prefill = PrefillInfo(
             prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
             importance=importance.float().cpu().numpy(), is_image=is_image[0].cpu().numpy(),
-            image_grid=tuple(grid) if grid else None, image_offset=self.image_offset, prefill_s=prefill_s)
+            image_grid=tuple(grid) if grid else None, image_offset=self.image_offset, prefill_s=shared.seconds)
         return self.prefill
 
-    def _feed_turn(self, state: MethodState, new_ids: list[int]) -> None:
-        """Feed a follow-up turn's tokens (and the previous answer's last token) through this method's cache."""
-        loaded = self.engine.loaded
-        chunk = self._carry_over(state) + new_ids
-        ids = torch.tensor([chunk], device=loaded.device)
-        t0 = _now(loaded.device)
-        probe = AttentionProbe(StatRequest(last_query=state.policy.decode_needs_attention()))
-        logits = self.engine.forward(state.cache, ids, state.true_len, probe)
-        state.true_len += len(chunk)
-        self._after_step(state, probe, step=0)
-        state.ttft_s = _now(loaded.device) - t0
-        state.compute_s, state.steps, state.finished = 0.0, 0, False
-        state.pending = self._sample(state, logits)
-        state.turn_ids = [state.pending]
-        state.text = self._detok(state.turn_ids)
+    def _feed_turn(self, states: list[MethodState], new_ids: list[int]) -> None:
+        """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache."""
+        if not states:
+            return
+        device = self.engine.loaded.device
+        t0 = runner.now(device)
+        chunks = [self._carry_over(s) + new_ids for s in states]
+        logits, _, _ = self._advance(states, chunks, step=0)
+        elapsed = runner.now(device) - t0
+        for r, state in enumerate(states):
+            if state.error is not None:
+                continue
+            state.ttft_s = elapsed
+            state.compute_s, state.steps, state.finished = 0.0, 0, False
+            state.pending = self._sample(state, logits[r])
+            state.turn_ids = [state.pending]
+            state.text = self._detok(state.turn_ids)
 
     def _carry_over(self, state: MethodState) -> list[int]:
         """The last answer token, sampled but never fed, unless it closed the turn (EOS is not fed: the
@@ -360,20 +371,36 @@ class Session:
             return []
         return [state.pending]
 
-    def _after_step(self, state: MethodState, probe: AttentionProbe, step: int) -> float:
-        """Accumulate decode-time attention and let the policy compress; returns the policy's time."""
-        device = self.engine.loaded.device
-        t0 = _now(device)
-        attention = None
-        if probe.request.last_query:
-            attention = {l: s["last_query"] for l, s in probe.stats.items()}
-            state.cache.add_scores(attention)
-        view = DecodeView(state.cache, state.true_len, state.prompt_len, step, attention)
-        apply_plans(state.cache, state.policy.decode(view))
-        return _now(device) - t0
+    def _advance(self, states: list[MethodState], chunks: list[list[int]], step: int
+                 ) -> tuple[torch.Tensor, float, dict[str, float]]:
+        """Feed chunks[r] to states[r] in one batched forward, then let each policy compress its own cache.
+        Returns (logits [B, V], forward seconds, method -> policy seconds). A failing forward fails every row
+        in it; a failing policy fails its own method only."""
+        loaded = self.engine.loaded
+        device = loaded.device
+        t0 = runner.now(device)
+        try:
+            out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
+                                      [s.policy.decode_needs_attention() for s in states], device)
+        except Exception as exc:
+            for state in states:
+                self._fail(state, exc)
+            return torch.zeros(len(states), 1), 0.0, {}
+        forward_s = runner.now(device) - t0
+        policy_s = {}
+        for r, (state, chunk) in enumerate(zip(states, chunks)):
+            state.true_len += len(chunk)
+            t1 = runner.now(device)
+            try:
+                runner.compress_decode(state.policy, state.policy_state, state.cache, state.true_len,
+                                       state.prompt_len, step, out.attention[r])
+            except Exception as exc:  # one method failing must not stop the others
+                self._fail(state, exc)
+            policy_s[state.name] = runner.now(device) - t1
+        return out.logits, forward_s, policy_s
 
     def _decode_all(self, cancel: threading.Event | None) -> Iterator[MethodEvent]:
-        """Round-robin one token per active method, so every panel streams."""
+        """Every active method decodes one token per step, all in one batch; one event per method per step."""
         max_new = self.generation.max_new_tokens
         for state in self.states.values():
             if state.error is None and self._is_done(state, max_new):
@@ -385,72 +412,31 @@ class Session:
             active = [s for s in self.states.values() if not s.finished and s.error is None]
             if not active:
                 return
-            for state in active:
-                if cancel is not None and cancel.is_set():
-                    for s in active:
-                        if not s.finished:
-                            s.finished = True
-                            yield self._event(s, "cancelled")
-                    return
-                try:
-                    delta, latency, policy_s = self._step(state)
-                except Exception as exc:
-                    self._fail(state, exc)
+            if cancel is not None and cancel.is_set():
+                for s in active:
+                    s.finished = True
+                    yield self._event(s, "cancelled")
+                return
+            logits, forward_s, policy_s = self._advance(active, [[s.pending] for s in active],
+                                                        step=len(active[0].turn_ids))
+            for r, state in enumerate(active):
+                if state.error is not None:
                     yield self._event(state, "error")
                     continue
+                own_s = policy_s.get(state.name, 0.0)
+                state.compute_s += forward_s + own_s
+                state.steps += 1
+                state.pending = self._sample(state, logits[r])
+                state.turn_ids.append(state.pending)
+                text = self._detok(state.turn_ids)
+                delta = text[len(state.text):] if text.startswith(state.text) else text
+                state.text = text
                 state.finished = self._is_done(state, max_new)
-                yield self._event(state, "done" if state.finished else "token", delta=delta,
-                                  latency=latency, policy_s=policy_s)
+                yield self._event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
+                                  policy_s=own_s, batch_size=len(active))
 
     def _is_done(self, state: MethodState, max_new: int) -> bool:
         return state.pending in self.engine.eos_ids or len(state.turn_ids) >= max_new
-
-    def _advance(self, state: MethodState, token: int) -> tuple[torch.Tensor, float, float]:
-        """Feed one token at the next true position, then let the policy compress."""
-        loaded = self.engine.loaded
-        ids = torch.tensor([[token]], device=loaded.device)
-        probe = AttentionProbe(StatRequest(last_query=state.policy.decode_needs_attention()))
-        t0 = _now(loaded.device)
-        logits = self.engine.forward(state.cache, ids, state.true_len, probe)
-        latency = _now(loaded.device) - t0
-        state.true_len += 1
-        policy_s = self._after_step(state, probe, step=len(state.turn_ids))
-        return logits, latency, policy_s
-
-    def _step(self, state: MethodState) -> tuple[str, float, float]:
-        logits, latency, policy_s = self._advance(state, state.pending)
-        state.compute_s += latency + policy_s
-        state.steps += 1
-        state.pending = self._sample(state, logits)
-        state.turn_ids.append(state.pending)
-        text = self._detok(state.turn_ids)
-        delta = text[len(state.text):] if text.startswith(state.text) else text
-        state.text = text
-        return delta, latency, policy_s
-
-    def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
-        """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
-        after every token exactly as in generation. Returns method -> (sum of NLL, answer tokens)."""
-        if self.turn >= 0:
-            raise EngineError("score_answer() replaces the first turn; use a fresh session")
-        tok = self.engine.loaded.processor.tokenizer
-        answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
-        if not answer_ids:
-            raise EngineError("the reference answer is empty")
-        out = {}
-        with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
-            self.turn = 0
-            self._prefill_all()
-            for state in self.states.values():
-                if state.error is not None:
-                    continue
-                logits, nll = self._first_logits, 0.0
-                for i, token in enumerate(answer_ids):
-                    nll -= float(torch.log_softmax(logits.float(), dim=-1)[token])
-                    if i + 1 < len(answer_ids):
-                        logits, _, _ = self._advance(state, token)
-                out[state.name] = (nll, len(answer_ids))
-        return out
 
     def _sample(self, state: MethodState, logits: torch.Tensor) -> int:
         g = self.generation
@@ -472,7 +458,7 @@ class Session:
         state.finished = True
 
     def _event(self, state: MethodState, kind: str, delta: str = "", latency: float = 0.0,
-               policy_s: float = 0.0) -> MethodEvent:
+               policy_s: float = 0.0, batch_size: int = 1) -> MethodEvent:
         cache = state.cache
         return MethodEvent(
             method=state.name, label=state.policy.label, kind=kind, turn=max(self.turn, 0),
@@ -484,5 +470,5 @@ class Session:
             full_kv_bytes=int(round(self.bytes_per_token * state.true_len)),
             step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s,
             tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
-            error=state.error, extras=state.policy.extras(),
+            error=state.error, extras=state.policy.extras(), batch_size=batch_size,
         )

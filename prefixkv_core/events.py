@@ -48,6 +48,7 @@ class MethodEvent:
     ttft_s: float | None = None  # time to first token of this turn (prefill + compression + 1st step)
     tokens_per_s: float | None = None  # decode throughput of this turn so far
     error: str | None = None
+    batch_size: int = 1  # methods decoded together in this step's forward (its latency is shared by them)
     extras: dict[str, Any] = field(default_factory=dict)  # method specific facts (thresholds, notes)
 
     @property

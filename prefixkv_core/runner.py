@@ -1,0 +1,223 @@
+"""One forward pass over many rows, each with its own compressed cache, and the policy calls around it.
+
+A row is one method's conversation (or, in the speed benchmark, one method on one sample). Every row owns a
+batch-1 `TrackedCache` whose layers hold different numbers of entries, per layer and per row. `forward_rows`
+feeds each row its next tokens in ONE model call:
+
+- per layer, the rows' keys/values are laid out as `[row's entries | padding | this step's tokens]` and the
+  padding is masked through the attention function's key masks, so each row attends exactly to its own
+  cache (bottom-right causal alignment keeps holding for multi-token chunks);
+- rows whose chunks are shorter are left-padded; the padding tokens are masked as keys and never stored;
+- the new entries are appended to each row's own cache with their true positions, and the decode-time
+  statistic (the last query's attention) is cut back to each row's own entries.
+
+Decoding on a CPU, or a large model at small batch on a GPU, is bound by reading the weights, so nine rows
+in one pass cost little more than one. A single row takes the plain path (no padding, no copies).
+
+The policy calls (`compress_prefill`, `compress_decode`) live here too, so the engine and the benchmarks
+run methods the same way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .attention import AttentionProbe, StatRequest
+from .cache import TrackedCache, TrackedLayer
+from .policies import Policy
+from .policies.base import DecodeView, PrefillView, apply_plans
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    """A timestamp after all queued device work has finished (honest CUDA timings)."""
+    sync(device)
+    return time.perf_counter()
+
+
+# -- the padded step cache ---------------------------------------------------------------------------------
+
+class _StepLayer(DynamicLayer):
+    """One layer of a batched step: appends each row's new entries to that row's own layer and returns the
+    padded keys/values of all rows, registering the padding mask on the probe."""
+
+    def __init__(self, step: "_StepCache", layer_idx: int):
+        super().__init__()
+        self.step, self.layer_idx = step, layer_idx
+        self.is_initialized = True
+        self.old_lengths = [c.layers[layer_idx].length for c in step.caches]
+
+    def get_seq_length(self) -> int:
+        return max(self.old_lengths)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        step = self.step
+        b, h, q, _ = key_states.shape
+        t_old = max(self.old_lengths)
+        uniform = step.uniform and len(set(self.old_lengths)) == 1
+        keys = key_states.new_zeros(b, h, t_old + q, key_states.shape[-1])
+        values = value_states.new_zeros(b, h, t_old + q, value_states.shape[-1])
+        for r, cache in enumerate(step.caches):
+            layer: TrackedLayer = cache.layers[self.layer_idx]
+            n_old, q_r = self.old_lengths[r], step.chunk_lengths[r]
+            row_keys, row_values = layer.update(key_states[r:r + 1, :, q - q_r:], value_states[r:r + 1, :, q - q_r:])
+            layer.append_meta(step.positions[r:r + 1, q - q_r:], step.flags[r:r + 1, q - q_r:], h)
+            keys[r, :, :n_old] = row_keys[0, :, :n_old]
+            values[r, :, :n_old] = row_values[0, :, :n_old]
+        keys[:, :, t_old:] = key_states
+        values[:, :, t_old:] = value_states
+        if not uniform:
+            mask = torch.zeros(b, 1, t_old + q, dtype=torch.bool, device=key_states.device)
+            for r, n_old in enumerate(self.old_lengths):
+                mask[r, :, :n_old] = True
+                mask[r, :, t_old + q - step.chunk_lengths[r]:] = True
+            step.probe.key_masks[self.layer_idx] = mask
+        return keys, values
+
+
+class _StepCache(DynamicCache):
+    """The cache object the model sees during one batched step over several row caches."""
+
+    def __init__(self, caches: Sequence[TrackedCache], chunk_lengths: list[int], positions: torch.Tensor,
+                 flags: torch.Tensor, probe: AttentionProbe):
+        super().__init__()
+        self.caches, self.chunk_lengths = list(caches), chunk_lengths
+        self.positions, self.flags, self.probe = positions, flags, probe
+        self.uniform = len(set(chunk_lengths)) == 1
+        self.layer_class_to_replicate = None
+        self.layers = [_StepLayer(self, i) for i in range(len(self.caches[0].layers))]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+
+# -- one forward over rows -----------------------------------------------------------------------------------
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [B, V]: each row's last token
+    attention: list[dict[int, torch.Tensor] | None]  # per row: layer -> last query's attention [1, Hkv, T_row]
+
+
+def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, old_lengths: dict[int, list[int]],
+                   chunk: int, q: int) -> dict[int, torch.Tensor]:
+    """Row r's slice of the batched last-query statistic, aligned with its own entries (old + new)."""
+    out = {}
+    for layer, s in stats.items():
+        row = s["last_query"][r:r + 1]
+        olds = old_lengths[layer]
+        t_old = max(olds)
+        out[layer] = torch.cat([row[..., :olds[r]], row[..., t_old + q - chunk:]], dim=-1)
+    return out
+
+
+@torch.inference_mode()
+def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
+                 want_attention: Sequence[bool], device: torch.device,
+                 image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> StepOutput:
+    """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own cache, all rows in one
+    model call. `want_attention[r]`: return the last query's attention of row r (decode-time scoring)."""
+    b = len(caches)
+    lengths = [len(c) for c in chunks]
+    if min(lengths) < 1:
+        raise ValueError("every row needs at least one token to feed")
+    q = max(lengths)
+    request = StatRequest(last_query=any(want_attention))
+    probe = AttentionProbe(request)
+    ids = torch.zeros(b, q, dtype=torch.long)
+    positions = torch.zeros(b, q, dtype=torch.long)
+    for r, (chunk, start) in enumerate(zip(chunks, starts)):
+        pad = q - len(chunk)
+        ids[r, pad:] = torch.as_tensor(list(chunk), dtype=torch.long)
+        positions[r, :pad] = start  # padding: masked as keys, never stored; any position will do
+        positions[r, pad:] = torch.arange(start, start + len(chunk))
+    ids, positions = ids.to(device), positions.to(device)
+    flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
+    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
+    if b == 1:
+        cache = caches[0]
+        cache.set_pending(positions, flags)
+        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    kv_probe=probe, **kwargs)
+        attention = [{l: s["last_query"] for l, s in probe.stats.items()} if want_attention[0] else None]
+        return StepOutput(out.logits[:, -1], attention)
+    step = _StepCache(caches, lengths, positions, flags, probe)
+    old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
+    out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
+                kv_probe=probe, **kwargs)
+    attention = [_row_attention(probe.stats, r, old_lengths, lengths[r], q) if want_attention[r] else None
+                 for r in range(b)]
+    return StepOutput(out.logits[:, -1], attention)
+
+
+# -- the shared prefill -------------------------------------------------------------------------------------
+
+@dataclass
+class Prefill:
+    cache: TrackedCache  # after the prompt, uncompressed, scores = prefill column sums
+    stats: dict[int, dict[str, torch.Tensor]]  # layer -> every statistic recorded
+    logits: torch.Tensor  # [B, V]: the last prompt position
+    prompt_len: int
+    seconds: float
+
+
+@torch.inference_mode()
+def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, pixel_values: torch.Tensor | None,
+            policies: Sequence[Policy], num_layers: int, device: torch.device) -> Prefill:
+    """One prefill (batch = prompts of equal length) recording every statistic the given policies asked for."""
+    n = ids.shape[1]
+    request = StatRequest.union([StatRequest(colsum=True)] + [p.prefill_stats(n) for p in policies])
+    probe = AttentionProbe(request)
+    cache = TrackedCache(num_layers)
+    positions = torch.arange(n, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+    cache.set_pending(positions, is_image)
+    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
+    t0 = now(device)
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                kv_probe=probe, **kwargs)
+    seconds = now(device) - t0
+    cache.add_scores({l: s["colsum"] for l, s in probe.stats.items()})
+    return Prefill(cache, probe.stats, out.logits[:, -1], n, seconds)
+
+
+def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prompt_len: int,
+                 row: slice | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset"), cut to
+    `row` when the prefill ran several prompts at once."""
+    asked = policy.prefill_stats(prompt_len)
+    out = {}
+    for layer, s in stats.items():
+        mine = {"colsum": s["colsum"]}
+        if asked.window > 0:
+            mine["window"] = s[f"window:{asked.window}"]
+        if asked.query_subset is not None:
+            mine["subset"] = s["subset"]
+        out[layer] = {k: v[row] for k, v in mine.items()} if row is not None else mine
+    return out
+
+
+# -- policy calls: the one place the runner talks to policies ------------------------------------------------
+
+def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[str, torch.Tensor]],
+                     prompt_len: int, budget: float) -> Any:
+    """Let `policy` compress the prompt's cache in place; returns the policy's per-run state."""
+    window = policy.prefill_stats(prompt_len).window
+    apply_plans(cache, policy.prefill(PrefillView(cache, stats, prompt_len, budget, window)))
+    return None
+
+
+def compress_decode(policy: Policy, state: Any, cache: TrackedCache, true_len: int, prompt_len: int, step: int,
+                    attention: dict[int, torch.Tensor] | None) -> None:
+    """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress."""
+    if attention is not None:
+        cache.add_scores(attention)
+    apply_plans(cache, policy.decode(DecodeView(cache, true_len, prompt_len, step, attention)))

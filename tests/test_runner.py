@@ -1,0 +1,126 @@
+"""The batched runner: many rows with different per-layer cache lengths in one forward give exactly what each
+row gives alone, and a session decoding every method as one batch equals each method run on its own."""
+import pytest
+import torch
+
+from prefixkv_core import Engine, GenerationSettings
+from prefixkv_core import runner
+from prefixkv_core.attention import tracked_attention_enabled
+from prefixkv_core.models import encode, format_prompt
+from prefixkv_core.policies import METHODS
+
+PROMPT = "describe the picture in detail and name every object you can see in it"
+FOLLOW_UP = "and what colour is the largest one"
+# knobs that make every method's special path run within a few tokens (ZipVL re-quantises while decoding)
+KNOBS = {"zipvl": {"decode_block": 3}}
+
+
+def _prefilled(loaded, image, count):
+    """`count` caches of one prompt, each cut to a different random subset per layer (different lengths)."""
+    inputs = encode(loaded, image, format_prompt(loaded, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    with tracked_attention_enabled(loaded.model):
+        shared = runner.prefill(loaded.model, ids, ids == loaded.image_token_id, inputs["pixel_values"], [],
+                                loaded.num_layers, loaded.device)
+    n = ids.shape[1]
+    g = torch.Generator().manual_seed(0)
+    caches = []
+    for r in range(count):
+        cache = shared.cache.clone()
+        for layer in cache.layers:
+            k = int(torch.randint(n // 3, n + 1, (1,), generator=g))
+            keep = torch.randperm(n, generator=g)[:k].sort().values
+            keep[0] = 0
+            layer.gather(keep.unique().view(1, 1, -1))
+        caches.append(cache)
+    return caches, n
+
+
+@pytest.mark.parametrize("chunk_lengths", [(1, 1, 1), (1, 4, 3)])
+def test_forward_rows_equals_each_row_alone(tiny, noise_image, chunk_lengths):
+    caches, n = _prefilled(tiny, noise_image, len(chunk_lengths))
+    alone = [c.clone() for c in caches]
+    chunks = [list(range(5, 5 + q)) for q in chunk_lengths]
+    starts = [n + 2 * r for r in range(len(chunks))]  # rows may sit at different true positions
+    want = [True, False, True]
+    with tracked_attention_enabled(tiny.model):
+        batched = runner.forward_rows(tiny.model, caches, chunks, starts, want, tiny.device)
+        singles = [runner.forward_rows(tiny.model, [c], [ch], [s], [w], tiny.device)
+                   for c, ch, s, w in zip(alone, chunks, starts, want)]
+    for r, single in enumerate(singles):
+        torch.testing.assert_close(batched.logits[r], single.logits[0], atol=1e-4, rtol=1e-4)
+        for mine, theirs in zip(caches[r].layers, alone[r].layers):
+            assert torch.equal(mine.positions, theirs.positions)
+            assert torch.equal(mine.is_image, theirs.is_image)
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(mine.values, theirs.values, atol=1e-4, rtol=1e-4)
+        if want[r]:
+            for layer, att in single.attention[0].items():
+                assert batched.attention[r][layer].shape == att.shape
+                torch.testing.assert_close(batched.attention[r][layer], att, atol=1e-6, rtol=1e-5)
+        else:
+            assert batched.attention[r] is None
+
+
+def _turns(session):
+    """Per method: (answer ids, kept per layer, image kept per layer, KV bytes) after each turn."""
+    out = {name: [] for name in session.states}
+    for ev in session.run():
+        if getattr(ev, "kind", None) in ("done", "error"):
+            out[ev.method].append((list(session.states[ev.method].turn_ids), ev.kept_per_layer,
+                                   ev.kept_image_per_layer, ev.kv_bytes, ev.error))
+    for ev in session.follow_up(FOLLOW_UP):
+        if ev.kind in ("done", "error"):
+            out[ev.method].append((list(session.states[ev.method].turn_ids), ev.kept_per_layer,
+                                   ev.kept_image_per_layer, ev.kv_bytes, ev.error))
+    return out
+
+
+def test_all_methods_batched_equal_each_alone(tiny, noise_image):
+    """Greedy, fp32: the nine-method batch gives each method exactly its own tokens, per-layer counts and
+    bytes, over a first turn and a follow-up."""
+    engine = Engine(tiny)
+    settings = GenerationSettings(max_new_tokens=7)
+    together = _turns(engine.new_session(noise_image, PROMPT, "all", 0.3, settings, KNOBS))
+    assert set(together) == set(METHODS)
+    for method in METHODS:
+        alone = _turns(engine.new_session(noise_image, PROMPT, [method], 0.3, GenerationSettings(max_new_tokens=7),
+                                          {k: v for k, v in KNOBS.items() if k == method}))
+        assert together[method] == alone[method], method
+        assert all(turn[4] is None for turn in alone[method]), alone[method]
+        assert len(alone[method]) == 2
+
+
+def test_score_answer_batched_equals_alone(tiny_qwen2, noise_image):
+    engine = Engine(tiny_qwen2)
+    answer = "a red square on the left and a blue circle"
+    together = engine.new_session(noise_image, PROMPT, "all", 0.3, knobs=KNOBS).score_answer(answer)
+    for method in ("full", "h2o", "elastic", "zipvl", "prefixkv"):
+        alone = engine.new_session(noise_image, PROMPT, [method], 0.3,
+                                   knobs={k: v for k, v in KNOBS.items() if k == method}).score_answer(answer)
+        assert together[method][1] == alone[method][1]
+        assert together[method][0] == pytest.approx(alone[method][0], rel=1e-4, abs=1e-3)
+
+
+def test_events_report_the_batch(tiny_llama, noise_image):
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, PROMPT, ["full", "snapkv", "h2o"], 0.3, GenerationSettings(4))
+    sizes = {ev.batch_size for ev in session.run() if getattr(ev, "kind", None) == "token" and ev.step > 1}
+    assert sizes == {3}
+
+
+def test_methods_leave_the_batch_when_they_finish(tiny_llama, noise_image):
+    """A method that stops early (an error here) leaves the batch; the others finish with their own tokens."""
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, PROMPT, ["full", "local", "h2o"], 0.3, GenerationSettings(6))
+    events = session.run()
+    for ev in events:
+        if getattr(ev, "kind", None) == "token" and ev.step == 2:
+            session.states["local"].error = "stopped by the test"
+            session.states["local"].finished = True
+            break
+    rest = list(events)
+    assert all(ev.batch_size == 2 for ev in rest if ev.kind == "token" and ev.step > 3)
+    alone = engine.new_session(noise_image, PROMPT, ["h2o"], 0.3, GenerationSettings(6))
+    list(alone.run())
+    assert session.states["h2o"].turn_ids == alone.states["h2o"].turn_ids
