@@ -35,6 +35,8 @@ class StatRequest:
     # Further observation windows recorded in the same pass, each as stats[f"window:{w}"], so methods that
     # asked for different windows each get their own (a shared prefill serves several methods).
     windows: tuple[int, ...] = ()
+    # Batch rows whose last-query statistic is wanted (None = every row); the statistic then has one row each.
+    last_query_rows: torch.Tensor | None = None
 
     def any(self) -> bool:
         return self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
@@ -88,11 +90,17 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     extra_mask = probe.key_masks.get(layer) if probe is not None else None
     request = probe.request if probe is not None else None
 
+    if request is not None:
+        _check_rows(request)
     if request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
     elif _only_last_query(request):
         # decode steps: the fused kernel for the output, one softmax row per query head for the statistic
         out = _sdpa_output(query, key, value, scale, extra_mask)
+        rows = request.last_query_rows
+        if rows is not None:
+            query, key = query[rows], key[rows]
+            extra_mask = extra_mask[rows] if extra_mask is not None else None
         probe.stats[layer] = {"last_query": _last_query_row(query, key, scale, extra_mask)}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
@@ -116,6 +124,11 @@ def _sdpa_output(query, key, value, scale, extra_mask):
 
 def _only_last_query(req: StatRequest) -> bool:
     return req.last_query and not (req.colsum or req.all_windows() or req.query_subset is not None)
+
+
+def _check_rows(req: StatRequest) -> None:
+    if req.last_query_rows is not None and not _only_last_query(req):
+        raise ValueError("last_query_rows applies to a decode-time request for the last query's row only")
 
 
 def _last_query_row(query, key, scale, extra_mask) -> torch.Tensor:

@@ -43,6 +43,7 @@ class GenerationSettings:
     temperature: float = 0.7
     top_p: float = 0.9
     seed: int = 0
+    ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks); end of text still never shows
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -436,7 +437,8 @@ class Session:
                                   policy_s=own_s, batch_size=len(active))
 
     def _is_done(self, state: MethodState, max_new: int) -> bool:
-        return state.pending in self.engine.eos_ids or len(state.turn_ids) >= max_new
+        ended = state.pending in self.engine.eos_ids and not self.generation.ignore_eos
+        return ended or len(state.turn_ids) >= max_new
 
     def _sample(self, state: MethodState, logits: torch.Tensor) -> int:
         g = self.generation

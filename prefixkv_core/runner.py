@@ -108,12 +108,13 @@ class StepOutput:
     attention: list[dict[int, torch.Tensor] | None]  # per row: layer -> last query's attention [1, Hkv, T_row]
 
 
-def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, old_lengths: dict[int, list[int]],
+def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, k: int, old_lengths: dict[int, list[int]],
                    chunk: int, q: int) -> dict[int, torch.Tensor]:
-    """Row r's slice of the batched last-query statistic, aligned with its own entries (old + new)."""
+    """Row r's slice (the statistic's k-th row) of the batched last-query statistic, aligned with its own
+    entries (old + new)."""
     out = {}
     for layer, s in stats.items():
-        row = s["last_query"][r:r + 1]
+        row = s["last_query"][k:k + 1]
         olds = old_lengths[layer]
         t_old = max(olds)
         out[layer] = torch.cat([row[..., :olds[r]], row[..., t_old + q - chunk:]], dim=-1)
@@ -131,7 +132,10 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     if min(lengths) < 1:
         raise ValueError("every row needs at least one token to feed")
     q = max(lengths)
-    request = StatRequest(last_query=any(want_attention))
+    wanted = [r for r in range(b) if want_attention[r]]
+    request = StatRequest(last_query=bool(wanted))
+    if wanted and len(wanted) < b:
+        request.last_query_rows = torch.tensor(wanted, device=device)
     probe = AttentionProbe(request)
     ids = torch.zeros(b, q, dtype=torch.long)
     positions = torch.zeros(b, q, dtype=torch.long)
@@ -154,8 +158,9 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
     out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
                 kv_probe=probe, **kwargs)
-    attention = [_row_attention(probe.stats, r, old_lengths, lengths[r], q) if want_attention[r] else None
-                 for r in range(b)]
+    attention: list[dict[int, torch.Tensor] | None] = [None] * b
+    for k, r in enumerate(wanted):
+        attention[r] = _row_attention(probe.stats, r, k, old_lengths, lengths[r], q)
     return StepOutput(out.logits[:, -1], attention)
 
 

@@ -1,0 +1,128 @@
+"""What a user of the app waits for: every method compared at once, decoded as one batch by the runner.
+
+Measured side by side in one process, repeats interleaved (the machines are shared and noisy):
+
+1. decode throughput of all selected methods together (tokens summed over methods / decode wall time)
+   divided by that of Full alone through the same engine (goal >= 3x on the embedded model, aim 5x);
+2. wall time of the whole comparison, from the request to the last token, shared prefill included;
+3. Full alone through the runner / plain `model.generate`, per decoded token (goal >= 0.95);
+4. for reference, the same methods run one after another (what the comparison cost before batching).
+
+    python benchmarks/interactive.py --model embedded --budget 0.3 --new-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
+from benchmarks.engine_overhead import time_generate  # noqa: E402
+from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
+from prefixkv_core.models import encode, format_prompt  # noqa: E402
+from prefixkv_core.runner import now  # noqa: E402
+
+
+def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+    """One comparison through the public API. Decode time runs from the first decode step to the last event;
+    every method decodes exactly `new_tokens` (end of text ignored) so the counts are comparable."""
+    device = engine.loaded.device
+    settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    t0 = now(device)
+    session = engine.new_session(image, prompt, methods, budget, settings)
+    decode_start = None
+    errors = {}
+    for ev in session.run():
+        kind = getattr(ev, "kind", None)
+        if kind == "start" and decode_start is None:
+            decode_start = now(device)
+        if kind == "error":
+            errors[ev.method] = ev.error
+    t_end = now(device)
+    steps = sum(len(s.turn_ids) - 1 for s in session.states.values() if s.error is None)
+    decode_s = t_end - decode_start
+    return {"total_s": t_end - t0, "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
+            "decode_tokens": steps, "decode_tokens_per_s": steps / decode_s if decode_s > 0 else None,
+            "prompt_tokens": session.prefill.prompt_tokens, "errors": errors}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="embedded", help="embedded, a hub id or a local LLaVA directory")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--image", default=str(REPO_ROOT / "assets/images/scene-0.png"))
+    ap.add_argument("--prompt", default="Describe the image in detail.")
+    ap.add_argument("--methods", default="all")
+    ap.add_argument("--budget", type=float, default=0.3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; medians are reported")
+    ap.add_argument("--no-sequential", action="store_true", help="skip the one-after-another reference run")
+    ap.add_argument("--json", default=None, help="write every number here")
+    args = ap.parse_args(argv)
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(loaded)
+    image = Engine.load_image(args.image)
+    methods = resolve_methods(args.methods)
+    inputs = encode(loaded, image, format_prompt(loaded, args.prompt, with_image=True))
+    timed_comparison(engine, image, args.prompt, methods, args.budget, 4)  # warm-up
+
+    together, alone, generate, sequential = [], [], [], []
+    for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
+        together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
+        alone.append(timed_comparison(engine, image, args.prompt, ["full"], args.budget, args.new_tokens))
+        generate.append(time_generate(loaded, inputs, args.new_tokens))
+        if not args.no_sequential:
+            sequential.append(sum(timed_comparison(engine, image, args.prompt, [m], args.budget,
+                                                   args.new_tokens)["total_s"] for m in methods))
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    report = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "methods": methods,
+              "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "prompt_tokens": together[0]["prompt_tokens"],
+              "together_tokens_per_s": med(together, "decode_tokens_per_s"),
+              "full_alone_tokens_per_s": med(alone, "decode_tokens_per_s"),
+              "generate_tokens_per_s": statistics.median(generate),
+              "comparison_wall_s": med(together, "total_s"), "comparison_prefill_s": med(together, "prefill_s"),
+              "sequential_wall_s": statistics.median(sequential) if sequential else None,
+              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone}}
+    report["throughput_ratio"] = report["together_tokens_per_s"] / report["full_alone_tokens_per_s"]
+    report["runner_over_generate"] = report["full_alone_tokens_per_s"] / report["generate_tokens_per_s"]
+
+    print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {torch.get_num_threads()} threads), "
+          f"commit {report['commit']}, {report['date']}")
+    print(f"{len(methods)} methods, budget {args.budget}, prompt {report['prompt_tokens']} tokens, "
+          f"{args.new_tokens} new tokens each, median of {args.repeats}")
+    print(f"| measure | value |\n|---|---|")
+    print(f"| decode tok/s, all {len(methods)} methods as one batch (summed) | {report['together_tokens_per_s']:.1f} |")
+    print(f"| decode tok/s, Full alone | {report['full_alone_tokens_per_s']:.1f} |")
+    print(f"| **throughput ratio** (goal >= 3x) | **{report['throughput_ratio']:.2f}x** |")
+    print(f"| whole comparison, request to last token | {report['comparison_wall_s']:.1f} s "
+          f"(prefill {report['comparison_prefill_s']:.2f} s) |")
+    if sequential:
+        print(f"| the same methods one after another | {report['sequential_wall_s']:.1f} s |")
+    print(f"| plain model.generate decode tok/s | {report['generate_tokens_per_s']:.1f} |")
+    print(f"| **Full through the runner / generate** (goal >= 0.95) | **{report['runner_over_generate']:.3f}** |")
+    if report["errors"]:
+        print(f"errors: {report['errors']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
