@@ -73,11 +73,12 @@ def cmd_calibrate(args) -> int:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
     budgets = [float(b) for b in args.budgets.split(",")]
-    found = calibrate(engine, default_samples(args.samples), budgets, progress=not args.quiet)
+    samples = default_samples(args.samples)
+    found = calibrate(engine, samples, budgets, progress=not args.quiet)
     for budget, result in found.items():
-        path = write_config(loaded.slug, loaded.name, budget, result["ratios"], args.samples,
+        path = write_config(loaded.slug, loaded.name, budget, result["ratios"], len(samples),
                             extra={"threshold_mean": round(result["threshold_mean"], 6),
-                                   "threshold_std": round(result["threshold_std"], 6)})
+                                   "threshold_std": round(result["threshold_std"], 6)}, samples=samples)
         if not args.quiet:
             print(f"budget {budget:.2f}: threshold {result['threshold_mean']:.4f} -> {path}")
     return 0
@@ -118,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="estimate offline PrefixKV layer ratios and write them to assets/")
     _add_model_args(p)
-    p.add_argument("--samples", type=int, default=10, help="calibration samples (shipped photos + generated scenes)")
+    p.add_argument("--samples", type=int, default=10,
+                   help="calibration samples: generated scenes from the end of the train split, disjoint from "
+                        "every evaluation set; recorded in each config file")
     p.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="comma-separated budgets")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_calibrate)

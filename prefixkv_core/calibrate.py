@@ -74,7 +74,10 @@ def load_ratios(slug: str, budget: float, num_layers: int, root: Path = CONFIG_R
 
 
 def write_config(slug: str, model_name: str, budget: float, ratios: Iterable[float], num_samples: int,
-                 root: Path = CONFIG_ROOT, extra: dict | None = None) -> Path:
+                 root: Path = CONFIG_ROOT, extra: dict | None = None,
+                 samples: list[dict[str, str]] | None = None) -> Path:
+    """Write one config; `samples` (the calibration samples, as from `default_samples`) are recorded so
+    anyone can check they are disjoint from the evaluation data."""
     path = config_path(slug, budget, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -85,6 +88,8 @@ def write_config(slug: str, model_name: str, budget: float, ratios: Iterable[flo
         "num_samples": num_samples,
         "date": _dt.date.today().isoformat(),
     }
+    if samples is not None:
+        payload["calibration_samples"] = [dict(x) for x in samples]
     payload.update(extra or {})
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
@@ -95,31 +100,51 @@ CALIBRATION_PROMPTS = (
     "What objects are in the picture and what colours are they?",
     "Where is each object in the image?",
 )
+SCENE_REF = "scene:"
 
 
-def default_samples(n: int = 10) -> list[tuple[Any, str]]:
-    """Calibration inputs the project generates or ships: validation-split scenes plus the example photos."""
-    from .scenes import render_scene, split_seeds
+def calibration_seeds(n: int) -> list[int]:
+    """Scene seeds for calibration: the last `n` seeds of the TRAIN split.
 
-    photos = sorted((ASSETS / "images").glob("*.jpg"))
-    samples: list[tuple[Any, str]] = []
-    n_photos = min(len(photos), n // 3)
-    for i, path in enumerate(photos[:n_photos]):
-        samples.append((str(path), CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]))
-    for i, seed in enumerate(split_seeds("val", n - len(samples))):
-        samples.append((render_scene(seed).image, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]))
-    return samples
+    No evaluation set reads the train split (the built-in set and benchmarks/vision_accuracy.py use the
+    test and val splits and the example photos), and the training stages draw from its start, so these
+    scenes are seen by neither evaluation nor training."""
+    from scenes import SPLITS
+
+    train = SPLITS["train"]
+    if not 0 < n <= 1000:
+        raise ValueError(f"calibration uses 1 to 1000 samples, asked for {n}")
+    return list(train[len(train) - n:])
+
+
+def default_samples(n: int = 10) -> list[dict[str, str]]:
+    """Calibration samples as written into the config files: {"image": "scene:<seed>", "prompt": ...}."""
+    return [{"image": f"{SCENE_REF}{seed}", "prompt": CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]}
+            for i, seed in enumerate(calibration_seeds(n))]
+
+
+def load_sample(sample: dict[str, str]) -> tuple[Any, str]:
+    """A recorded calibration sample -> (image, prompt) for the engine (scenes rendered, paths as is)."""
+    from scenes import render_scene
+
+    image = sample.get("image")
+    if image and image.startswith(SCENE_REF):
+        image = render_scene(int(image[len(SCENE_REF):])).image
+    return image, sample["prompt"]
 
 
 def calibrate(engine, samples, budgets=DEFAULT_BUDGETS, progress: bool = True) -> dict[float, dict]:
-    """Per budget: the online PrefixKV layer ratios of each sample, averaged and rescaled to the budget."""
+    """Per budget: the online PrefixKV layer ratios of each sample, averaged and rescaled to the budget.
+
+    `samples`: (image, prompt) pairs or recorded samples ({"image": "scene:<seed>" or a path, "prompt"})."""
     import torch
     from tqdm.auto import tqdm
 
     from .lorenz import bisect_threshold, retention_curves
 
     curves = []
-    for image, prompt in tqdm(samples, desc="calibration prefill", disable=not progress):
+    for sample in tqdm(samples, desc="calibration prefill", disable=not progress):
+        image, prompt = load_sample(sample) if isinstance(sample, dict) else sample
         info = engine.analyse(image, prompt)
         curves.append(retention_curves(torch.from_numpy(info.importance)))
     out = {}

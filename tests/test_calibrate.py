@@ -48,3 +48,51 @@ def test_offline_mode_without_config_says_how_to_fix(tiny_llama, noise_image):
                                  knobs={"prefixkv": {"mode": "offline", "ratios": [0.6, 0.2, 0.2, 0.2]}})
     events = [e for e in session.run() if getattr(e, "kind", None) == "done"]
     assert events and events[0].extras["mode"] == "offline"
+
+
+def _image_key(ref: str, root) -> str:
+    """A comparable name for an image reference: the scene seed, or the resolved file path."""
+    from pathlib import Path
+
+    if ref.startswith("scene:"):
+        return f"scene:{int(ref[len('scene:'):])}"
+    path = Path(ref)
+    return str((path if path.is_absolute() else Path(root) / path).resolve())
+
+
+def test_calibration_samples_are_disjoint_from_every_evaluation_set():
+    from benchmarks.data import BUILTIN, dataset_spec, load_dataset
+    from prefixkv_core.calibrate import ASSETS, default_samples
+    from scenes import SPLITS
+
+    # benchmarks/quality.py's default data and the built-in set: scene seeds and photo files
+    data_path, root = dataset_spec("builtin")
+    assert data_path == BUILTIN
+    evaluated = {_image_key(s.image, root) for s in load_dataset(data_path) if s.image}
+    # every shipped photo and example image counts as evaluation material too
+    evaluated |= {str(p.resolve()) for p in (ASSETS / "images").iterdir()}
+    shipped = sorted((CONFIG_ROOT / "embedded-smollm2-135m").glob("budget-*.json"))
+    assert shipped
+    for path in shipped:
+        data = json.loads(path.read_text())
+        samples = data["calibration_samples"]
+        assert len(samples) == data["num_samples"] >= 10
+        assert samples == default_samples(len(samples))  # the files say what the code calibrates on
+        for sample in samples:
+            ref = sample["image"]
+            assert _image_key(ref, CONFIG_ROOT) not in evaluated, (path.name, ref)
+            # benchmarks/vision_accuracy.py evaluates a prefix of the test or the val split
+            seed = int(ref.split(":", 1)[1])
+            assert seed in SPLITS["train"] and seed not in SPLITS["test"] and seed not in SPLITS["val"]
+
+
+def test_default_samples_come_from_the_tail_of_the_train_split():
+    from prefixkv_core.calibrate import default_samples, load_sample
+    from scenes import SPLITS
+
+    samples = default_samples(4)
+    assert [s["image"] for s in samples] == [f"scene:{SPLITS['train'][-4 + i]}" for i in range(4)]
+    image, prompt = load_sample(samples[0])
+    assert image.size == (384, 384) and prompt == samples[0]["prompt"]
+    with pytest.raises(ValueError):
+        default_samples(0)

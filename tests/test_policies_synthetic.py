@@ -246,3 +246,68 @@ def test_parse_knobs_types_and_errors():
     for bad in ("snapkv", "window=3", "snapkv.=3", ".w=3"):
         with pytest.raises(ValueError, match="METHOD.KNOB=VALUE"):
             parse_knobs([bad])
+
+
+# -- regressions -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.5])
+def test_elastic_never_merges_into_protected_tokens(budget):
+    from prefixkv_core.policies.base import PrefillView
+
+    n, n_layers = 60, 3
+    cache = TrackedCache(n_layers)
+    stats = {}
+    for i in range(n_layers):
+        cache.layers[i] = _layer(n=n, h=2, seed=10 + i)
+        colsum = torch.rand(1, 2, n, generator=torch.Generator().manual_seed(i)) ** 3
+        colsum[..., 0] += 50.0  # the sink and the last token are also the most attended: they must still
+        colsum[..., -1] += 50.0  # stay out of the merge destinations
+        stats[i] = {"colsum": colsum}
+    policy = make_policy("elastic", budget)
+    plans = policy.prefill(PrefillView(cache, stats, n, budget, 8))
+    for plan, layer in zip(plans, cache.layers):
+        kept = plan.keep[0, 0].tolist()
+        assert 0 in kept and n - 1 in kept and len(kept) == max(2, round(budget * n))
+        assert plan.merge is not None
+        dst = set(plan.merge.dst.flatten().tolist())
+        assert dst and dst <= set(kept) - {0, n - 1}
+        assert set(plan.merge.src.flatten().tolist()) == set(range(n)) - set(kept)
+
+
+def test_elastic_merge_skips_protected_destinations_directly():
+    keep = torch.tensor([[[0, 5, 9]]])
+    protected = torch.zeros(10, dtype=torch.bool)
+    protected[[0, 9]] = True
+    m = merge_into_nearest(keep, 10, protected)
+    assert m.src.flatten().tolist() == [1, 2, 3, 4, 6, 7, 8] and set(m.dst.flatten().tolist()) == {5}
+    only_protected = merge_into_nearest(torch.tensor([[[0, 9]]]), 10, protected)
+    assert only_protected is None  # no unprotected anchor: evicted entries are dropped, never merged into 0 or 9
+
+
+def test_zipvl_adaptive_count_never_exceeds_the_tokens_at_tau_one():
+    g = torch.Generator().manual_seed(0)
+    short_of_one = 0
+    for _ in range(500):
+        n = int(torch.randint(2, 600, (1,), generator=g))
+        scores = torch.rand(n, generator=g) ** float(torch.rand(1, generator=g) * 4)
+        s = torch.sort(scores, descending=True).values
+        short_of_one += float((torch.cumsum(s, 0) / s.sum())[-1]) < 1.0 - 1e-9
+        count = adaptive_count(scores, 1.0)
+        assert 1 <= count <= n
+        torch.topk(scores, count)  # what ZipVL does with it
+    assert short_of_one > 0  # the fp32 case that used to give N + 1 was exercised
+
+
+def test_zipvl_prefill_runs_at_tau_one():
+    from prefixkv_core.policies.base import PrefillView
+
+    n = 97
+    policy = make_policy("zipvl", 0.3, tau=1.0)
+    policy.prefill_stats(n)
+    cache = TrackedCache(2)
+    stats = {}
+    for i in range(2):
+        cache.layers[i] = _layer(n=n, h=2, d=8, seed=i)
+        stats[i] = {"subset": torch.rand(1, 2, n, generator=torch.Generator().manual_seed(i))}
+    plans = policy.prefill(PrefillView(cache, stats, n, 0.3, 8))
+    for plan in plans:
+        assert int(plan.quantise.important.sum()) <= n

@@ -21,13 +21,24 @@ def nearest_anchor(anchors: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
     return torch.where(d_left <= d_right, left, right)
 
 
-def merge_into_nearest(keep: torch.Tensor, length: int) -> Merge:
-    """keep [1, 1, K] ascending entry indices (entries in position order) -> merge of the rest, mean-wise."""
+def merge_into_nearest(keep: torch.Tensor, length: int, protected: torch.Tensor | None = None) -> Merge | None:
+    """keep [1, 1, K] ascending entry indices (entries in position order) -> merge of the rest, mean-wise.
+
+    Destinations are the kept entries that are not `protected` ([length] bool): the sink and the last
+    prompt token stay as they are and never absorb others (merging into them makes the last prompt token
+    swallow dozens of tokens and the output collapse at small budgets). None when nothing is evicted or no
+    unprotected anchor exists (the evicted entries are then simply dropped)."""
     device = keep.device
-    anchors = keep[0, 0]
-    is_anchor = torch.zeros(length, dtype=torch.bool, device=device)
-    is_anchor[anchors] = True
-    others = torch.arange(length, device=device)[~is_anchor]
+    kept = keep[0, 0]
+    is_kept = torch.zeros(length, dtype=torch.bool, device=device)
+    is_kept[kept] = True
+    is_anchor = is_kept.clone()
+    if protected is not None:
+        is_anchor &= ~protected.to(device)
+    anchors = is_anchor.nonzero().flatten()
+    others = (~is_kept).nonzero().flatten()
+    if others.numel() == 0 or anchors.numel() == 0:
+        return None
     dst = anchors[nearest_anchor(anchors, others)]
     ones = torch.ones(1, 1, others.numel(), device=device)
     return Merge(src=others.view(1, 1, -1), dst=dst.view(1, 1, -1), src_weight=ones,
@@ -38,8 +49,9 @@ def merge_into_nearest(keep: torch.Tensor, length: int) -> Merge:
 class ElasticPolicy(Policy):
     name = "elastic"
     label = "Elastic Cache"
-    summary = ("Top-r·N tokens by prefill importance become anchors; the others are merged (averaged) into "
-               "their nearest anchor. Decoding deletes at a fixed point (K-25): older entries stay frozen.")
+    summary = ("Top-r·N tokens by prefill importance are kept; the others are merged (averaged) into their "
+               "nearest kept token, never into the sink or the last prompt token. Decoding deletes at a fixed "
+               "point (K-25): older entries stay frozen.")
 
     normalised_importance: bool = False
 
@@ -54,8 +66,9 @@ class ElasticPolicy(Policy):
             if view.cache.layers[i].positions.shape[0] != 1:
                 raise ValueError("Elastic Cache merging runs with batch size 1 only")
             imp = layer_importance(view, i, self.normalised_importance)  # [1, 1, N]
-            keep = top_k_keep(imp, k, protected_mask(layer, view.prompt_len)[:, :1])
-            merge = merge_into_nearest(keep, layer.length) if k < layer.length else None
+            protected = protected_mask(layer, view.prompt_len)[:, :1]
+            keep = top_k_keep(imp, k, protected)
+            merge = merge_into_nearest(keep, layer.length, protected[0, 0]) if k < layer.length else None
             plans.append(LayerPlan(keep=keep, merge=merge))
         self.anchors = [k] * view.num_layers
         return plans

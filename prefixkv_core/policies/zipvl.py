@@ -17,7 +17,10 @@ def adaptive_count(scores: torch.Tensor, tau: float) -> int:
     if total <= 0:
         return s.numel()
     cum = torch.cumsum(s, dim=0) / total
-    return int(torch.searchsorted(cum, torch.tensor(tau - 1e-9, device=cum.device)).item()) + 1
+    found = int(torch.searchsorted(cum, torch.tensor(tau - 1e-9, device=cum.device)).item()) + 1
+    # fp32 rounding can leave the last cumulative value just under tau (often at tau = 1): then every
+    # token is needed, never N + 1 of them
+    return min(found, s.numel())
 
 
 def probe_queries(n: int, fraction: float = 0.05, seed: int = 0) -> torch.Tensor:
