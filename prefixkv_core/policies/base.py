@@ -109,6 +109,11 @@ class Policy:
     def decode_needs_attention(self) -> bool:
         return False
 
+    # Whether one plan can serve every row of a batched cache (prompts of one layout): true when the kept
+    # counts do not depend on the sample. Otherwise the runner gives each sample its own cache.
+    def plans_rows_together(self) -> bool:
+        return True
+
     def prefill(self, view: PrefillView) -> list[LayerPlan | None]:
         return [None] * view.num_layers
 

@@ -58,6 +58,9 @@ class ElasticPolicy(Policy):
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(colsum=True)
 
+    def plans_rows_together(self) -> bool:
+        return False  # anchors and merges are per sample
+
     def prefill(self, view: PrefillView):
         k = budget_count(self.budget, view.prompt_len, min_keep=2)
         plans = []

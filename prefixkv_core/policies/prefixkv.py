@@ -35,6 +35,9 @@ class PrefixKVPolicy(Policy):
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(colsum=True)
 
+    def plans_rows_together(self) -> bool:
+        return self.mode == "offline"  # the online search is per sample; calibrated ratios are shared
+
     def layer_counts(self, view: PrefillView) -> list[int]:
         n, n_layers = view.prompt_len, view.num_layers
         total = int(round(self.budget * n * n_layers))

@@ -71,6 +71,9 @@ class ZipVLPolicy(Policy):
     def decode_needs_attention(self) -> bool:
         return True
 
+    def plans_rows_together(self) -> bool:
+        return False  # the 4-bit share adapts per sample
+
     def _plan(self, scores: torch.Tensor, normaliser: torch.Tensor | None) -> tuple[LayerPlan, int]:
         """scores [B, 1, T] over the full-precision entries -> quantise them, the top-p at high precision."""
         flat = scores[0, 0]
