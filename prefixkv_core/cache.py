@@ -201,6 +201,24 @@ class TrackedCache(DynamicCache):
                     setattr(theirs, name, copy.copy(value))
         return twin
 
+    def split_rows(self) -> list["TrackedCache"]:
+        """One batch-1 cache per batch row (e.g. after prefilling several prompts in one forward)."""
+        rows = []
+        for r in range(self.layers[0].positions.shape[0]):
+            twin = TrackedCache(len(self.layers))
+            for mine, theirs in zip(self.layers, twin.layers):
+                if mine.segments:
+                    raise RuntimeError("a cache holding quantised entries cannot be split into rows")
+                theirs.lazy_initialization(mine.keys, mine.values)
+                for name in ("keys", "values", "positions", "is_image", "scores"):
+                    setattr(theirs, name, getattr(mine, name)[r:r + 1].clone())
+            rows.append(twin)
+        return rows
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].positions.shape[0]
+
     # -- what the UI shows ---------------------------------------------------------------------------
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]

@@ -122,11 +122,32 @@ def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, k: int, ol
 
 
 @torch.inference_mode()
+def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, request: StatRequest,
+                  image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+    """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
+    plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for."""
+    b, t = ids.shape
+    positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
+    flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
+    cache.set_pending(positions, flags)
+    probe = AttentionProbe(request)
+    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                kv_probe=probe, **kwargs)
+    return out.logits[:, -1], probe.stats
+
+
+def last_query(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    return {l: s["last_query"] for l, s in stats.items()}
+
+
+@torch.inference_mode()
 def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
-                 want_attention: Sequence[bool], device: torch.device,
-                 image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> StepOutput:
-    """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own cache, all rows in one
-    model call. `want_attention[r]`: return the last query's attention of row r (decode-time scoring)."""
+                 want_attention: Sequence[bool], device: torch.device) -> StepOutput:
+    """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
+    rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
+    scoring), aligned with that row's entries."""
     b = len(caches)
     lengths = [len(c) for c in chunks]
     if min(lengths) < 1:
@@ -145,19 +166,14 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
         positions[r, :pad] = start  # padding: masked as keys, never stored; any position will do
         positions[r, pad:] = torch.arange(start, start + len(chunk))
     ids, positions = ids.to(device), positions.to(device)
-    flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
-    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
     if b == 1:
-        cache = caches[0]
-        cache.set_pending(positions, flags)
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    kv_probe=probe, **kwargs)
-        attention = [{l: s["last_query"] for l, s in probe.stats.items()} if want_attention[0] else None]
-        return StepOutput(out.logits[:, -1], attention)
+        logits, stats = forward_group(model, caches[0], ids, starts[0], request)
+        return StepOutput(logits, [last_query(stats) if want_attention[0] else None])
+    flags = torch.zeros_like(ids, dtype=torch.bool)
     step = _StepCache(caches, lengths, positions, flags, probe)
     old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
     out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
-                kv_probe=probe, **kwargs)
+                kv_probe=probe)
     attention: list[dict[int, torch.Tensor] | None] = [None] * b
     for k, r in enumerate(wanted):
         attention[r] = _row_attention(probe.stats, r, k, old_lengths, lengths[r], q)
@@ -181,17 +197,12 @@ def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, pixel_values: torc
     """One prefill (batch = prompts of equal length) recording every statistic the given policies asked for."""
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True)] + [p.prefill_stats(n) for p in policies])
-    probe = AttentionProbe(request)
     cache = TrackedCache(num_layers)
-    positions = torch.arange(n, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-    cache.set_pending(positions, is_image)
-    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
     t0 = now(device)
-    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                kv_probe=probe, **kwargs)
+    logits, stats = forward_group(model, cache, ids, 0, request, is_image, pixel_values)
     seconds = now(device) - t0
-    cache.add_scores({l: s["colsum"] for l, s in probe.stats.items()})
-    return Prefill(cache, probe.stats, out.logits[:, -1], n, seconds)
+    cache.add_scores({l: s["colsum"] for l, s in stats.items()})
+    return Prefill(cache, stats, logits, n, seconds)
 
 
 def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prompt_len: int,
