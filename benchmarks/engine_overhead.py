@@ -2,7 +2,7 @@
 
 1. decode tokens/s of `full` through the engine divided by plain `model.generate` (goal >= 0.95);
 2. prefill time with importance capture divided by prefill without it (goal: at most 10% more);
-3. for each method at one budget on a long prompt (>= 2,000 tokens): KV bytes / full's KV bytes and
+3. for each method at one budget on a long prompt (>= 2,000 tokens), each run on its own: KV bytes / full's KV bytes and
    decode speed relative to `full`.
 
     python benchmarks/engine_overhead.py --model embedded --prompt-tokens 2000 --new-tokens 32
@@ -48,24 +48,30 @@ def sync(device):
 
 
 def time_generate(loaded, inputs, new_tokens: int) -> float:
-    """Decode tokens/s of plain model.generate (prefill time subtracted via a 1-token run)."""
-    def run(n):
-        sync(loaded.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            loaded.model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        sync(loaded.device)
-        return time.perf_counter() - t0
-    one = min(run(1) for _ in range(2))
-    full = min(run(new_tokens) for _ in range(2))
-    return (new_tokens - 1) / max(full - one, 1e-9)
+    """Decode tokens/s of plain model.generate: a stopping criterion stamps the time after every step, so the
+    prefill is left out exactly (no subtraction of two noisy runs)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Stamps(StoppingCriteria):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync(loaded.device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    stamps = Stamps()
+    with torch.inference_mode():
+        loaded.model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              stopping_criteria=StoppingCriteriaList([stamps]))
+    # stamp 0 follows the prefill (first token); each later stamp follows one decode step
+    return (len(stamps.times) - 1) / max(stamps.times[-1] - stamps.times[0], 1e-9)
 
 
 def time_engine(engine, image, prompt, methods, budget, new_tokens, knobs=None) -> dict:
-    gen = GenerationSettings(max_new_tokens=new_tokens)
+    gen = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     session = engine.new_session(image, prompt, methods, budget, gen, knobs)
-    # force full length: ignore EOS by running until max_new_tokens
-    session.engine.eos_ids = set()
     last = {}
     for ev in session.run():
         if getattr(ev, "kind", None) in ("done", "error"):
@@ -137,7 +143,10 @@ def main(argv=None) -> int:
     methods = list(METHODS) if args.methods == "all" else args.methods.split(",")
     if "full" not in methods:
         methods.insert(0, "full")
-    last = time_engine(engine, image, prompt, methods, args.budget, args.new_tokens)
+    # each method on its own, so its decode speed is its own (together they would share one batched forward)
+    last = {}
+    for method in tqdm(methods, desc="methods one at a time"):
+        last.update(time_engine(engine, image, prompt, [method], args.budget, args.new_tokens))
     full = last["full"]
     rows = {}
     for name, ev in last.items():
