@@ -1,40 +1,29 @@
-"""Batched prefill + decode for the speed benchmark, built from the engine's public pieces (TrackedCache,
-tracked_attention_enabled, AttentionProbe, the policies, apply_plans), plus randomly initialised models with
-the exact shapes of LLaVA-1.5-7B / 13B (speed and memory do not depend on the weight values).
+"""Prefill + decode of a batch of prompts for the speed benchmark, through the engine's own runner
+(`prefixkv_core.runner`, the same code the app's comparisons run on), plus randomly initialised models with the
+exact shapes of LLaVA-1.5-7B / 13B (speed and memory do not depend on the weight values).
 
-The engine's Session runs one conversation. Here B prompts of equal length and equal layout (BOS, image
-block, text) share one cache tensor per layer, so a method can run batched only when its per-layer kept
-counts do not depend on the sample: see BATCHABLE. The others run the B prompts one after another at
-batch 1 ("sequential") and say so.
+B prompts of equal length and equal layout (BOS, image block, text) decode as one batch for every method: a
+method whose plan does not depend on the sample keeps them in one cache; the others (Elastic Cache, ZipVL,
+online PrefixKV) get a cache per prompt, padded and masked into the same forward by the runner.
+`full-stock` (transformers' own DynamicCache and sdpa, no tracking) is the engine-free baseline.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from prefixkv_core.attention import AttentionProbe, StatRequest, tracked_attention_enabled
+from prefixkv_core import runner
+from prefixkv_core.attention import StatRequest, tracked_attention_enabled
 from prefixkv_core.cache import TrackedCache
 from prefixkv_core.models import TextShape
 from prefixkv_core.policies import Policy, make_policy
-from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
 
-# Methods whose per-layer counts are the same for every row of a batch of equal-layout prompts.
-# (PrefixKV only with offline/fixed ratios; LOOK-M's text count is shared because the layout is shared.)
-# Elastic Cache (anchors per sample in its merge), ZipVL (adaptive 4-bit share per sample) and online
-# PrefixKV (per-sample search) are batch 1 only.
-BATCHABLE = ("full", "local", "h2o", "snapkv", "pyramidkv", "lookm", "prefixkv")
 STOCK = "full-stock"  # plain DynamicCache + stock sdpa attention: the engine-free baseline
-
-
-def can_batch(method: str, knobs: dict[str, Any] | None = None) -> bool:
-    if method == STOCK:
-        return True
-    if method == "prefixkv":
-        return (knobs or {}).get("mode", "offline") == "offline"
-    return method in BATCHABLE
+sync = runner.sync
 
 
 # -- models --------------------------------------------------------------------------------------------------
@@ -187,64 +176,69 @@ def synthetic_batch(sm: SpeedModel, batch: int, prompt_len: int, seed: int = 0):
 
 # -- runners ---------------------------------------------------------------------------------------------------
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class MethodRun:
+    """One method on a batch of prompts through the engine's runner (`prefixkv_core.runner`): one prefill of all
+    prompts, then greedy decode steps, each followed by the policy's decode-time compression.
 
-
-class BatchedRun:
-    """One method on a batch of equal-layout prompts: prefill (with the statistics the policy asks for) then
-    compress, then greedy decode steps, each followed by the policy's decode-time compression."""
+    When the policy's plan serves every row (its kept counts do not depend on the sample), the prompts share
+    one cache; otherwise every prompt gets its own cache and the runner pads and masks them into the same
+    forward. Either way the whole batch decodes in one model call per step."""
 
     def __init__(self, sm: SpeedModel, policy: Policy, budget: float):
         self.sm, self.policy, self.budget = sm, policy, budget
-        self.cache = TrackedCache(sm.num_layers)
+        self.caches: list[TrackedCache] = []
+        self.states: list[Any] = []
         self.prompt_len = 0
         self.true_len = 0
         self.step_no = 0
+        self.shared_plan = True
 
-    def _forward(self, ids, start, probe, is_image=None, pixel_values=None) -> torch.Tensor:
-        b, t = ids.shape
-        positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
-        flags = is_image if is_image is not None else torch.zeros_like(ids, dtype=torch.bool)
-        self.cache.set_pending(positions, flags)
-        kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
-        out = self.sm.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                            logits_to_keep=1, kv_probe=probe, **kwargs)
-        return out.logits[:, -1]
+    @property
+    def mode(self) -> str:
+        return "one shared cache" if self.shared_plan else "a cache per prompt"
 
-    @torch.inference_mode()
     def prefill(self, ids, is_image, pixel_values) -> torch.Tensor:
         n = ids.shape[1]
-        request = self.policy.prefill_stats(n)
-        request.colsum = True
-        probe = AttentionProbe(request)
-        logits = self._forward(ids, 0, probe, is_image, pixel_values)
-        self.cache.add_scores({l: s["colsum"] for l, s in probe.stats.items()})
-        view = PrefillView(self.cache, probe.stats, n, self.budget, request.window, None)
-        apply_plans(self.cache, self.policy.prefill(view))
+        sm, policy = self.sm, self.policy
+        shared = runner.prefill(sm.model, ids, is_image, pixel_values, [policy], sm.num_layers, sm.device)
+        self.shared_plan = ids.shape[0] == 1 or policy.plans_rows_together()
+        rows = [shared.cache] if self.shared_plan else shared.cache.split_rows()
+        # until policies keep their per-run results in the returned state, each cache gets its own policy object
+        self.policies = [policy] if self.shared_plan else [copy.deepcopy(policy) for _ in rows]
+        for r, (cache, pol) in enumerate(zip(rows, self.policies)):
+            stats = runner.policy_stats(pol, shared.stats, n, None if self.shared_plan else slice(r, r + 1))
+            self.states.append(runner.compress_prefill(pol, cache, stats, n, self.budget))
+        self.caches = rows
         self.prompt_len = self.true_len = n
-        return logits.argmax(dim=-1)
+        return shared.logits.argmax(dim=-1)
 
-    @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        probe = AttentionProbe(StatRequest(last_query=self.policy.decode_needs_attention()))
-        logits = self._forward(tokens.view(-1, 1), self.true_len, probe)
+        sm, policy = self.sm, self.policy
+        needs = policy.decode_needs_attention()
+        if self.shared_plan:
+            logits, stats = runner.forward_group(sm.model, self.caches[0], tokens.view(-1, 1), self.true_len,
+                                                 StatRequest(last_query=needs))
+            attention = [runner.last_query(stats) if needs else None]
+        else:
+            chunks = [[t] for t in tokens.tolist()]
+            out = runner.forward_rows(sm.model, self.caches, chunks, [self.true_len] * len(chunks),
+                                      [needs] * len(chunks), sm.device)
+            logits, attention = out.logits, out.attention
         self.true_len += 1
         self.step_no += 1
-        attention = None
-        if probe.request.last_query:
-            attention = {l: s["last_query"] for l, s in probe.stats.items()}
-            self.cache.add_scores(attention)
-        view = DecodeView(self.cache, self.true_len, self.prompt_len, self.step_no, attention)
-        apply_plans(self.cache, self.policy.decode(view))
+        for pol, cache, state, att in zip(self.policies, self.caches, self.states, attention):
+            runner.compress_decode(pol, state, cache, self.true_len, self.prompt_len, self.step_no, att)
         return logits.argmax(dim=-1)
 
     def kv_bytes(self) -> int:
-        return self.cache.nbytes()
+        return sum(c.nbytes() for c in self.caches)
 
     def kept_per_layer(self) -> list[int]:
-        return self.cache.lengths()
+        """Entries per layer of the first prompt's cache (every row's, when they share one)."""
+        return self.caches[0].lengths()
+
+    def extras(self) -> dict[str, Any]:
+        return self.policy.extras()
 
 
 class StockRun:
@@ -286,13 +280,19 @@ class StockRun:
         return [int(layer.keys.shape[-2]) if getattr(layer, "keys", None) is not None else 0
                 for layer in self.cache.layers]
 
+    def extras(self) -> dict[str, Any]:
+        return {}
+
+    mode = "transformers' DynamicCache"
+
 
 def new_run(sm: SpeedModel, method: str, budget: float, knobs: dict[str, Any] | None):
     if method == STOCK:
         return StockRun(sm)
-    return BatchedRun(sm, make_policy(method, budget, **(knobs or {})), budget)
+    return MethodRun(sm, make_policy(method, budget, **(knobs or {})), budget)
 
 
+@torch.inference_mode()
 def run_timed(sm: SpeedModel, method: str, budget: float, knobs: dict | None, ids, is_image, pixels,
               gen_len: int) -> dict[str, Any]:
     """Prefill (timed: TTFT = forward + compression), then gen_len - 1 decode steps, each synchronised and
@@ -315,8 +315,7 @@ def run_timed(sm: SpeedModel, method: str, budget: float, knobs: dict | None, id
             generated.append(tokens)
     return {"ttft_s": ttft, "step_s": steps, "tokens": torch.stack(generated, dim=1).tolist(),
             "kv_bytes": run.kv_bytes(), "kept_per_layer": run.kept_per_layer(),
-            "true_len": ids.shape[1] + gen_len - 1, "extras": getattr(getattr(run, "policy", None), "extras",
-                                                                        lambda: {})()}
+            "true_len": ids.shape[1] + gen_len - 1, "extras": run.extras(), "cache_mode": run.mode}
 
 
 class _null:
@@ -325,12 +324,3 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-def prefixkv_fixed_ratios(sm: SpeedModel, budget: float, ids, is_image, pixels) -> list[float]:
-    """Per-layer ratios from an online PrefixKV search on the first prompt (used as fixed, offline-style ratios
-    for every row when the model has no calibrated configuration)."""
-    run = BatchedRun(sm, make_policy("prefixkv", budget, mode="online"), budget)
-    with tracked_attention_enabled(sm.model):
-        run.prefill(ids[:1], is_image[:1], pixels[:1])
-    return list(run.policy.layer_ratios)

@@ -7,10 +7,10 @@ batch size, all measured in one run (warm-up first, CUDA synchronised around eve
         # random LLaVA-1.5-7B shapes, batch 16, 1024 + 512 and 624 + 256 tokens, bf16 on the GPU
     python benchmarks/speed.py --random-weights llava-1.5-13b --batch 8 --settings 1024x512
 
-Prompts are synthetic and of exact length: BOS, the image block (random pixels), random text ids. With a
-batch above 1, methods whose per-layer kept counts do not depend on the sample run batched (full, local,
-H2O, SnapKV, PyramidKV, LOOK-M, PrefixKV with offline/fixed ratios); Elastic Cache, ZipVL and online
-PrefixKV run the prompts one after another at batch 1, and the table says so in its `mode` column.
+Prompts are synthetic and of exact length: BOS, the image block (random pixels), random text ids. Every
+method decodes the whole batch in one forward per step through the engine's runner: methods whose per-layer
+kept counts do not depend on the sample keep the prompts in one cache; Elastic Cache, ZipVL and online
+PrefixKV keep a cache per prompt, padded and masked into the same forward (the `mode` column says which).
 `full-stock` is the full cache through transformers' own DynamicCache and sdpa (no tracking): the
 engine-free baseline. An out-of-memory configuration is reported as OOM, not as a crash.
 Outputs in --out: speed.md/.csv/.tex, results.json (every step time), speed.html (+ .png with Chromium).
@@ -34,8 +34,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.batched import (RANDOM_CONFIGS, STOCK, SpeedModel, build_random_model, can_batch,  # noqa: E402
-                                from_loaded, prefixkv_fixed_ratios, run_timed, sync, synthetic_batch)
+from benchmarks.batched import (RANDOM_CONFIGS, STOCK, SpeedModel, build_random_model, from_loaded,  # noqa: E402
+                                run_timed, sync, synthetic_batch)
 from benchmarks.common import (REPO_ROOT, PeakRSS, Table, parse_float_list, parse_knobs, run_info,  # noqa: E402
                                save_figure)
 
@@ -74,25 +74,20 @@ def free_memory(device: torch.device) -> None:
 
 def measure(sm: SpeedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
             warmup_steps: int) -> dict[str, Any]:
-    """Warm up, then time one configuration. Batched when the method allows it, else row by row."""
+    """Warm up, then time one configuration: the whole batch through the runner."""
     ids, is_image, pixels = batch_inputs
     b = ids.shape[0]
-    batched = b == 1 or can_batch(method, knobs)
-    chunks = [slice(0, b)] if batched else [slice(i, i + 1) for i in range(b)]
-    first = chunks[0]
-    run_timed(sm, method, budget, knobs, ids[first], is_image[first], pixels[first], max(2, warmup_steps + 1))
+    run_timed(sm, method, budget, knobs, ids, is_image, pixels, max(2, warmup_steps + 1))
     free_memory(sm.device)
     sync(sm.device)
     if sm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(sm.device)
         base = torch.cuda.memory_allocated(sm.device)
-    results = []
     rss = PeakRSS() if sm.device.type != "cuda" else None
     if rss:
         rss.__enter__()
     try:
-        for ch in chunks:
-            results.append(run_timed(sm, method, budget, knobs, ids[ch], is_image[ch], pixels[ch], gen_len))
+        result = run_timed(sm, method, budget, knobs, ids, is_image, pixels, gen_len)
     finally:
         if rss:
             rss.__exit__(None, None, None)
@@ -102,24 +97,23 @@ def measure(sm: SpeedModel, method: str, budget: float, knobs: dict, batch_input
     else:
         peak, peak_over = rss.peak, rss.peak - rss.start
         peak_kind = rss.method
-    steps = [s for r in results for s in r["step_s"]]
+    steps = result["step_s"]
     decode_s = sum(steps)
-    ttft = [r["ttft_s"] for r in results]
+    ttft = result["ttft_s"]
     new_tokens = b * (gen_len - 1)
-    kv = sum(r["kv_bytes"] for r in results)
-    true_len = results[0]["true_len"]
-    full_kv = sm.kv_bytes_per_token() * true_len * b
+    kv = result["kv_bytes"]
+    full_kv = sm.kv_bytes_per_token() * result["true_len"] * b
+    mode = "batch 1" if b == 1 else f"batched x{b}" + ("" if method == STOCK else f", {result['cache_mode']}")
     return {
-        "status": "ok", "mode": "batch 1" if b == 1 else (f"batched x{b}" if batched else f"sequential {b} x1"),
-        "batched": batched, "ttft_s": statistics.mean(ttft), "ttft_max_s": max(ttft),
+        "status": "ok", "mode": mode, "ttft_s": ttft,
         "decode_s": decode_s, "decode_tokens_per_s": new_tokens / decode_s if decode_s > 0 else None,
-        "e2e_tokens_per_s": b * gen_len / (sum(ttft) + decode_s),
+        "e2e_tokens_per_s": b * gen_len / (ttft + decode_s),
         "ms_per_token": 1000 * statistics.mean(steps) if steps else None,
         "ms_per_token_p50": 1000 * statistics.median(steps) if steps else None,
         "ms_per_token_p90": 1000 * sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else None,
         "kv_bytes": kv, "full_kv_bytes": full_kv, "kv_pct": 100.0 * kv / full_kv if full_kv else None,
-        "kept_per_layer": results[0]["kept_per_layer"], "peak_bytes": peak, "peak_over_start_bytes": peak_over,
-        "peak_kind": peak_kind, "step_s": steps, "extras": results[0]["extras"],
+        "kept_per_layer": result["kept_per_layer"], "peak_bytes": peak, "peak_over_start_bytes": peak_over,
+        "peak_kind": peak_kind, "step_s": steps, "extras": result["extras"],
     }
 
 
@@ -154,11 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smoke run for CPU: 512-token prompt, 32 new tokens, batch 1, 2 warm-up steps")
     p.add_argument("--paper", action="store_true",
                    help="PrefixKV Table 3: random LLaVA-1.5-7B shapes, batch 16, settings 1024x512 and 624x256, "
-                        "batchable methods (explicit options override)")
+                        "the methods of the paper's table (explicit options override)")
     p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
                    help="offline: calibrated ratios from assets/prefix_configs; auto (default): calibrated if "
-                        "present, else fixed ratios from one online search on the first prompt; online: per-prompt "
-                        "search (batch 1 only)")
+                        "present, else online; online: the per-prompt search (a cache per prompt)")
     p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
                    help="a method's own setting, repeatable")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and random weights")
@@ -179,7 +172,7 @@ def load_speed_model(args) -> SpeedModel:
     return from_loaded(load_model(args.model or "embedded", device=args.device, dtype=args.dtype))
 
 
-def prefixkv_knobs(sm: SpeedModel, mode: str, budget: float, inputs, base: dict) -> tuple[dict, str]:
+def prefixkv_knobs(sm: SpeedModel, mode: str, budget: float, base: dict) -> tuple[dict, str]:
     from prefixkv_core.calibrate import load_ratios
 
     knobs = dict(base)
@@ -195,9 +188,7 @@ def prefixkv_knobs(sm: SpeedModel, mode: str, budget: float, inputs, base: dict)
     if mode == "offline":
         raise SystemExit(f"no calibrated PrefixKV configuration for {sm.slug}: run `python -m prefixkv_core calibrate "
                          f"--model ...` or use --prefixkv-mode auto")
-    ids, is_image, pixels = inputs
-    ratios = prefixkv_fixed_ratios(sm, budget, ids, is_image, pixels)
-    return {**knobs, "mode": "offline", "ratios": ratios}, "fixed (online search on prompt 0, shared by all rows)"
+    return {**knobs, "mode": "online"}, "online (per-prompt search; no calibrated ratios for this model)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if key not in knob_cache:
             base = dict(knobs_all.get(m, {}))
             if m == "prefixkv":
-                base, desc = prefixkv_knobs(sm, args.prefixkv_mode, b, inputs[si], base)
+                base, desc = prefixkv_knobs(sm, args.prefixkv_mode, b, base)
                 prefix_modes[(si, b)] = desc
             knob_cache[key] = base
         return knob_cache[key]
@@ -277,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                               inputs[si], g_len, warmup)
             except Exception as exc:  # noqa: BLE001 - OOM and per-method failures become table cells
                 res = {"status": "OOM" if is_oom(exc) else "error", "error": f"{exc.__class__.__name__}: {exc}"[:300],
-                       "batched": batch == 1 or can_batch(m, knob_cache.get((si, m, b), {}))}
+                       "mode": "batch 1" if batch == 1 else f"batched x{batch}"}
                 if not args.quiet:
                     tqdm.write(f"{settings[si][0]}x{settings[si][1]} {m} {'' if b is None else b}: {res['status']} "
                                f"({res['error'][:160]})")
@@ -315,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats": [x.get("decode_tokens_per_s") for x in results[(sj, m, b)]]})
             if r["status"] != "ok":
                 t.values[(label, "status")] = r["status"]
-                t.values[(label, "mode")] = "batched" if r.get("batched") else "sequential"
+                t.values[(label, "mode")] = r["mode"]
                 continue
             tps = r["decode_tokens_per_s"]
             vals = {"mode": r["mode"], "decode tok/s": tps, "x full": tps / full_tps if full_tps else None,
@@ -351,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
               f"Peak memory: {'torch.cuda.max_memory_allocated (weights included); +MiB = above the allocation before the configuration' if sm.device.type == 'cuda' else 'process peak RSS (weights included; kernel VmHWM reset per configuration where Linux allows it, else sampled); +MiB = above the RSS at the start of the configuration'}.",
               f"decode tok/s = batch x (generated - 1) / decode time (every step synchronised, policy time included); "
               f"e2e adds the prefill; warm-up {warmup} steps per configuration; repeats {args.repeats} (median).",
-              "Batched methods: " + ", ".join(sorted({r['method'] for r in raw if r.get('batched') and batch > 1}))
-              if batch > 1 else "Batch 1: every method runs alone."]
+              f"Every method decodes its {batch} prompts in one forward per step (the runner); `mode` says whether they "
+              "share one cache or keep one each." if batch > 1 else "Batch 1: every method runs alone."]
     claims = ["Claim (b): PrefixKV at a 20% budget decodes 1.8x faster than full (paper: LLaVA-1.5-7B, batch 16)."]
     claims += claim_lines or ["- not measured (needs prefixkv, full and budget 0.2)"]
     md = "\n".join(header) + "\n\n" + "\n".join(t.to_markdown() for t in tables) + "\n" + "\n".join(claims) + "\n"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks import quality, speed
-from benchmarks.batched import BATCHABLE, build_random_model, can_batch, random_config, run_timed, synthetic_batch
+from benchmarks.batched import build_random_model, random_config, run_timed, synthetic_batch
 from benchmarks.common import RecordStore, Table
 from benchmarks.data import BUILTIN, DataError, load_dataset, parse_record, resolve_image
 from prefixkv_core.policies import METHODS
@@ -176,7 +176,7 @@ def test_quality_resume_does_no_new_work(quality_run, capsys):
     # a different configuration in the same folder is refused, not mixed in; new weights are one
     with pytest.raises(SystemExit, match="different configuration"):
         quality.main([a if a != "4" else "5" for a in args])
-    from prefixkv_core.models import build_tiny_model
+    from prefixkv_core.testing import build_tiny_model
 
     assert json.loads((out / "config.json").read_text())["weights"] == quality.weights_digest(
         build_tiny_model("llama", seed=0).model) != quality.weights_digest(build_tiny_model("llama", seed=1).model)
@@ -231,45 +231,41 @@ SPEED_ARGS = ["--model", "tiny-llama", "--settings", "40x4", "--budgets", "0.2",
               "--threads", "1", "--no-png", "--quiet"]
 
 
-def test_speed_batch2_says_which_ran_batched(tmp_path):
+def test_speed_batch2_every_method_batches(tmp_path):
     assert speed.main(SPEED_ARGS + ["--batch", "2", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     rows = {r["method"]: r for r in res["results"]}
     assert set(rows) == {speed.STOCK, *METHODS}
     assert all(r["status"] == "ok" for r in rows.values()), {m: r.get("error") for m, r in rows.items()}
-    batched = {m for m, r in rows.items() if r["batched"]}
-    # online PrefixKV would be per sample; without calibration the benchmark fixes ratios from prompt 0
-    assert batched == {speed.STOCK, "full", "local", "h2o", "snapkv", "pyramidkv", "lookm", "prefixkv"}
-    assert rows["elastic"]["mode"] == "sequential 2 x1" and rows["zipvl"]["mode"] == "sequential 2 x1"
-    assert rows["full"]["mode"] == "batched x2"
+    # per-sample plans (and online PrefixKV: the tiny model has no calibration) keep a cache per prompt
+    per_prompt = {m for m, r in rows.items() if r["mode"] == "batched x2, a cache per prompt"}
+    assert per_prompt == {"elastic", "zipvl", "prefixkv"}
+    assert rows["full"]["mode"] == "batched x2, one shared cache" and rows[speed.STOCK]["mode"] == "batched x2"
     md = (tmp_path / "speed.md").read_text()
-    assert "Batched methods: full, full-stock, h2o, local, lookm, prefixkv, pyramidkv, snapkv" in md
+    assert "Every method decodes its 2 prompts in one forward per step" in md
     assert rows["full"]["kv_pct"] == pytest.approx(100.0)
     assert rows["local"]["kv_pct"] < 40
     for r in rows.values():  # batch 2 x 3 decode steps, each timed; peak memory next to KV bytes
-        assert len(r["step_s"]) == (3 if r["batched"] else 2 * 3)
+        assert len(r["step_s"]) == 3
         assert r["peak_bytes"] > r["kv_bytes"] > 0
     rows_csv = read_csv(tmp_path / "speed.csv")
     assert len(rows_csv) == 1 + 1 + len(METHODS) and rows_csv[0][0] == "method @ budget"
 
 
-def test_batched_rows_equal_single_runs(tiny_llama):
-    """A batched run computes what batch-1 runs compute, row by row (same greedy tokens, same kept counts)."""
+@pytest.mark.parametrize("method,knobs", [(m, {}) for m in METHODS]
+                         + [("prefixkv", {"mode": "offline", "ratios": [0.1, 0.2, 0.3, 0.2]})])
+def test_batched_rows_equal_single_runs(tiny_llama, method, knobs):
+    """A batch of prompts computes what batch-1 runs compute, row by row (same greedy tokens, same kept counts),
+    whether the prompts share one cache or keep one each."""
     from benchmarks.batched import from_loaded
 
     sm = from_loaded(tiny_llama)
     ids, is_image, pixels = synthetic_batch(sm, 2, 40, seed=3)
-    for method, knobs in (("full", {}), ("snapkv", {}), ("h2o", {}), ("prefixkv", {"mode": "offline",
-                                                                                   "ratios": [0.1, 0.2, 0.3, 0.2]})):
-        assert can_batch(method, knobs)
-        both = run_timed(sm, method, 0.25, knobs, ids, is_image, pixels, 5)
-        rows = [run_timed(sm, method, 0.25, knobs, ids[i:i + 1], is_image[i:i + 1], pixels[i:i + 1], 5)
-                for i in range(2)]
-        assert both["tokens"] == [r["tokens"][0] for r in rows], method
-        assert both["kept_per_layer"] == rows[0]["kept_per_layer"] == rows[1]["kept_per_layer"], method
-    assert not can_batch("prefixkv", {"mode": "online"}) and "elastic" not in BATCHABLE
-    with pytest.raises(ValueError, match="batch size 1"):  # its per-layer search is per sample
-        run_timed(sm, "prefixkv", 0.25, {"mode": "online"}, ids, is_image, pixels, 2)
+    both = run_timed(sm, method, 0.25, knobs, ids, is_image, pixels, 5)
+    rows = [run_timed(sm, method, 0.25, knobs, ids[i:i + 1], is_image[i:i + 1], pixels[i:i + 1], 5) for i in range(2)]
+    assert both["tokens"] == [r["tokens"][0] for r in rows]
+    assert both["kept_per_layer"] == rows[0]["kept_per_layer"]
+    assert both["kv_bytes"] == sum(r["kv_bytes"] for r in rows)
 
 
 def test_speed_reports_oom_in_the_table(tmp_path, monkeypatch):
