@@ -8,7 +8,7 @@ Accepted files (`.jsonl`: one record per line; `.json`: a list of records or an 
   {"from": "gpt", "value": "..."}]}``; the first human/gpt pair is used, the ``<image>`` tag is removed.
 
 ``image`` is a path relative to the image root (default: the data file's folder), an absolute path,
-``scene:<seed>`` (rendered on the fly by ``prefixkv_core.scenes.render_scene``) or empty (text only).
+``scene:<seed>`` (rendered on the fly by ``scenes.render_scene``) or empty (text only).
 
 The built-in set (``benchmarks/data/builtin.jsonl``, 45 samples, no download) is written by
 ``python benchmarks/data.py --write``: 20 rendered test-split scenes described in detail, 15 rendered scenes
@@ -131,7 +131,7 @@ def load_dataset(path: str | Path, limit: int | None = None) -> list[Sample]:
 
 @lru_cache(maxsize=64)
 def _scene_image(seed: int) -> Image.Image:
-    from prefixkv_core.scenes import render_scene
+    from scenes import render_scene
 
     return render_scene(seed, SCENE_SIZE).image
 
@@ -217,7 +217,7 @@ N_SCENE_QA = 15
 
 def build_builtin() -> list[dict[str, Any]]:
     """The built-in records, in file order (deterministic: same seeds, same text)."""
-    from prefixkv_core.scenes import scene_samples
+    from scenes import scene_samples
 
     photo_root = "../../assets/images"  # relative to benchmarks/data/
     groups: list[list[dict[str, Any]]] = [[], [], [], []]

@@ -3,7 +3,7 @@
     python -m benchmarks.vision_accuracy --scenes 100                       # full cache only
     python -m benchmarks.vision_accuracy --scenes 30 --methods full,prefixkv,snapkv --budgets 0.2,0.5
 
-Every QA pair of the first --scenes seeds of the TEST split (prefixkv_core.scenes, disjoint from the
+Every QA pair of the first --scenes seeds of the TEST split (scenes/, disjoint from the
 training seeds) is asked as the first turn of its own session (image + question), greedy decoding, a
 few new tokens. An answer is correct when its normalised text (lowercase, punctuation dropped) equals
 the reference or starts with it as whole words. --describe N also asks N scenes for a description and
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.models import load_model
-from prefixkv_core.scenes import QTYPES, render_scene, split_seeds
+from scenes import QTYPES, render_scene, split_seeds
 
 DESCRIBE_PROMPT = "Describe the image."
 

@@ -13,14 +13,14 @@ from PIL import Image
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from prefixkv_core.models import build_tiny_model
+    from prefixkv_core.testing import build_tiny_model
 
     return build_tiny_model("llama", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    from prefixkv_core.models import build_tiny_model
+    from prefixkv_core.testing import build_tiny_model
 
     return build_tiny_model("qwen2", seed=0)
 

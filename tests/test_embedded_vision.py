@@ -15,7 +15,7 @@ import pytest
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.models import EMBEDDED_VISION_DIR, load_model
-from prefixkv_core.scenes import SPLITS, render_scene, split_seeds
+from scenes import SPLITS, render_scene, split_seeds
 
 VISION_FILE = EMBEDDED_VISION_DIR / "vision.safetensors"
 INFO_FILE = EMBEDDED_VISION_DIR / "info.json"

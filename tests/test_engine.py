@@ -336,7 +336,7 @@ def test_score_answer_teacher_forcing(tiny_llama, noise_image):
 
 # -- CLI contract -------------------------------------------------------------------------------------------
 def test_cli_compare_writes_contract(tmp_path, noise_image):
-    from prefixkv_core.models import save_tiny_model
+    from prefixkv_core.testing import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "qwen2")
     image = tmp_path / "img.png"

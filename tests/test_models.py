@@ -10,16 +10,17 @@ import torch
 from PIL import Image
 
 from prefixkv_core import models as M
+from prefixkv_core import testing as T
 
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    return M.build_tiny_model("llama")
+    return T.build_tiny_model("llama")
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen2():
-    return M.build_tiny_model("qwen2")
+    return T.build_tiny_model("qwen2")
 
 
 def _image(w=50, h=40, color=(200, 30, 30)):
@@ -48,8 +49,8 @@ def test_tiny_builds(variant, kv_heads, request):
 
 
 def test_tiny_deterministic_and_seeded(tiny_llama):
-    again = M.build_tiny_model("llama", seed=0)
-    other = M.build_tiny_model("llama", seed=1)
+    again = T.build_tiny_model("llama", seed=0)
+    other = T.build_tiny_model("llama", seed=1)
     x = M.encode(tiny_llama, None, M.format_prompt(tiny_llama, "hello there", False))
     with torch.no_grad():
         a = tiny_llama.model(**x).logits
@@ -76,7 +77,7 @@ def test_tiny_attention_not_uniform(tiny_qwen2):
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 def test_save_and_load_roundtrip(tmp_path, variant, request):
     ref = request.getfixturevalue(f"tiny_{variant}")
-    path = M.save_tiny_model(tmp_path / variant, variant=variant)
+    path = T.save_tiny_model(tmp_path / variant, variant=variant)
     assert os.path.isfile(os.path.join(path, "config.json"))
     lm = M.load_model(path, device="cpu")
     assert lm.slug == f"tiny-{variant}"

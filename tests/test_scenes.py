@@ -1,4 +1,4 @@
-"""Synthetic scenes (prefixkv_core.scenes): determinism, splits, QA consistent with content."""
+"""Synthetic scenes (the scenes package): determinism, splits, QA consistent with content."""
 
 from collections import Counter
 
@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prefixkv_core.scenes import (
+from scenes import (
     COLOURS,
     PLURALS,
     QTYPES,
+    REGION_PHRASES,
     REGIONS,
     SHAPES,
     SPLITS,
     WORDS,
-    _REGION_PHRASE,
     render_scene,
     scene_samples,
     split_seeds,
@@ -119,7 +119,7 @@ def test_qa_consistent_with_objects(scenes):
                 cands = [o for o in objs if o.shape == shape and o.colour == a]
                 assert len(cands) == 1
                 if sum(o.shape == shape for o in objs) > 1:
-                    assert q == f"What colour is the {shape} {_REGION_PHRASE[cands[0].region]}?"
+                    assert q == f"What colour is the {shape} {REGION_PHRASES[cands[0].region]}?"
             elif qa.qtype == "shape":
                 colour = next(c for c in COLOURS if f"the {c} object" in q)
                 assert [o.shape for o in objs if o.colour == colour] == [a]
@@ -131,7 +131,7 @@ def test_qa_consistent_with_objects(scenes):
                 else:
                     matches = [o for o in objs if o.name == a]
                     assert len(matches) == 1
-                    assert q == f"What is {_REGION_PHRASE[matches[0].region]} of the image?"
+                    assert q == f"What is {REGION_PHRASES[matches[0].region]} of the image?"
             elif qa.qtype == "word":
                 assert sc.word is not None and a == sc.word
             elif qa.qtype == "yesno":

@@ -5,7 +5,7 @@ import random
 import torch
 
 from prefixkv_core.models import encode, format_prompt
-from prefixkv_core.scenes import render_scene
+from scenes import render_scene
 from training import data
 
 
@@ -63,7 +63,7 @@ def test_tree_branches_compute_exactly_the_single_turn_prompts(tiny_llama, noise
 
 def test_all_qa_asks_the_test_phrasings():
     """Training's exhaustive questions use the same templates as the scenes' own (test) questions."""
-    from prefixkv_core.scenes import all_qa
+    from scenes import all_qa
 
     for seed in range(20):
         scene = render_scene(seed)
@@ -80,7 +80,7 @@ def test_shipped_lora_adapter_merges_to_the_adapted_model(tiny_llama, noise_imag
     from peft import get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from prefixkv_core.models import _merge_embedded_lora, embedded_lora_config
+    from prefixkv_core.models import embedded_lora_config, merge_embedded_lora
 
     base = tiny_llama.model.eval()
     adapted = copy.deepcopy(base)
@@ -92,7 +92,7 @@ def test_shipped_lora_adapter_merges_to_the_adapted_model(tiny_llama, noise_imag
             torch.nn.init.normal_(p, std=0.05)  # B starts at zero: make the adapter do something
     path = tmp_path / "lm_lora.safetensors"
     save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}, str(path))
-    _merge_embedded_lora(merged, path)
+    merge_embedded_lora(merged, path)
 
     ids, sup = data.conversation(tiny_llama, [("What colour is the square?", "red")])
     pv = data.pixels(tiny_llama, [noise_image])

@@ -1,4 +1,4 @@
-"""Training data from prefixkv_core.scenes: vision targets for stage A, token sequences for stages B/C.
+"""Training data from the synthetic scenes (scenes/): vision targets for stage A, token sequences for stages B/C.
 
 Sequences are built from the same helpers the engine uses (format_prompt / format_followup, one
 tokenizer call per segment, `<image>` expanded to the image tokens) so training sees exactly what the
@@ -11,7 +11,7 @@ import random
 import torch
 
 from prefixkv_core.models import LoadedModel, format_followup, format_prompt
-from prefixkv_core.scenes import COLOURS, SHAPES, WORDS, REGIONS, Scene, render_scene
+from scenes import COLOURS, SHAPES, WORDS, REGIONS, Scene, render_scene
 
 COLOUR_IDS = {c: i + 1 for i, c in enumerate(COLOURS)}  # 0 = empty cell
 SHAPE_IDS = {s: i + 1 for i, s in enumerate(SHAPES)}

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from benchmarks.vision_accuracy import is_correct, normalise
 from prefixkv_core.models import format_prompt, load_model
-from prefixkv_core.scenes import _REGION_PHRASE, PLURALS, REGIONS, Scene, render_scene, split_seeds
+from scenes import PLURALS, REGION_PHRASES, REGIONS, Scene, render_scene, split_seeds
 
 
 def grid_text(scene: Scene) -> str:
@@ -39,7 +39,7 @@ def grid_text(scene: Scene) -> str:
 
 
 def sentence_text(scene: Scene) -> str:
-    out = [f"The {o.shape} {_REGION_PHRASE[o.region]} is {o.colour}. The {o.colour} object is a {o.shape}."
+    out = [f"The {o.shape} {REGION_PHRASES[o.region]} is {o.colour}. The {o.colour} object is a {o.shape}."
            for o in scene.objects]
     out += [f"There are {n} {PLURALS[k]}." for k, n in Counter(o.shape for o in scene.objects).items()]
     out.append(f"There are {len(scene.objects)} objects.")

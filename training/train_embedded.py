@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from prefixkv_core.models import EMBEDDED_VISION_DIR, load_model
-from prefixkv_core.scenes import SHAPES, SPLITS, all_qa
+from scenes import SHAPES, SPLITS, all_qa
 
 from . import data
 
@@ -118,7 +118,7 @@ def lm_loss(model, input_ids: torch.Tensor, sup: torch.Tensor, pixel_values: tor
 def answer_accuracy(model, loaded, seeds: list[int]) -> dict[str, float]:
     """Share of each question type whose answer greedy decoding would give (every answer token is
     the argmax after the correct earlier ones), with the scenes' own test-style questions."""
-    from prefixkv_core.scenes import render_scene
+    from scenes import render_scene
 
     right: dict[str, list[bool]] = {}
     for seed in seeds:

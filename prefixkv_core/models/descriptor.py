@@ -1,0 +1,131 @@
+"""What the rest of the project knows about a loaded model: `LoadedModel`, and `describe_model`, which
+builds one from a LLaVA model and its processor (checking that they agree on the image tokens)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .chat import IMAGE_TOKEN
+from .errors import ModelLoadError
+
+
+class TextShape:
+    """Shape facts of the language model under `self.model` (a LLaVA), read from its text config."""
+
+    model: Any
+
+    @property
+    def text_config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.text_config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.text_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.text_config
+        hd = getattr(cfg, "head_dim", None)
+        return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+@dataclass
+class LoadedModel(TextShape):
+    model: Any  # LlavaForConditionalGeneration, eval mode, on `device`, in `dtype`
+    processor: Any  # LlavaProcessor: tokenizer + image processor + chat template
+    name: str
+    slug: str
+    device: torch.device
+    dtype: torch.dtype
+    image_token_id: int
+    image_seq_length: int
+    image_grid: tuple[int, int]
+    max_context: int
+    vision_trained: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+
+def _count_image_tokens(processor, image_token_id: int) -> int:
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 48), (127, 127, 127))
+    ids = processor(images=img, text=IMAGE_TOKEN, return_tensors="pt")["input_ids"]
+    return int((ids == image_token_id).sum().item())
+
+
+def image_grid(config, image_seq_length: int) -> tuple[int, int]:
+    """(rows, cols) of the image tokens: the vision tower's patch grid when it matches their number."""
+    vc = config.vision_config
+    try:
+        side = int(vc.image_size) // int(vc.patch_size)
+        if side * side in (image_seq_length, image_seq_length - 1):
+            return (side, side)
+    except (AttributeError, TypeError):
+        pass
+    r = int(round(math.sqrt(image_seq_length)))
+    if r * r == image_seq_length:
+        return (r, r)
+    return (1, image_seq_length)
+
+
+def describe_model(
+    model,
+    processor,
+    *,
+    name: str,
+    slug: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    vision_trained: bool,
+    notes: list[str],
+) -> LoadedModel:
+    """Put `model` in eval mode, check the processor against its config, and describe both."""
+    model.eval()
+    cfg = model.config
+    image_token_id = int(cfg.image_token_id)
+    tok = processor.tokenizer
+    proc_id = getattr(processor, "image_token_id", None)
+    if proc_id is not None and int(proc_id) != image_token_id:
+        raise ModelLoadError(
+            f"{name}: processor image token id {proc_id} differs from config.image_token_id {image_token_id}"
+        )
+    n_img = _count_image_tokens(processor, image_token_id)
+    cfg_len = getattr(cfg, "image_seq_length", None)
+    if cfg_len is not None and int(cfg_len) != n_img:
+        notes.append(f"config.image_seq_length={cfg_len} but the processor expands <image> into {n_img} tokens")
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None and tok.pad_token_id is not None:
+        gen.pad_token_id = tok.pad_token_id
+    text_cfg = cfg.get_text_config()
+    return LoadedModel(
+        model=model,
+        processor=processor,
+        name=name,
+        slug=slug,
+        device=device,
+        dtype=dtype,
+        image_token_id=image_token_id,
+        image_seq_length=n_img,
+        image_grid=image_grid(cfg, n_img),
+        max_context=int(getattr(text_cfg, "max_position_embeddings", 0) or tok.model_max_length),
+        vision_trained=vision_trained,
+        notes=notes,
+    )

@@ -1,0 +1,65 @@
+"""Turn the user's device and dtype strings into torch objects, and move a model onto them."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+DEVICES_ACCEPTED = "auto, auto-multi, cpu, cuda, cuda:N"
+DTYPES_ACCEPTED = "auto, float32, float16, bfloat16 (aliases: fp32, fp16, half, bf16)"
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str) -> tuple[torch.device, bool]:
+    """Return (device, use_device_map_auto)."""
+    if not isinstance(device, str):
+        if isinstance(device, torch.device):
+            device = str(device)
+        else:
+            raise ValueError(f"device must be a string; accepted: {DEVICES_ACCEPTED}")
+    d = device.strip().lower()
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d == "auto":
+        if n_gpu > 1:
+            return torch.device("cuda:0"), True
+        return torch.device("cuda" if n_gpu else "cpu"), False
+    if d == "auto-multi":
+        return torch.device("cuda:0" if n_gpu else "cpu"), True
+    if d == "cpu":
+        return torch.device("cpu"), False
+    m = re.fullmatch(r"cuda(?::(\d+))?", d)
+    if m:
+        if not n_gpu:
+            raise ValueError(f"device {device!r} requested but CUDA is not available; accepted: {DEVICES_ACCEPTED}")
+        idx = int(m.group(1) or 0)
+        if idx >= n_gpu:
+            raise ValueError(f"device {device!r}: only {n_gpu} CUDA device(s) present; accepted: {DEVICES_ACCEPTED}")
+        return torch.device(f"cuda:{idx}"), False
+    raise ValueError(f"unknown device {device!r}; accepted: {DEVICES_ACCEPTED}")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a string; accepted: {DTYPES_ACCEPTED}")
+    d = dtype.strip().lower().replace("torch.", "")
+    if d == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if d in _DTYPES:
+        return _DTYPES[d]
+    raise ValueError(f"unknown dtype {dtype!r}; accepted: {DTYPES_ACCEPTED}")
+
+
+def place_model(model, device: torch.device, dtype: torch.dtype):
+    """Cast first, then move: a float32 model reaches the GPU already in its smaller dtype."""
+    model = model.to(dtype=dtype)
+    return model.to(device)

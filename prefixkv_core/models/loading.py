@@ -1,0 +1,146 @@
+"""`load_model(spec)`: the embedded model, a tiny test model, a local directory or a hub id.
+
+Only public transformers APIs are used; everything here targets transformers 5.x.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .configs import META_KEY, TINY_VARIANTS
+from .descriptor import LoadedModel, describe_model
+from .device import place_model, resolve_device, resolve_dtype
+from .embedded import EMBEDDED_SLUG, embedded_dir
+from .errors import ModelLoadError
+
+# model_type values that load as LlavaForConditionalGeneration (or a subclass of it). llava_next,
+# llava_onevision, vipllava, ... are separate classes in transformers 5.x with a variable number of
+# image tokens per image (anyres tiling), which the engine does not handle.
+ACCEPTED_MODEL_TYPES = ("llava",)
+TINY_NOTE = "tiny random model for tests: its outputs are meaningless"
+
+
+def _slug_for(spec: str, config=None) -> str:
+    meta = getattr(config, META_KEY, None) if config is not None else None
+    if isinstance(meta, dict) and meta.get("slug"):
+        return str(meta["slug"])
+    p = Path(spec)
+    if p.exists():
+        parts = p.resolve().parts
+        for part in parts:  # a snapshot inside the Hugging Face cache: models--org--name/snapshots/<sha>
+            if part.startswith("models--"):
+                return re.sub(r"[^A-Za-z0-9._-]+", "-", part[len("models--"):])
+        base = p.resolve().name
+    else:
+        base = spec.strip("/").replace("/", "--")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-") or "model"
+
+
+def _load_pretrained(
+    src: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    multi: bool,
+    cache_dir: str | None,
+    name: str,
+):
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    kw: dict[str, Any] = {}
+    if cache_dir is not None:
+        kw["cache_dir"] = cache_dir
+    try:
+        config = AutoConfig.from_pretrained(src, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(
+            f"cannot load a model config from {name!r}: {e}. Accepted: 'embedded', "
+            f"{', '.join('tiny-' + v for v in TINY_VARIANTS)}, a local directory or a hub id "
+            f"(offline: it must already be in the Hugging Face cache) of a LLaVA model "
+            f"(model_type in {list(ACCEPTED_MODEL_TYPES)})"
+        ) from e
+    mt = getattr(config, "model_type", None)
+    if mt not in ACCEPTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{name!r} has model_type {mt!r}, which is not a supported LLaVA model; accepted model_type: "
+            f"{', '.join(ACCEPTED_MODEL_TYPES)} (checkpoints that load as LlavaForConditionalGeneration, "
+            f"e.g. llava-hf/llava-1.5-7b-hf, llava-hf/llava-interleave-qwen-0.5b-hf)"
+        )
+    load_kw: dict[str, Any] = dict(dtype=dtype, attn_implementation="sdpa", **kw)
+    if multi:
+        load_kw["device_map"] = "auto"
+    model = LlavaForConditionalGeneration.from_pretrained(src, config=config, **load_kw)
+    if multi:
+        device = model.get_input_embeddings().weight.device
+    else:
+        model = place_model(model, device, dtype)
+    try:
+        processor = AutoProcessor.from_pretrained(src, **kw)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{name!r}: cannot load its processor: {e}") from e
+    return config, model, processor, device
+
+
+def load_model(
+    spec: str = "embedded", device: str = "auto", dtype: str = "auto", cache_dir: str | None = None
+) -> LoadedModel:
+    """Load a LLaVA model + processor.
+
+    spec: "embedded" | "tiny-llama" | "tiny-qwen2" | a local directory | a hub id.
+    device: "auto" (cuda if available, else cpu), "auto-multi" (accelerate device_map="auto"),
+            "cpu", "cuda", "cuda:N".  dtype: "auto" (bfloat16 on cuda, float32 on cpu), "float32",
+            "float16", "bfloat16".
+    cache_dir: for "embedded", where the assembled model is kept (default $PREFIXKV_CACHE or
+            ~/.cache/prefixkv); for hub ids, the Hugging Face cache directory.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelLoadError("empty model spec; accepted: 'embedded', 'tiny-llama', 'tiny-qwen2', a directory or a hub id")
+    spec = spec.strip()
+    dev, multi = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+
+    if spec.lower() in ("tiny", "tiny-llama", "tiny-qwen2"):
+        from ..testing import tiny_model_parts  # the tiny models live with the test helpers
+
+        variant = "llama" if spec.lower() == "tiny" else spec.lower().split("-", 1)[1]
+        model, processor = tiny_model_parts(variant, 0)
+        model = place_model(model, dev, dt)
+        return describe_model(
+            model, processor, name=spec, slug=f"tiny-{variant}", device=dev, dtype=dt,
+            vision_trained=False, notes=[TINY_NOTE],
+        )
+
+    if spec.lower() == "embedded":
+        src, vision_trained, notes = embedded_dir(cache_dir)
+        _, model, processor, dev = _load_pretrained(
+            str(src), device=dev, dtype=dt, multi=multi, cache_dir=None, name=spec
+        )
+        notes = list(notes) + ["language model: SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"]
+        return describe_model(
+            model, processor, name=spec, slug=EMBEDDED_SLUG, device=dev, dtype=dt,
+            vision_trained=vision_trained, notes=notes,
+        )
+
+    is_dir = os.path.isdir(spec)
+    if not is_dir and (spec.startswith((".", "/", "~")) or os.sep in spec.replace("/", "", 1)):
+        raise ModelLoadError(f"model directory {spec!r} does not exist")
+    config, model, processor, dev = _load_pretrained(
+        spec, device=dev, dtype=dt, multi=multi, cache_dir=None if is_dir else cache_dir, name=spec
+    )
+    meta = getattr(config, META_KEY, None)
+    notes: list[str] = []
+    vision_trained = True
+    if isinstance(meta, dict):
+        vision_trained = bool(meta.get("vision_trained", True))
+        if meta.get("kind") == "tiny":
+            notes.append(TINY_NOTE)
+        elif not vision_trained:
+            notes.append("vision tower is untrained: the model cannot see images, so answers ignore the image content")
+    return describe_model(
+        model, processor, name=spec, slug=_slug_for(spec, config), device=dev, dtype=dt,
+        vision_trained=vision_trained, notes=notes,
+    )
