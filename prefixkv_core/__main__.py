@@ -34,7 +34,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_compare(args) -> int:
     from . import Engine, GenerationSettings, load_model
     from .events import MethodEvent
-    from .metrics import rouge_l
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
@@ -47,14 +46,9 @@ def cmd_compare(args) -> int:
         if isinstance(event, MethodEvent) and event.kind in ("token", "done"):
             bar.update(1)
     bar.close()
-    results = session.results()
-    reference = results.get("full", {}).get("text")
-    for r in results.values():
-        r["rouge_l_vs_full"] = rouge_l(r["text"], reference) if reference is not None else None
-    payload = {"model": loaded.name, "model_slug": loaded.slug, "device": str(loaded.device),
-               "budget": args.budget, "prompt": args.prompt, "image": args.image,
-               "prompt_tokens": session.prefill.prompt_tokens, "image_tokens": session.prefill.image_tokens,
-               "methods": results}
+    payload = {**session.record.to_dict(), "model_slug": loaded.slug, "prompt": args.prompt, "image": args.image,
+               "prompt_tokens": session.prefill.prompt_tokens, "image_tokens": session.prefill.image_tokens}
+    results = payload["methods"]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=1)

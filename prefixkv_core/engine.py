@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +28,7 @@ from .events import MethodEvent, PrefillInfo
 from .models import LoadedModel, encode, format_followup, format_prompt
 from .policies import Policy, PolicyError, make_policy, resolve_methods
 from .policies.base import check_budget
+from .record import ComparisonRecord
 
 MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
 
@@ -139,7 +140,7 @@ class Engine:
                 policies[name] = make_policy(name, budget, **method_knobs)
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
-        return Session(self, self.load_image(image), prompt, policies, budget, generation)
+        return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs)
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
@@ -172,7 +173,7 @@ class Session:
     call, then each policy compresses its own cache, then one event per method is yielded."""
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
-                 budget: float, generation: GenerationSettings):
+                 budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None):
         self.engine = engine
         self.image = image
         self.prompt = prompt
@@ -185,6 +186,20 @@ class Session:
         self.bytes_per_token = 0.0
         self.image_offset: int | None = None
         self.released = False
+        loaded = engine.loaded
+        # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
+        self.record = ComparisonRecord(
+            list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
+            knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)})
+
+    def _recorded(self, events: Iterator[PrefillInfo | MethodEvent]) -> Iterator[PrefillInfo | MethodEvent]:
+        self.record.active = True
+        try:
+            for item in events:
+                self.record.apply(item)
+                yield item
+        finally:
+            self.record.active = False
 
     # -- public ------------------------------------------------------------------------------------------
     def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
@@ -193,11 +208,13 @@ class Session:
             raise EngineError("this session already ran its first turn; use follow_up()")
         with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
             self.turn = 0
-            info = self._prefill_all()
-            yield info
-            for state in self.states.values():
-                yield self._event(state, "start")
-            yield from self._decode_all(cancel)
+            yield from self._recorded(self._first_turn(cancel))
+
+    def _first_turn(self, cancel: threading.Event | None) -> Iterator[PrefillInfo | MethodEvent]:
+        yield self._prefill_all()
+        for state in self.states.values():
+            yield self._event(state, "start")
+        yield from self._decode_all(cancel)
 
     def follow_up(self, prompt: str, cancel: threading.Event | None = None) -> Iterator[MethodEvent]:
         """Next user turn: each method continues on its own compressed cache (all methods in one batch)."""
@@ -219,16 +236,20 @@ class Session:
                                       f"{loaded.max_context}; start a new comparison")
             self.turn += 1
             self.user_turns.append(prompt)
-            live = [s for s in self.states.values() if s.error is None]
-            for state in self.states.values():
-                if state.error is not None:
-                    yield self._event(state, "error")
-            for state in live:
-                state.answers.append(state.text)
-            self._feed_turn(live, new_ids)
-            for state in live:
-                yield self._event(state, "error" if state.error is not None else "start")
-            yield from self._decode_all(cancel)
+            self.record.begin_turn(prompt)
+            yield from self._recorded(self._next_turn(new_ids, cancel))
+
+    def _next_turn(self, new_ids: list[int], cancel: threading.Event | None) -> Iterator[MethodEvent]:
+        live = [s for s in self.states.values() if s.error is None]
+        for state in self.states.values():
+            if state.error is not None:
+                yield self._event(state, "error")
+        for state in live:
+            state.answers.append(state.text)
+        self._feed_turn(live, new_ids)
+        for state in live:
+            yield self._event(state, "error" if state.error is not None else "start")
+        yield from self._decode_all(cancel)
 
     def release(self) -> None:
         """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again."""
@@ -242,24 +263,8 @@ class Session:
         return sum(s.cache.nbytes() for s in self.states.values() if s.cache is not None)
 
     def results(self) -> dict[str, dict[str, Any]]:
-        """Final per-method figures (the CLI's JSON contract)."""
-        out = {}
-        for name, s in self.states.items():
-            ev = self._event(s, "done")
-            out[name] = {
-                "label": s.policy.label,
-                "text": s.text,
-                "kept_per_layer": ev.kept_per_layer,
-                "kept_image_per_layer": ev.kept_image_per_layer,
-                "full_len": ev.full_len,
-                "kv_bytes": ev.kv_bytes,
-                "full_kv_bytes": ev.full_kv_bytes,
-                "ttft_s": s.ttft_s,
-                "tokens_per_s": ev.tokens_per_s,
-                "error": s.error,
-                "extras": ev.extras,
-            }
-        return out
+        """Per-method figures of the current turn, from the result record (see `record.to_dict()` for all)."""
+        return self.record.to_dict()["methods"]
 
     def kept_image_map(self, method: str, layer: int) -> np.ndarray | None:
         """[rows, cols] share of KV heads that still hold each image patch in `layer` (for the overlay)."""

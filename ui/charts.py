@@ -6,30 +6,16 @@ Every figure uses the method colours of ui.theme, names its units on the axes an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from prefixkv_core.record import MB, Series  # noqa: F401 - both part of this module's vocabulary
+
 from .lorenz_np import bisect_threshold, gini, retention_curves
 from .theme import FONT, GRID, colour, layer_colours, tint
-
-MB = 1e6  # badges and charts use decimal megabytes
-
-
-@dataclass
-class Series:
-    """One method's per-token telemetry over every turn of a conversation."""
-
-    label: str
-    steps: list[int] = field(default_factory=list)  # running token index over all turns (1, 2, ...)
-    kv_bytes: list[int] = field(default_factory=list)
-    full_kv_bytes: list[int] = field(default_factory=list)
-    latency_s: list[float] = field(default_factory=list)  # model forward of that step (0 when not timed)
-    policy_s: list[float] = field(default_factory=list)
-    turn: list[int] = field(default_factory=list)
 
 
 def _fig() -> go.Figure:

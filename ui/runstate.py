@@ -1,5 +1,6 @@
-"""Everything one browser session knows about its comparison: per-method answers per turn, the latest
-telemetry, the series behind the charts, ROUGE-L against Full, and a JSON-ready summary.
+"""Everything one browser session knows about its comparison: the engine's result record (answers per turn,
+telemetry, series, ROUGE-L, `to_dict()`), plus what only the app needs: the engine session, the Stop flag,
+the displayed image and the kept-patch overlay.
 
 Plain Python fed with the engine's events (`apply`), so it is tested without a model or gradio.
 """
@@ -7,45 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from prefixkv_core.events import MethodEvent, PrefillInfo
-from prefixkv_core.metrics import rouge_l
+from prefixkv_core.events import PrefillInfo
+from prefixkv_core.record import ComparisonRecord, Series, Track, Turn
 
-from .charts import MB, Series
-
-STATUS_OF_KIND = {"start": "streaming", "token": "streaming", "done": "done", "cancelled": "stopped",
-                  "error": "error"}
-
-
-@dataclass
-class Turn:
-    user: str
-    answer: str = ""
-    status: str = "waiting"  # waiting | streaming | done | stopped | error
-    error: str | None = None
-    last: MethodEvent | None = None  # latest event of this turn
-
-
-@dataclass
-class Track:
-    method: str
-    label: str
-    turns: list[Turn] = field(default_factory=list)
-    series: Series | None = None
-    last: MethodEvent | None = None  # latest event with telemetry (any turn)
-    _last_point: tuple[int, int] | None = None  # (turn, step) last appended to the series
-
-    def __post_init__(self):
-        if self.series is None:
-            self.series = Series(label=self.label)
-
-    @property
-    def turn(self) -> Turn | None:
-        return self.turns[-1] if self.turns else None
+__all__ = ["Comparison", "OverlayMaps", "Series", "Track", "Turn"]
 
 
 @dataclass
@@ -57,187 +28,28 @@ class OverlayMaps:
     maps: dict[str, np.ndarray | None]
 
 
-class Comparison:
-    """One comparison: the engine session plus what the UI draws from it."""
+class Comparison(ComparisonRecord):
+    """One comparison in the app: the engine's record plus the session, Stop flag, image and overlay."""
 
     def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
                  settings: dict[str, Any], knobs: dict[str, dict[str, Any]], image=None,
                  model: dict[str, Any] | None = None):
-        self.methods = list(methods)
-        self.budget = float(budget)
-        self.settings = dict(settings)
-        self.knobs = {m: dict(k) for m, k in knobs.items()}
-        self.image = image  # PIL image (display copy) or None
-        self.model = dict(model or {})
-        self.tracks = {m: Track(m, labels.get(m, m)) for m in self.methods}
-        self.prompts: list[str] = []
-        self.session = None  # prefixkv_core.Session, set by the app once created
-        self.prefill: PrefillInfo | None = None
         self.cancel = threading.Event()
-        self.active = False
-        self.error: str | None = None  # a failure of the whole request (bad input found during prefill, crash)
+        super().__init__(methods, labels, prompt, budget, settings, knobs, model)
+        self.image = image  # PIL image (display copy) or None
+        self.session = None  # prefixkv_core.Session, set by the app once created
         self.overlay_layer = 0
         self.overlay: OverlayMaps | None = None
         self.created = time.time()
-        self.begin_turn(prompt)
 
-    # -- feeding ---------------------------------------------------------------------------------------------
     def begin_turn(self, prompt: str) -> None:
-        self.prompts.append(prompt)
-        for track in self.tracks.values():
-            track.turns.append(Turn(user=prompt))
+        super().begin_turn(prompt)
         self.cancel = threading.Event()
 
-    def rollback_turn(self) -> None:
-        """Undo begin_turn() when the engine refused the turn before it started (nothing was generated)."""
-        if len(self.prompts) > 1:
-            self.prompts.pop()
-            for track in self.tracks.values():
-                if len(track.turns) > 1 and track.turns[-1].status == "waiting":
-                    track.turns.pop()
-
     def apply(self, item: Any) -> None:
-        if isinstance(item, PrefillInfo):
-            self.prefill = item
-            if item.num_layers:
-                self.overlay_layer = min(self.overlay_layer, item.num_layers - 1)
-        elif isinstance(item, OverlayMaps):
+        if isinstance(item, OverlayMaps):
             self.overlay = item
-        elif isinstance(item, MethodEvent):
-            self._apply_event(item)
-
-    def _apply_event(self, ev: MethodEvent) -> None:
-        track = self.tracks.get(ev.method)
-        if track is None:
             return
-        turn = track.turns[min(ev.turn, len(track.turns) - 1)] if track.turns else None
-        if turn is None:
-            return
-        status = STATUS_OF_KIND.get(ev.kind, turn.status)
-        if ev.kind == "error" or ev.error:  # a method that failed in the prefill still gets a "start" event
-            status = "error"
-            turn.error = ev.error or "failed"
-        if ev.kind != "error" or ev.text:
-            turn.answer = ev.text
-        turn.status = status
-        if ev.kept_per_layer:
-            turn.last = ev
-            track.last = ev
-        if ev.kind in ("start", "token", "done") and ev.step > 0 and ev.kept_per_layer:
-            point = (ev.turn, ev.step)
-            if point != track._last_point:
-                track._last_point = point
-                s = track.series
-                s.steps.append(len(s.steps) + 1)
-                s.kv_bytes.append(int(ev.kv_bytes))
-                s.full_kv_bytes.append(int(ev.full_kv_bytes))
-                s.latency_s.append(float(ev.step_latency_s))
-                s.policy_s.append(float(ev.policy_s))
-                s.turn.append(ev.turn + 1)
-
-    def stop_all(self, status: str = "stopped") -> None:
-        """Mark every unfinished answer of the current turn (after a stop, a crash or a request error)."""
-        for track in self.tracks.values():
-            t = track.turn
-            if t is not None and t.status in ("waiting", "streaming"):
-                t.status = status
-
-    # -- reading ---------------------------------------------------------------------------------------------
-    @property
-    def turn_index(self) -> int:
-        return len(self.prompts) - 1
-
-    @property
-    def finished(self) -> bool:
-        return all(t.turn is None or t.turn.status in ("done", "stopped", "error") for t in self.tracks.values())
-
-    def rouge(self, method: str, turn: int = -1) -> float | None:
-        """ROUGE-L F1 of this method's answer against Full's for one turn, once both are done."""
-        if "full" not in self.tracks or method not in self.tracks:
-            return None
-        try:
-            mine, ref = self.tracks[method].turns[turn], self.tracks["full"].turns[turn]
-        except IndexError:
-            return None
-        if mine.status != "done" or ref.status != "done":
-            return None
-        return rouge_l(mine.answer, ref.answer)
-
-    def series(self) -> dict[str, Series]:
-        return {m: t.series for m, t in self.tracks.items()}
-
-    def latest(self) -> dict[str, MethodEvent | None]:
-        return {m: t.last for m, t in self.tracks.items()}
-
-    def quality_points(self) -> dict[str, tuple[str, float, float | None]]:
-        out = {}
-        for m, t in self.tracks.items():
-            if t.last is not None and m != "full":
-                out[m] = (t.label, t.last.kv_ratio, self.rouge(m))
-        return out
-
-    def threshold(self) -> float | None:
-        """PrefixKV's chosen retention threshold in this run (online mode), if it ran."""
-        t = self.tracks.get("prefixkv")
-        if t is None or t.last is None:
-            return None
-        return t.last.extras.get("threshold")
-
-    def method_summary(self, method: str) -> dict[str, Any]:
-        t = self.tracks[method]
-        ev, cur = t.last, t.turn
-        rouge = self.rouge(method)
-        return {
-            "label": t.label,
-            "status": cur.status if cur else "waiting",
-            "text": cur.answer if cur else "",
-            "answers": [x.answer for x in t.turns],
-            "tokens": ev.step if ev is not None else 0,
-            "kv_bytes": ev.kv_bytes if ev is not None else None,
-            "full_kv_bytes": ev.full_kv_bytes if ev is not None else None,
-            "kv_mb": round(ev.kv_bytes / MB, 4) if ev is not None else None,
-            "kv_ratio": round(ev.kv_ratio, 4) if ev is not None else None,
-            "tokens_per_s": round(ev.tokens_per_s, 2) if ev is not None and ev.tokens_per_s else None,
-            "ttft_s": round(ev.ttft_s, 4) if ev is not None and ev.ttft_s is not None else None,
-            "rouge_l_vs_full": round(rouge, 4) if rouge is not None else None,
-            "kept_per_layer": list(ev.kept_per_layer) if ev is not None else [],
-            "kept_image_per_layer": list(ev.kept_image_per_layer) if ev is not None else [],
-            "full_len": ev.full_len if ev is not None else None,
-            "extras": _jsonable(ev.extras) if ev is not None else {},
-            "error": next((x.error for x in reversed(t.turns) if x.error), None),
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready results: the API's `results` output and the exported results.json."""
-        pre = self.prefill
-        return {
-            "model": self.model.get("name"),
-            "device": self.model.get("device"),
-            "budget": self.budget,
-            "settings": self.settings,
-            "knobs": _jsonable(self.knobs),
-            "prompts": list(self.prompts),
-            "turn": self.turn_index + 1,
-            "finished": self.finished and not self.active,
-            "error": self.error,
-            "prefill": None if pre is None else {
-                "prompt_tokens": pre.prompt_tokens, "image_tokens": pre.image_tokens,
-                "num_layers": pre.num_layers, "prefill_s": round(pre.prefill_s, 4),
-                "image_grid": list(pre.image_grid) if pre.image_grid else None,
-            },
-            "methods": {m: self.method_summary(m) for m in self.methods},
-        }
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
+        super().apply(item)
+        if isinstance(item, PrefillInfo) and item.num_layers:
+            self.overlay_layer = min(self.overlay_layer, item.num_layers - 1)
