@@ -76,11 +76,11 @@ class _StepLayer(DynamicLayer):
         keys[:, :, t_old:] = key_states
         values[:, :, t_old:] = value_states
         if not uniform:
-            mask = torch.zeros(b, 1, t_old + q, dtype=torch.bool, device=key_states.device)
-            for r, n_old in enumerate(self.old_lengths):
-                mask[r, :, :n_old] = True
-                mask[r, :, t_old + q - step.chunk_lengths[r]:] = True
-            step.probe.key_masks[self.layer_idx] = mask
+            # row r may attend to its own entries [0, n_old) and its real new tokens (the last q_r)
+            idx = torch.arange(t_old + q, device=key_states.device)
+            n_old = torch.tensor(self.old_lengths, device=key_states.device)[:, None]
+            first_new = t_old + q - step.chunk_tensor[:, None]
+            step.probe.key_masks[self.layer_idx] = ((idx < n_old) | (idx >= first_new)).unsqueeze(1)
         return keys, values
 
 
@@ -93,6 +93,7 @@ class _StepCache(DynamicCache):
         self.caches, self.chunk_lengths = list(caches), chunk_lengths
         self.positions, self.flags, self.probe = positions, flags, probe
         self.uniform = len(set(chunk_lengths)) == 1
+        self.chunk_tensor = torch.tensor(chunk_lengths, device=positions.device)
         self.layer_class_to_replicate = None
         self.layers = [_StepLayer(self, i) for i in range(len(self.caches[0].layers))]
 
