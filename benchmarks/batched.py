@@ -9,7 +9,6 @@ online PrefixKV) get a cache per prompt, padded and masked into the same forward
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -203,11 +202,9 @@ class MethodRun:
         shared = runner.prefill(sm.model, ids, is_image, pixel_values, [policy], sm.num_layers, sm.device)
         self.shared_plan = ids.shape[0] == 1 or policy.plans_rows_together()
         rows = [shared.cache] if self.shared_plan else shared.cache.split_rows()
-        # until policies keep their per-run results in the returned state, each cache gets its own policy object
-        self.policies = [policy] if self.shared_plan else [copy.deepcopy(policy) for _ in rows]
-        for r, (cache, pol) in enumerate(zip(rows, self.policies)):
-            stats = runner.policy_stats(pol, shared.stats, n, None if self.shared_plan else slice(r, r + 1))
-            self.states.append(runner.compress_prefill(pol, cache, stats, n, self.budget))
+        for r, cache in enumerate(rows):  # one policy, a state per cache
+            stats = runner.policy_stats(policy, shared.stats, n, None if self.shared_plan else slice(r, r + 1))
+            self.states.append(runner.compress_prefill(policy, cache, stats, n, self.budget))
         self.caches = rows
         self.prompt_len = self.true_len = n
         return shared.logits.argmax(dim=-1)
@@ -226,8 +223,8 @@ class MethodRun:
             logits, attention = out.logits, out.attention
         self.true_len += 1
         self.step_no += 1
-        for pol, cache, state, att in zip(self.policies, self.caches, self.states, attention):
-            runner.compress_decode(pol, state, cache, self.true_len, self.prompt_len, self.step_no, att)
+        for cache, state, att in zip(self.caches, self.states, attention):
+            runner.compress_decode(policy, state, cache, self.true_len, self.prompt_len, self.step_no, att)
         return logits.argmax(dim=-1)
 
     def kv_bytes(self) -> int:
@@ -238,7 +235,8 @@ class MethodRun:
         return self.caches[0].lengths()
 
     def extras(self) -> dict[str, Any]:
-        return self.policy.extras()
+        """The facts of the first prompt's run (every row's, when they share one cache)."""
+        return self.policy.extras(self.states[0] if self.states else None)
 
 
 class StockRun:

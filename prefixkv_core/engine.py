@@ -20,13 +20,12 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from . import calibrate
 from . import runner
 from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
 from .events import MethodEvent, PrefillInfo
 from .models import LoadedModel, encode, format_followup, format_prompt
-from .policies import Policy, PolicyError, make_policy, resolve_methods
+from .policies import Policy, PolicyError, PolicyState, ResolveContext, make_policy, resolve_methods
 from .policies.base import check_budget
 from .record import ComparisonRecord
 
@@ -69,7 +68,7 @@ class MethodState:
     compute_s: float = 0.0  # forward + policy time spent on this turn's decode steps
     steps: int = 0
     generator: torch.Generator | None = None
-    policy_state: Any = None  # what the policy's prefill returned for this run
+    policy_state: PolicyState | None = None  # what the policy's prefill returned for this run
     answers: list[str] = field(default_factory=list)  # this method's answers to the earlier turns
 
 
@@ -126,18 +125,12 @@ class Engine:
         generation = generation or GenerationSettings()
         generation.validate()
         knobs = knobs or {}
+        # what a policy may need about the model before it runs (e.g. offline PrefixKV's calibrated ratios)
+        context = ResolveContext(self.loaded.slug, self.loaded.name, self.loaded.num_layers, budget)
         policies = {}
         for name in names:
-            method_knobs = dict(knobs.get(name, {}))
-            if name == "prefixkv" and method_knobs.get("mode") == "offline" and not method_knobs.get("ratios"):
-                found = calibrate.load_ratios(self.loaded.slug, budget, self.loaded.num_layers)
-                if found is None:
-                    raise EngineError(
-                        f"no calibrated PrefixKV configuration for model '{self.loaded.slug}'; run "
-                        f"`python -m prefixkv_core calibrate --model {self.loaded.name}` or use the online mode")
-                method_knobs["ratios"] = found.ratios
             try:
-                policies[name] = make_policy(name, budget, **method_knobs)
+                policies[name] = make_policy(name, budget, **dict(knobs.get(name, {}))).resolve(context)
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
         return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs)
@@ -477,5 +470,5 @@ class Session:
             full_kv_bytes=int(round(self.bytes_per_token * state.true_len)),
             step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s,
             tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
-            error=state.error, extras=state.policy.extras(), batch_size=batch_size,
+            error=state.error, extras=state.policy.extras(state.policy_state), batch_size=batch_size,
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .attention import AttentionProbe, StatRequest
 from .cache import TrackedCache, TrackedLayer
-from .policies import Policy
+from .policies import Policy, PolicyState
 from .policies.base import DecodeView, PrefillView, apply_plans
 
 
@@ -225,16 +225,18 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
 # -- policy calls: the one place the runner talks to policies ------------------------------------------------
 
 def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[str, torch.Tensor]],
-                     prompt_len: int, budget: float) -> Any:
-    """Let `policy` compress the prompt's cache in place; returns the policy's per-run state."""
+                     prompt_len: int, budget: float) -> PolicyState:
+    """Let `policy` compress the prompt's cache in place; returns the policy's per-run state (what this run
+    found; `compress_decode` and `policy.facts` take it)."""
     window = policy.prefill_stats(prompt_len).window
-    apply_plans(cache, policy.prefill(PrefillView(cache, stats, prompt_len, budget, window)))
-    return None
+    plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window))
+    apply_plans(cache, plans)
+    return state
 
 
-def compress_decode(policy: Policy, state: Any, cache: TrackedCache, true_len: int, prompt_len: int, step: int,
-                    attention: dict[int, torch.Tensor] | None) -> None:
+def compress_decode(policy: Policy, state: PolicyState, cache: TrackedCache, true_len: int, prompt_len: int,
+                    step: int, attention: dict[int, torch.Tensor] | None) -> None:
     """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress."""
     if attention is not None:
         cache.add_scores(attention)
-    apply_plans(cache, policy.decode(DecodeView(cache, true_len, prompt_len, step, attention)))
+    apply_plans(cache, policy.decode(DecodeView(cache, true_len, prompt_len, step, attention), state))

@@ -144,7 +144,7 @@ def test_prompt_only_methods_match_their_plan(tiny, noise_image, budget):
     for method in ("snapkv", "pyramidkv", "lookm"):
         policy = make_policy(method, budget)
         c = cache.clone()
-        plans = policy.prefill(view(c))
+        plans, state = policy.prefill(view(c))
         apply_plans(c, plans)
         lengths = c.lengths()
         assert lengths == [p.keep.shape[-1] for p in plans], method
@@ -154,7 +154,7 @@ def test_prompt_only_methods_match_their_plan(tiny, noise_image, budget):
             assert set(lengths) == {max(9, round(budget * n))}
         if method == "pyramidkv":
             assert all(a >= b for a, b in zip(lengths, lengths[1:])), lengths
-            if not policy.notes:  # a real pyramid: mean is the budget
+            if not state.uniform:  # a real pyramid: mean is the budget
                 assert abs(sum(lengths) / len(lengths) - budget * n) <= 1.0
         if method == "lookm":
             n_text = int((~is_image).sum())
@@ -166,9 +166,10 @@ def test_pyramid_decreases_with_depth_at_low_budget(tiny_llama, noise_image):
     engine, cache, probe, ids, _, _ = _prefill(tiny_llama, noise_image)
     policy = make_policy("pyramidkv", 0.3, window=2)
     c = cache.clone()
-    apply_plans(c, policy.prefill(PrefillView(c, probe.stats, ids.shape[1], 0.3, 8)))
+    plans, state = policy.prefill(PrefillView(c, probe.stats, ids.shape[1], 0.3, 8))
+    apply_plans(c, plans)
     lengths = c.lengths()
-    assert lengths[0] > lengths[-1] and not policy.notes
+    assert lengths[0] > lengths[-1] and not state.uniform and not state.notes
 
 
 def test_prefixkv_layers_differ_and_average_to_budget(tiny, noise_image):
@@ -177,11 +178,12 @@ def test_prefixkv_layers_differ_and_average_to_budget(tiny, noise_image):
     for budget in (0.2, 0.4):
         policy = make_policy("prefixkv", budget)
         c = cache.clone()
-        apply_plans(c, policy.prefill(PrefillView(c, probe.stats, n, budget, 8)))
+        plans, state = policy.prefill(PrefillView(c, probe.stats, n, budget, 8))
+        apply_plans(c, plans)
         lengths = c.lengths()
         assert len(set(lengths)) > 1, lengths
         assert abs(sum(lengths) / len(lengths) - budget * n) <= 0.5
-        assert policy.converged and 0 < policy.threshold < 1
+        assert state.converged and 0 < state.threshold < 1
 
 
 def test_offline_prefixkv_uses_given_ratios(tiny_llama, noise_image):
@@ -310,7 +312,7 @@ def test_bad_inputs_get_clear_errors_and_model_stays_usable(tiny_llama, noise_im
 def test_one_failing_method_does_not_stop_the_others(tiny_llama, noise_image, monkeypatch):
     from prefixkv_core.policies.h2o import H2OPolicy
 
-    def boom(self, view):
+    def boom(self, view, state):
         raise RuntimeError("synthetic failure")
 
     monkeypatch.setattr(H2OPolicy, "decode", boom)

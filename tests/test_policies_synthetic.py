@@ -263,7 +263,8 @@ def test_elastic_never_merges_into_protected_tokens(budget):
         colsum[..., -1] += 50.0  # stay out of the merge destinations
         stats[i] = {"colsum": colsum}
     policy = make_policy("elastic", budget)
-    plans = policy.prefill(PrefillView(cache, stats, n, budget, 8))
+    plans, state = policy.prefill(PrefillView(cache, stats, n, budget, 8))
+    assert state.anchors == [max(2, round(budget * n))] * n_layers
     for plan, layer in zip(plans, cache.layers):
         kept = plan.keep[0, 0].tolist()
         assert 0 in kept and n - 1 in kept and len(kept) == max(2, round(budget * n))
@@ -302,12 +303,12 @@ def test_zipvl_prefill_runs_at_tau_one():
 
     n = 97
     policy = make_policy("zipvl", 0.3, tau=1.0)
-    policy.prefill_stats(n)
     cache = TrackedCache(2)
     stats = {}
     for i in range(2):
         cache.layers[i] = _layer(n=n, h=2, d=8, seed=i)
         stats[i] = {"subset": torch.rand(1, 2, n, generator=torch.Generator().manual_seed(i))}
-    plans = policy.prefill(PrefillView(cache, stats, n, 0.3, 8))
-    for plan in plans:
-        assert int(plan.quantise.important.sum()) <= n
+    plans, state = policy.prefill(PrefillView(cache, stats, n, 0.3, 8))
+    for plan, ratio in zip(plans, state.important_ratios):
+        assert int(plan.quantise.important.sum()) == round(ratio * n) <= n
+    assert torch.equal(state.probe_queries, probe_queries(n, policy.probe_fraction, policy.seed))

@@ -1,12 +1,18 @@
-"""The registry of KV-cache policies. Adding a method = one new file + one line here."""
+"""The registry of KV-cache policies. Adding a method = one new file (its policy class: knobs, colour,
+facts) + one line in `_BUILT_IN` below (or a call to `register` from outside the package)."""
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
-from .base import DecodeView, LayerPlan, Merge, Policy, PolicyError, PrefillView, Quantise, check_budget
+from .base import (DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, Quantise,
+                   ResolveContext, check_budget)
 from .elastic import ElasticPolicy
+from .facts import Fact, facts_from_extras, facts_to_extras
 from .full import FullPolicy
 from .h2o import H2OPolicy
+from .knobs import KnobInfo, knob
 from .local import LocalPolicy
 from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
@@ -14,12 +20,77 @@ from .pyramidkv import PyramidKVPolicy
 from .snapkv import SnapKVPolicy
 from .zipvl import ZipVLPolicy
 
-REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, ElasticPolicy, LookMPolicy,
-                ZipVLPolicy, PrefixKVPolicy)
-}
-METHODS: tuple[str, ...] = tuple(REGISTRY)
+REGISTRY: dict[str, type[Policy]] = {}
+_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")  # used in CSS classes and `<method>__<knob>` API names
+_COLOUR = re.compile(r"^#[0-9A-Fa-f]{6}$")
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Add a policy class to the registry (every listener reads it: engine, CLI, app, charts, benchmarks).
+    Checks what listeners rely on: a frozen dataclass, a unique lowercase name, a label, a summary, a colour."""
+    import dataclasses
+
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise PolicyError(f"{cls!r} is not a Policy subclass")
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen or "__dataclass_fields__" not in vars(cls):
+        raise PolicyError(f"{cls.__name__} must be declared with @dataclass(frozen=True)")
+    if not _NAME.match(cls.name or ""):
+        raise PolicyError(f"{cls.__name__}.name must be lowercase letters/digits with single underscores, "
+                          f"got {cls.name!r}")
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise PolicyError(f"a method named {cls.name!r} is already registered ({REGISTRY[cls.name].__name__})")
+    if not cls.label or not cls.summary:
+        raise PolicyError(f"{cls.__name__} needs a label and a summary")
+    if not _COLOUR.match(cls.colour or ""):
+        raise PolicyError(f"{cls.__name__}.colour must be '#rrggbb', got {cls.colour!r}")
+    taken = {c.colour.lower(): n for n, c in REGISTRY.items() if n != cls.name}
+    if cls.colour.lower() in taken:
+        raise PolicyError(f"{cls.__name__}.colour {cls.colour} is already used by {taken[cls.colour.lower()]}")
+    dataclasses.fields(cls)  # a dataclass: its knobs can be read
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a method added with `register` (built-in methods stay)."""
+    if name in _BUILT_IN_NAMES:
+        raise PolicyError(f"{name!r} is a built-in method and cannot be removed")
+    REGISTRY.pop(name, None)
+
+
+_BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, ElasticPolicy, LookMPolicy,
+             ZipVLPolicy, PrefixKVPolicy)
+for _cls in _BUILT_IN:
+    register(_cls)
+_BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)
+
+
+class _MethodNames(Sequence):
+    """The registered method names, in registration order; always current (methods may be registered later)."""
+
+    def __getitem__(self, i):
+        return tuple(REGISTRY)[i]
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
+
+    def __iter__(self):
+        return iter(tuple(REGISTRY))
+
+    def __contains__(self, name) -> bool:
+        return name in REGISTRY
+
+    def __repr__(self) -> str:
+        return repr(tuple(REGISTRY))
+
+
+METHODS: Sequence[str] = _MethodNames()
+
+
+def method_colours() -> dict[str, str]:
+    """Method name -> its '#rrggbb' colour, for every registered method."""
+    return {name: cls.colour for name, cls in REGISTRY.items()}
 
 
 def resolve_methods(names) -> list[str]:
@@ -38,6 +109,7 @@ def resolve_methods(names) -> list[str]:
 
 
 def make_policy(name: str, budget: float, **knobs: Any) -> Policy:
+    """Build a validated policy. Unknown knobs and values out of range raise PolicyError with what is accepted."""
     cls = REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown method {name!r}; accepted: {', '.join(METHODS)}")
@@ -74,13 +146,12 @@ def parse_knobs(items) -> dict[str, dict[str, Any]]:
 
 
 def describe() -> list[dict[str, Any]]:
-    """Name, label, summary, schedule and knobs of every method (for the UI and `--help`)."""
-    return [
-        {"name": c.name, "label": c.label, "summary": c.summary, "schedule": c.schedule,
-         "uses_budget": c.uses_budget, "knobs": c.knobs()}
-        for c in REGISTRY.values()
-    ]
+    """Name, label, summary, schedule, colour, whether the budget applies, and knobs (defaults and details:
+    help, choices, range) of every method, in registry order (for the UI, the CLI and the benchmarks)."""
+    return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["REGISTRY", "METHODS", "parse_knobs", "Policy", "PolicyError", "LayerPlan", "Merge", "Quantise", "PrefillView",
-           "DecodeView", "make_policy", "resolve_methods", "describe"]
+__all__ = ["REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy", "PolicyError",
+           "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView", "DecodeView",
+           "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "make_policy", "resolve_methods",
+           "describe"]

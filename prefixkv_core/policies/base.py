@@ -1,23 +1,29 @@
 """What every KV-cache policy is, and the helpers they share.
 
-A policy is a small dataclass: a registry name, its knobs, and two functions over tensors.
-`prefill(view)` returns one `LayerPlan` per layer after the prompt; `decode(view)` may return plans after
-each generated token (or after a follow-up turn's tokens). Policies never touch the model; the engine
-applies plans to the `TrackedCache` (gather, merge, quantise), so all bookkeeping lives in one place.
+A policy is frozen configuration: a registry name, its colour and description, and its knobs (declared
+with `knob(...)`, validated when the policy is built). Two functions over tensors do the work:
+`prefill(view)` returns one `LayerPlan` per layer after the prompt together with the run's state (what
+this run found: capacities, thresholds, anchors, notes); `decode(view, state)` may return plans after each
+generated token (or after a follow-up turn's tokens). `facts(state)` says, typed, what to show about the
+run. Policies never touch the model; the engine applies plans to the `TrackedCache` (gather, merge,
+quantise), so all bookkeeping lives in one place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from ..attention import StatRequest
 from ..cache import TrackedCache, TrackedLayer
+from .facts import Fact, facts_to_extras, note
+from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
-
-class PolicyError(ValueError):
-    """A bad method name or knob; the message lists what is accepted."""
+__all__ = ["PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
+           "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "check_budget",
+           "budget_count", "protected_mask", "top_k_keep", "drop_range_keep", "fixed_point_decode",
+           "layer_importance", "apply_plans"]
 
 
 @dataclass
@@ -56,7 +62,6 @@ class PrefillView:
     prompt_len: int  # N
     budget: float
     window: int  # observation window used for the "window" statistic
-    subset_counts: torch.Tensor | None = None  # [N] number of probe queries that see each token (ZipVL)
 
     @property
     def num_layers(self) -> int:
@@ -84,22 +89,58 @@ class DecodeView:
 
 
 @dataclass
+class PolicyState:
+    """What one run of a policy found at prefill and needs while decoding. Methods subclass it with their
+    own typed fields; `notes` are sentences worth showing (fallbacks, clamped knobs, budget overruns)."""
+
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ResolveContext:
+    """What a policy may need to know about the model before a run (e.g. to load calibrated settings)."""
+
+    model_slug: str
+    model_name: str
+    num_layers: int
+    budget: float
+
+
+class Prefilled(NamedTuple):
+    """A policy's answer to the prompt: one plan per layer, and the run's state for decoding and facts."""
+
+    plans: list[LayerPlan | None]
+    state: PolicyState
+
+
+@dataclass(frozen=True)
 class Policy:
-    """Base class. Subclasses set the class variables and implement `prefill` (and `decode` if they evict)."""
+    """Base class. Subclasses are `@dataclass(frozen=True)`, set the class variables, declare their knobs
+    with `knob(...)` and implement `prefill` (and `decode` if they act while decoding)."""
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    colour: ClassVar[str] = ""  # "#rrggbb", used by every chart and panel
     uses_budget: ClassVar[bool] = True
     # "every step": the cache is held at about r·N_t after every token; "prompt only": compress once.
     schedule: ClassVar[str] = "every step"
     sink_tokens: ClassVar[int] = 1
 
     budget: float = 0.3
-    notes: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         check_budget(self.budget)
+        object.__setattr__(self, "budget", float(self.budget))
+        validate_knobs(self)
+        self.check()
+
+    def check(self) -> None:
+        """Rules that involve several knobs; raise PolicyError naming them."""
+
+    def resolve(self, context: ResolveContext) -> "Policy":
+        """The policy to run for this model and budget (e.g. with calibrated settings filled in)."""
+        return self
 
     # What the shared prefill must record for this policy.
     def prefill_stats(self, prompt_len: int) -> StatRequest:
@@ -109,25 +150,45 @@ class Policy:
     def decode_needs_attention(self) -> bool:
         return False
 
-    # Whether one plan can serve every row of a batched cache (prompts of one layout): true when the kept
-    # counts do not depend on the sample. Otherwise the runner gives each sample its own cache.
     def plans_rows_together(self) -> bool:
+        """Whether one cache may hold several prompts as rows: prefill/decode then plan every row at once
+        (each row its own entries, the same count per layer). Otherwise every prompt needs its own cache."""
         return True
 
-    def prefill(self, view: PrefillView) -> list[LayerPlan | None]:
-        return [None] * view.num_layers
+    def prefill(self, view: PrefillView) -> Prefilled:
+        return Prefilled([None] * view.num_layers, PolicyState())
 
-    def decode(self, view: DecodeView) -> list[LayerPlan | None] | None:
+    def decode(self, view: DecodeView, state: PolicyState) -> list[LayerPlan | None] | None:
         return None
 
-    def extras(self) -> dict[str, Any]:
-        """Facts to show next to this method's panel (chosen thresholds, fallbacks, ...)."""
-        return {"notes": list(self.notes)} if self.notes else {}
+    def facts(self, state: PolicyState) -> list[Fact]:
+        """What to show next to this method's panel about this run (override to add typed facts)."""
+        return [note(n) for n in state.notes]
+
+    def extras(self, state: PolicyState | None) -> dict[str, Any]:
+        """The facts of this run in JSON-able form (events, exports); empty before the prefill."""
+        return facts_to_extras(self.facts(state)) if state is not None else {}
 
     @classmethod
     def knobs(cls) -> dict[str, Any]:
         """Knob name -> default, for the UI's advanced section and the CLI."""
-        return {f.name: f.default for f in fields(cls) if f.init and f.name != "budget"}
+        return {name: default for name, default, _ in knob_fields(cls)}
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        """Everything a listener shows about the method, JSON-able."""
+        details = []
+        for name, default, info in knob_fields(cls):
+            details.append({
+                "name": name, "label": info.label or name, "default": default, "help": info.help,
+                "accepted": "true or false" if isinstance(default, bool) and info.choices is None
+                else info.accepted(),
+                "choices": list(info.choices) if info.choices is not None else None,
+                "low": info.low, "high": info.high, "low_open": info.low_open, "high_open": info.high_open,
+                "integer": info.integer, "sequence": info.sequence, "editable": info.editable,
+            })
+        return {"name": cls.name, "label": cls.label, "summary": cls.summary, "schedule": cls.schedule,
+                "uses_budget": cls.uses_budget, "colour": cls.colour, "knobs": cls.knobs(), "knob_details": details}
 
 
 def check_budget(budget: float) -> None:
@@ -199,8 +260,11 @@ def layer_importance(view: PrefillView, i: int, normalised: bool = False) -> tor
     return imp
 
 
-def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | None) -> None:
-    """Carry out a policy's plans: merge first (sources still present), then keep, or quantise."""
+def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled | None) -> None:
+    """Carry out a policy's plans (a list, or the plans of a `Prefilled`): merge first (sources still
+    present), then keep, or quantise."""
+    if isinstance(plans, Prefilled):
+        plans = plans.plans
     if not plans:
         return
     for layer, plan in zip(cache.layers, plans):

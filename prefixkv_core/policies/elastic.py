@@ -2,13 +2,13 @@
 anchor; while decoding, delete at a fixed point so the older part stays frozen and the rest is a FIFO."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import StatRequest
-from .base import (DecodeView, LayerPlan, Merge, Policy, PrefillView, budget_count, fixed_point_decode,
-                   layer_importance, protected_mask, top_k_keep)
+from .base import (DecodeView, LayerPlan, Merge, Policy, PolicyState, Prefilled, PrefillView, budget_count,
+                   fixed_point_decode, knob, layer_importance, protected_mask, top_k_keep)
 
 
 def nearest_anchor(anchors: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
@@ -46,22 +46,28 @@ def merge_into_nearest(keep: torch.Tensor, length: int, protected: torch.Tensor 
 
 
 @dataclass
+class ElasticState(PolicyState):
+    anchors: list[int] = field(default_factory=list)  # entries kept per layer after the prompt (K_l)
+
+
+@dataclass(frozen=True)
 class ElasticPolicy(Policy):
     name = "elastic"
     label = "Elastic Cache"
     summary = ("Top-r·N tokens by prefill importance are kept; the others are merged (averaged) into their "
                "nearest kept token, never into the sink or the last prompt token. Decoding deletes at a fixed "
                "point (K-25): older entries stay frozen.")
+    colour = "#CC79A7"
 
-    normalised_importance: bool = False
+    normalised_importance: bool = knob(False, help="divide column sums by how many queries see each token")
+
+    def plans_rows_together(self) -> bool:
+        return False  # the merge is planned for one row
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(colsum=True)
 
-    def plans_rows_together(self) -> bool:
-        return False  # anchors and merges are per sample
-
-    def prefill(self, view: PrefillView):
+    def prefill(self, view: PrefillView) -> Prefilled:
         k = budget_count(self.budget, view.prompt_len, min_keep=2)
         plans = []
         for i in range(view.num_layers):
@@ -73,9 +79,8 @@ class ElasticPolicy(Policy):
             keep = top_k_keep(imp, k, protected)
             merge = merge_into_nearest(keep, layer.length, protected[0, 0]) if k < layer.length else None
             plans.append(LayerPlan(keep=keep, merge=merge))
-        self.anchors = [k] * view.num_layers
-        return plans
+        return Prefilled(plans, ElasticState(anchors=[k] * view.num_layers))
 
-    def decode(self, view: DecodeView):
+    def decode(self, view: DecodeView, state: ElasticState):
         targets = [budget_count(self.budget, view.true_len, min_keep=2)] * view.num_layers
-        return fixed_point_decode(view, targets, self.anchors)
+        return fixed_point_decode(view, targets, state.anchors)

@@ -6,14 +6,11 @@ from dataclasses import dataclass
 from .base import Policy
 
 
-@dataclass
+@dataclass(frozen=True)
 class FullPolicy(Policy):
     name = "full"
     label = "Full"
     summary = "No compression; must match plain generation token for token."
+    colour = "#222222"  # black: the reference stands out in every figure
     uses_budget = False
     schedule = "none"
-
-    def __post_init__(self):
-        # Full ignores the budget; it is accepted so every method can be built the same way.
-        pass

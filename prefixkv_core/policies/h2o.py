@@ -3,20 +3,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..attention import StatRequest
-from .base import DecodeView, LayerPlan, Policy, PrefillView, budget_count, protected_mask, top_k_keep
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, budget_count, knob, \
+    protected_mask, top_k_keep
 
 
-@dataclass
+@dataclass(frozen=True)
 class H2OPolicy(Policy):
     name = "h2o"
     label = "H2O"
     summary = ("Accumulated attention (prefill column sums + every decoding query) picks heavy hitters; "
                "a recent window (10% of the budget) protects new tokens. Uniform count over layers.")
+    colour = "#E69F00"
 
-    recent_fraction: float = 0.1
+    recent_fraction: float = knob(0.1, help="share of the budget kept for the most recent tokens (at least one)",
+                                  low=0.0, high=1.0)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(colsum=True)
@@ -38,8 +39,8 @@ class H2OPolicy(Policy):
             plans.append(LayerPlan(keep=top_k_keep(scores, target, forced)))
         return plans
 
-    def prefill(self, view: PrefillView):
-        return self._plans(view.cache, view.prompt_len, view.prompt_len)
+    def prefill(self, view: PrefillView) -> Prefilled:
+        return Prefilled(self._plans(view.cache, view.prompt_len, view.prompt_len), PolicyState())
 
-    def decode(self, view: DecodeView):
+    def decode(self, view: DecodeView, state: PolicyState):
         return self._plans(view.cache, view.true_len, view.prompt_len)

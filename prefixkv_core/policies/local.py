@@ -3,16 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import DecodeView, LayerPlan, Policy, PrefillView, budget_count, drop_range_keep
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, budget_count, \
+    drop_range_keep, knob
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalPolicy(Policy):
     name = "local"
     label = "Local (StreamingLLM)"
     summary = "Sink token + most recent tokens; the oldest non-sink tokens are evicted. Uniform over layers."
+    colour = "#56B4E9"
 
-    sinks: int = 1
+    sinks: int = knob(1, help="attention-sink tokens always kept", low=1, high=64, integer=True)
 
     def _plans(self, cache, true_len: int) -> list[LayerPlan | None]:
         target = budget_count(self.budget, true_len, min_keep=self.sinks + 1)
@@ -27,8 +29,8 @@ class LocalPolicy(Policy):
             )
         return plans
 
-    def prefill(self, view: PrefillView):
-        return self._plans(view.cache, view.prompt_len)
+    def prefill(self, view: PrefillView) -> Prefilled:
+        return Prefilled(self._plans(view.cache, view.prompt_len), PolicyState())
 
-    def decode(self, view: DecodeView):
+    def decode(self, view: DecodeView, state: PolicyState):
         return self._plans(view.cache, view.true_len)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import StatRequest
-from .base import LayerPlan, Merge, Policy, PolicyError, PrefillView, top_k_keep
+from .base import LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob, top_k_keep
 
 MERGE_MODES = ("pivotal", "average", "weighted")
 
@@ -57,25 +57,22 @@ def similarity_merge(keys: torch.Tensor, keep: torch.Tensor, mode: str) -> Merge
     return Merge(src=evicted, dst=dst, src_weight=src_w, self_weight=self_w)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LookMPolicy(Policy):
     name = "lookm"
     label = "LOOK-M"
     summary = ("Text-prior: keeps every text token, a recent window and the top image tokens (r/2 + r/2), per "
                "KV head; evicted tokens are merged into the most similar kept key. Prompt only.")
+    colour = "#8C564B"
     schedule = "prompt only"
 
-    merge: str = "pivotal"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.merge not in MERGE_MODES:
-            raise PolicyError(f"unknown LOOK-M merge mode {self.merge!r}; accepted: {', '.join(MERGE_MODES)}")
+    merge: str = knob("pivotal", help="how evicted tokens are merged into the most similar kept ones",
+                      choices=MERGE_MODES)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(colsum=True)
 
-    def prefill(self, view: PrefillView):
+    def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
         heavy = int(round(0.5 * self.budget * n))
         recent = max(1, int(round(0.5 * self.budget * n)))
@@ -86,7 +83,7 @@ class LookMPolicy(Policy):
             keep = lookm_keep(view.stats[i]["colsum"], layer.is_image, heavy, recent)
             over = max(over, keep.shape[-1] - int(round(self.budget * n)))
             plans.append(LayerPlan(keep=keep, merge=similarity_merge(layer.keys, keep, self.merge)))
-        self.notes = []
+        state = PolicyState()
         if over > 0:
-            self.notes.append(f"text tokens alone exceed the budget: {over} entries over r·N per layer")
-        return plans
+            state.notes.append(f"text tokens alone exceed the budget: {over} entries over r·N per layer")
+        return Prefilled(plans, state)

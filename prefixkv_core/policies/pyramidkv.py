@@ -1,12 +1,12 @@
 """PyramidKV: SnapKV selection with per-layer capacities that shrink linearly with depth."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..attention import StatRequest
 from ..lorenz import distribute
-from .base import LayerPlan, Policy, PrefillView
-from .snapkv import snap_select
+from .base import Fact, LayerPlan, Policy, Prefilled, PrefillView, knob
+from .snapkv import KERNEL_HELP, WINDOW_HELP, SnapState, check_kernel, clamp_window, snap_select
 
 
 def pyramid_capacities(n: int, num_layers: int, budget: float, window: int, beta: int = 20) -> list[int] | None:
@@ -35,37 +35,45 @@ def pyramid_capacities(n: int, num_layers: int, budget: float, window: int, beta
 
 
 @dataclass
+class PyramidState(SnapState):
+    capacities: list[int] = field(default_factory=list)  # entries kept per layer, window included
+    uniform: bool = False  # the budget was too large for a pyramid (published fallback)
+
+
+@dataclass(frozen=True)
 class PyramidKVPolicy(Policy):
     name = "pyramidkv"
     label = "PyramidKV"
     summary = ("SnapKV with a pyramid of budgets: lower layers keep more, upper layers less. Prompt only. "
                "Falls back to uniform SnapKV when the budget is large (as published).")
+    colour = "#0072B2"
     schedule = "prompt only"
 
-    window: int = 8
-    kernel: int = 7
-    beta: int = 20
+    window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
+    kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
+    beta: int = knob(20, help="pyramid steepness (top layer keeps 1/β of the bottom's share)", low=1, high=1000,
+                     integer=True, label="β (beta)")
+
+    def check(self) -> None:
+        check_kernel(self.label, self.kernel)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=self.window)
+        return StatRequest(window=clamp_window(self.window, prompt_len)[0])
 
-    def prefill(self, view: PrefillView):
+    def prefill(self, view: PrefillView) -> Prefilled:
         n, n_layers = view.prompt_len, view.num_layers
-        caps = pyramid_capacities(n, n_layers, self.budget, self.window, self.beta)
-        self.notes = []
+        w, clamped = clamp_window(self.window, n)
+        state = PyramidState(notes=[clamped] if clamped else [], window=w)
+        caps = pyramid_capacities(n, n_layers, self.budget, w, self.beta)
         if caps is None:
-            self.notes.append(
-                "budget too large for a pyramid (N < 2(M-W)): uniform SnapKV capacities, as published"
-            )
-            caps = [max(self.window + 1, int(round(self.budget * n)))] * n_layers
-        self.capacities = caps
-        return [
-            LayerPlan(keep=snap_select(view.stats[i]["window"], caps[i], self.window, self.kernel))
-            for i in range(n_layers)
-        ]
+            state.uniform = True
+            state.notes.append("budget too large for a pyramid (N < 2(M-W)): uniform SnapKV capacities, as published")
+            caps = [max(w + 1, int(round(self.budget * n)))] * n_layers
+        state.capacities = caps
+        plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], caps[i], w, self.kernel))
+                 for i in range(n_layers)]
+        return Prefilled(plans, state)
 
-    def extras(self):
-        out = super().extras()
-        if getattr(self, "capacities", None):
-            out["capacities"] = list(self.capacities)
-        return out
+    def facts(self, state: PyramidState) -> list[Fact]:
+        caps = [Fact("capacities", "capacity", list(state.capacities), kind="per-layer", fmt="d", unit=" entries")]
+        return (caps if state.capacities else []) + super().facts(state)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import StatRequest
-from .base import LayerPlan, Policy, PrefillView, budget_count
+from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
 
 
 def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
@@ -31,23 +31,50 @@ def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel:
     return torch.cat([chosen.sort(dim=-1).values, tail], dim=-1)
 
 
+def clamp_window(window: int, prompt_len: int) -> tuple[int, str | None]:
+    """The observation window this prompt allows (at least one earlier token must remain to vote on), and a
+    note when the knob had to be shortened."""
+    w = max(1, min(window, prompt_len - 1))
+    if w == window:
+        return w, None
+    return w, f"observation window {window} is not shorter than the prompt ({prompt_len} tokens): used {w}"
+
+
+WINDOW_HELP = "observation window: the last prompt queries that vote (shortened when the prompt is shorter)"
+KERNEL_HELP = "max-pool width over the votes (odd, so pooling keeps the length)"
+
+
+def check_kernel(label: str, kernel: int) -> None:
+    if kernel % 2 == 0:
+        raise PolicyError(f"{label} knob kernel must be odd (max pooling keeps the length); got {kernel}")
+
+
 @dataclass
+class SnapState(PolicyState):
+    window: int = 0  # the observation window used on this prompt
+
+
+@dataclass(frozen=True)
 class SnapKVPolicy(Policy):
     name = "snapkv"
     label = "SnapKV"
     summary = ("The last prompt queries (observation window) vote, per KV head, with max-pooled attention. "
                "Compresses the prompt once; the cache then grows while decoding.")
+    colour = "#009E73"
     schedule = "prompt only"
 
-    window: int = 8
-    kernel: int = 7
+    window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
+    kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
+
+    def check(self) -> None:
+        check_kernel(self.label, self.kernel)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=self.window)
+        return StatRequest(window=clamp_window(self.window, prompt_len)[0])
 
-    def prefill(self, view: PrefillView):
-        capacity = budget_count(self.budget, view.prompt_len, min_keep=self.window + 1)
-        return [
-            LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, self.window, self.kernel))
-            for i in range(view.num_layers)
-        ]
+    def prefill(self, view: PrefillView) -> Prefilled:
+        w, clamped = clamp_window(self.window, view.prompt_len)
+        capacity = budget_count(self.budget, view.prompt_len, min_keep=w + 1)
+        plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
+                 for i in range(view.num_layers)]
+        return Prefilled(plans, SnapState(notes=[clamped] if clamped else [], window=w))

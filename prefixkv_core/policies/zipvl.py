@@ -2,12 +2,12 @@
 important tokens adapts per layer: the fewest tokens holding τ of the probe queries' attention."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import StatRequest
-from .base import DecodeView, LayerPlan, Policy, PolicyError, PrefillView, Quantise
+from .base import DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, Quantise, knob
 
 
 def adaptive_count(scores: torch.Tensor, tau: float) -> int:
@@ -41,38 +41,44 @@ def visibility_counts(n: int, queries: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class ZipVLState(PolicyState):
+    probe_queries: torch.Tensor | None = None  # prompt query indices whose attention ranked the tokens
+    important_ratios: list[float] = field(default_factory=list)  # share of each layer's tokens at high precision
+
+
+BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
 class ZipVLPolicy(Policy):
     name = "zipvl"
     label = "ZipVL"
     summary = ("Keeps every token; important tokens (the fewest holding τ of the attention, per layer) at "
                "4 bit, the rest at 2 bit. The budget slider does not apply: τ sets the trade-off.")
+    colour = "#7B61C9"
     uses_budget = False
     schedule = "quantise prompt, then every 100 tokens"
 
-    tau: float = 0.975
-    bits_hi: int = 4
-    bits_lo: int = 2
-    group_size: int = 0  # 0 = the whole channel / token as one group, as in the reference
-    probe_fraction: float = 0.05
-    decode_block: int = 100
-    seed: int = 0
+    tau: float = knob(0.975, help="τ: share of attention the high-precision tokens must hold (sets ZipVL's "
+                                  "size/quality trade-off)", low=0.0, high=1.0, low_open=True, label="τ (tau)")
+    bits_hi: int = knob(4, help="bits for important tokens", choices=BITS)
+    bits_lo: int = knob(2, help="bits for the rest", choices=BITS)
+    group_size: int = knob(0, help="quantisation group size (0 = the whole channel / token, as in the reference)",
+                           low=0, high=65536, integer=True)
+    probe_fraction: float = knob(0.05, help="share of queries probed to rank tokens (the last ones plus as many "
+                                            "sampled)", low=0.0, high=0.5, low_open=True)
+    decode_block: int = knob(100, help="re-quantise the newest tokens every this many generated tokens",
+                             low=1, high=100000, integer=True)
+    seed: int = knob(0, help="seed of the probe-query sample", low=0, high=2**31 - 1, integer=True)
 
-    def __post_init__(self):
-        if not 0.0 < self.tau <= 1.0:
-            raise PolicyError(f"ZipVL tau must be in (0, 1], got {self.tau!r}")
-        for bits in (self.bits_hi, self.bits_lo):
-            if bits not in (2, 4, 8):
-                raise PolicyError(f"ZipVL bits must be 2, 4 or 8, got {bits!r}")
+    def plans_rows_together(self) -> bool:
+        return False  # the adaptive share and the quantisation are planned for one row
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        self._queries = probe_queries(prompt_len, self.probe_fraction, self.seed)
-        return StatRequest(query_subset=self._queries)
+        return StatRequest(query_subset=probe_queries(prompt_len, self.probe_fraction, self.seed))
 
     def decode_needs_attention(self) -> bool:
         return True
-
-    def plans_rows_together(self) -> bool:
-        return False  # the 4-bit share adapts per sample
 
     def _plan(self, scores: torch.Tensor, normaliser: torch.Tensor | None) -> tuple[LayerPlan, int]:
         """scores [B, 1, T] over the full-precision entries -> quantise them, the top-p at high precision."""
@@ -85,21 +91,21 @@ class ZipVLPolicy(Policy):
         group = self.group_size or None
         return LayerPlan(quantise=Quantise(important.view(1, 1, -1), self.bits_hi, self.bits_lo, group)), p
 
-    def prefill(self, view: PrefillView):
+    def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
         if view.cache.layers[0].positions.shape[0] != 1:
             raise ValueError("ZipVL runs with batch size 1 only")
-        counts = visibility_counts(n, self._queries).to(view.layer(0).positions.device)
+        queries = probe_queries(n, self.probe_fraction, self.seed)
+        counts = visibility_counts(n, queries).to(view.layer(0).positions.device)
         plans, ratios = [], []
         for i in range(view.num_layers):
             scores = view.stats[i]["subset"].mean(dim=1, keepdim=True)
             plan, p = self._plan(scores, counts)
             plans.append(plan)
             ratios.append(p / n)
-        self.important_ratios = ratios
-        return plans
+        return Prefilled(plans, ZipVLState(probe_queries=queries, important_ratios=ratios))
 
-    def decode(self, view: DecodeView):
+    def decode(self, view: DecodeView, state: ZipVLState):
         plans = []
         for i, layer in enumerate(view.cache.layers):
             fp_len = layer.keys.shape[2]
@@ -111,8 +117,7 @@ class ZipVLPolicy(Policy):
             plans.append(self._plan(scores, None)[0])
         return plans
 
-    def extras(self):
-        out = super().extras()
-        if getattr(self, "important_ratios", None):
-            out["important_ratios"] = [round(r, 4) for r in self.important_ratios]
-        return out
+    def facts(self, state: ZipVLState) -> list[Fact]:
+        share = [Fact("important_ratios", f"{self.bits_hi}-bit share", [round(r, 4) for r in state.important_ratios],
+                      kind="per-layer", fmt=".0%")]
+        return (share if state.important_ratios else []) + super().facts(state)
