@@ -1,6 +1,6 @@
 """Prefill + decode of a batch of prompts for the speed benchmark, through the engine's own runner
-(`prefixkv_core.runner`, the same code the app's comparisons run on), plus randomly initialised models with the
-exact shapes of LLaVA-1.5-7B / 13B (speed and memory do not depend on the weight values).
+(`prefixkv_core.runner`, the same code the app's comparisons run on). Models are `LoadedModel`s: loaded ones,
+or randomly initialised ones with exact released shapes (`prefixkv_core.models.build_random_model`).
 
 B prompts of equal length and equal layout (BOS, image block, text) decode as one batch for every method: a
 method whose plan does not depend on the sample keeps them in one cache; the others (Elastic Cache, ZipVL,
@@ -10,152 +10,23 @@ online PrefixKV) get a cache per prompt, padded and masked into the same forward
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from prefixkv_core import runner
 from prefixkv_core.attention import StatRequest, tracked_attention_enabled
 from prefixkv_core.cache import TrackedCache
-from prefixkv_core.models import TextShape
+from prefixkv_core.models import LoadedModel
 from prefixkv_core.policies import Policy, make_policy
 
 STOCK = "full-stock"  # plain DynamicCache + stock sdpa attention: the engine-free baseline
 sync = runner.sync
 
 
-# -- models --------------------------------------------------------------------------------------------------
-
-@dataclass
-class SpeedModel(TextShape):
-    """What the speed benchmark needs of a LLaVA model: no tokenizer or processor (prompts are synthetic)."""
-
-    model: Any
-    name: str
-    slug: str
-    device: torch.device
-    dtype: torch.dtype
-    image_token_id: int
-    image_seq_length: int
-    image_size: int
-    vocab_size: int
-    bos_id: int
-    random_weights: bool
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def max_context(self) -> int:
-        return int(getattr(self.text_config, "max_position_embeddings", 0) or 0)
-
-    def kv_bytes_per_token(self) -> int:
-        """Keys + values of one token over all layers, uncompressed, in the model's dtype."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    def param_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-
-def from_loaded(loaded) -> SpeedModel:
-    cfg = loaded.model.config
-    tok = loaded.processor.tokenizer
-    return SpeedModel(
-        model=loaded.model, name=loaded.name, slug=loaded.slug, device=loaded.device, dtype=loaded.dtype,
-        image_token_id=loaded.image_token_id, image_seq_length=loaded.image_seq_length,
-        image_size=int(cfg.vision_config.image_size), vocab_size=int(cfg.get_text_config().vocab_size),
-        bos_id=int(tok.bos_token_id if tok.bos_token_id is not None else 1), random_weights=False,
-        notes=list(loaded.notes))
-
-
-def _llava_1_5_config(size: str):
-    """LLaVA-1.5 as released (llava-hf/llava-1.5-{7b,13b}-hf): CLIP ViT-L/14-336 + Llama-2 (Vicuna-1.5)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    text_dims = {"7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                            num_key_value_heads=32),
-                 "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                             num_key_value_heads=40)}[size]
-    vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                              image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu",
-                              layer_norm_eps=1e-5)
-    text = LlamaConfig(vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-                       hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=32001,
-                       tie_word_embeddings=False, **text_dims)
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=32000, image_seq_length=576,
-                       vision_feature_layer=-2, vision_feature_select_strategy="default",
-                       projector_hidden_act="gelu", tie_word_embeddings=False)
-
-
-def _embedded_config():
-    """The embedded model's shapes (SmolLM2-135M text, 6-layer CLIP-style vision at 192 px, 144 image tokens)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    vision = CLIPVisionConfig(image_size=192, patch_size=16, hidden_size=384, intermediate_size=1536,
-                              num_hidden_layers=6, num_attention_heads=6, projection_dim=384)
-    text = LlamaConfig(vocab_size=49216, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                       rms_norm_eps=1e-5, rope_theta=100000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                       tie_word_embeddings=True)
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=49152, image_seq_length=144,
-                       vision_feature_layer=-1, vision_feature_select_strategy="default",
-                       projector_hidden_act="gelu", tie_word_embeddings=True)
-
-
-def _tiny_config():
-    """The test suite's tiny shapes (4 layers, 64 wide, 16 image tokens)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, projection_dim=32)
-    text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, bos_token_id=1,
-                       eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=511, image_seq_length=16,
-                       vision_feature_layer=-1, vision_feature_select_strategy="default",
-                       projector_hidden_act="gelu", tie_word_embeddings=False)
-
-
-RANDOM_CONFIGS: dict[str, Callable[[], Any]] = {
-    "llava-1.5-7b": lambda: _llava_1_5_config("7b"),
-    "llava-1.5-13b": lambda: _llava_1_5_config("13b"),
-    "embedded": _embedded_config,
-    "tiny": _tiny_config,
-}
-
-
-def random_config(kind: str):
-    if kind not in RANDOM_CONFIGS:
-        raise ValueError(f"unknown --random-weights {kind!r}; accepted: {', '.join(RANDOM_CONFIGS)}")
-    return RANDOM_CONFIGS[kind]()
-
-
-def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                       seed: int = 0) -> SpeedModel:
-    """A randomly initialised LLaVA with the exact shapes of `kind`, created directly on `device` in `dtype`
-    (no CPU copy, no float32 detour: a 7B model is built on the GPU in bf16 in seconds)."""
-    from transformers import LlavaForConditionalGeneration
-
-    config = random_config(kind)
-    device = torch.device(device)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlavaForConditionalGeneration._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
-    model.requires_grad_(False)
-    text = config.get_text_config()
-    n_img = int(config.image_seq_length)
-    return SpeedModel(
-        model=model, name=f"random-{kind}", slug=f"random-{kind}", device=device, dtype=dtype,
-        image_token_id=int(config.image_token_id), image_seq_length=n_img,
-        image_size=int(config.vision_config.image_size), vocab_size=int(text.vocab_size),
-        bos_id=int(text.bos_token_id or 1), random_weights=True,
-        notes=[f"randomly initialised weights with the shapes of {kind}: speed and memory only, outputs are noise"])
-
-
 # -- inputs ----------------------------------------------------------------------------------------------------
 
-def synthetic_batch(sm: SpeedModel, batch: int, prompt_len: int, seed: int = 0):
+def synthetic_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int = 0):
     """B prompts of exactly `prompt_len` tokens: BOS, the image block, random text ids. Same layout in every row.
     Returns input_ids [B, N], is_image [B, N] (bool), pixel_values [B, 3, S, S] in the model's dtype."""
     n_img = sm.image_seq_length
@@ -183,7 +54,7 @@ class MethodRun:
     one cache; otherwise every prompt gets its own cache and the runner pads and masks them into the same
     forward. Either way the whole batch decodes in one model call per step."""
 
-    def __init__(self, sm: SpeedModel, policy: Policy, budget: float):
+    def __init__(self, sm: LoadedModel, policy: Policy, budget: float):
         self.sm, self.policy, self.budget = sm, policy, budget
         self.caches: list[TrackedCache] = []
         self.states: list[Any] = []
@@ -242,7 +113,7 @@ class MethodRun:
 class StockRun:
     """Full cache through transformers' own DynamicCache and stock sdpa attention (no tracking at all)."""
 
-    def __init__(self, sm: SpeedModel):
+    def __init__(self, sm: LoadedModel):
         from transformers import DynamicCache
 
         self.sm = sm
@@ -284,14 +155,14 @@ class StockRun:
     mode = "transformers' DynamicCache"
 
 
-def new_run(sm: SpeedModel, method: str, budget: float, knobs: dict[str, Any] | None):
+def new_run(sm: LoadedModel, method: str, budget: float, knobs: dict[str, Any] | None):
     if method == STOCK:
         return StockRun(sm)
     return MethodRun(sm, make_policy(method, budget, **(knobs or {})), budget)
 
 
 @torch.inference_mode()
-def run_timed(sm: SpeedModel, method: str, budget: float, knobs: dict | None, ids, is_image, pixels,
+def run_timed(sm: LoadedModel, method: str, budget: float, knobs: dict | None, ids, is_image, pixels,
               gen_len: int) -> dict[str, Any]:
     """Prefill (timed: TTFT = forward + compression), then gen_len - 1 decode steps, each synchronised and
     timed (forward + the policy's compression). Rows of `ids` run as one batch."""

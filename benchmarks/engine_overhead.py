@@ -29,6 +29,7 @@ from prefixkv_core.attention import AttentionProbe, StatRequest, tracked_attenti
 from prefixkv_core.cache import TrackedCache  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
 from prefixkv_core.policies import METHODS  # noqa: E402
+from prefixkv_core.runner import sync  # noqa: E402
 
 FILLER = ("The museum's east wing holds maps, letters and instruments from early voyages; each room is lit "
           "softly and every label gives the date, the maker and the place where the object was found. ")
@@ -36,15 +37,10 @@ FILLER = ("The museum's east wing holds maps, letters and instruments from early
 
 def long_prompt(loaded, target_tokens: int) -> str:
     """A question after enough filler text that prompt + image reach about `target_tokens`."""
-    tok = loaded.processor.tokenizer
+    tok = loaded.tokenizer
     per = len(tok(FILLER, add_special_tokens=False)["input_ids"])
     repeats = max(1, (target_tokens - loaded.image_seq_length - 40) // per)
     return FILLER * repeats + "\nDescribe the image and summarise the text above."
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_generate(loaded, inputs, new_tokens: int) -> float:

@@ -34,10 +34,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.batched import (RANDOM_CONFIGS, STOCK, SpeedModel, build_random_model, from_loaded,  # noqa: E402
-                                run_timed, sync, synthetic_batch)
+from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: E402
 from benchmarks.common import (REPO_ROOT, PeakRSS, Table, parse_float_list, parse_knobs, run_info,  # noqa: E402
                                save_figure)
+from prefixkv_core.models import RANDOM_CONFIGS, LoadedModel, build_random_model  # noqa: E402
 
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
 QUICK = {"settings": "512x32", "batch": 1, "warmup_steps": 2}
@@ -72,7 +72,7 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(sm: SpeedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
+def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
             warmup_steps: int) -> dict[str, Any]:
     """Warm up, then time one configuration: the whole batch through the runner."""
     ids, is_image, pixels = batch_inputs
@@ -162,17 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_speed_model(args) -> SpeedModel:
-    from prefixkv_core import load_model
-    from prefixkv_core.models import resolve_device, resolve_dtype
+def load_speed_model(args) -> LoadedModel:
+    from prefixkv_core.models import load_model, resolve_device, resolve_dtype
 
     if args.random_weights:
         dev, _ = resolve_device(args.device)
         return build_random_model(args.random_weights, dev, resolve_dtype(args.dtype, dev), seed=args.seed)
-    return from_loaded(load_model(args.model or "embedded", device=args.device, dtype=args.dtype))
+    return load_model(args.model or "embedded", device=args.device, dtype=args.dtype)
 
 
-def prefixkv_knobs(sm: SpeedModel, mode: str, budget: float, base: dict) -> tuple[dict, str]:
+def prefixkv_knobs(sm: LoadedModel, mode: str, budget: float, base: dict) -> tuple[dict, str]:
     from prefixkv_core.calibrate import load_ratios
 
     knobs = dict(base)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from benchmarks import quality, speed
-from benchmarks.batched import build_random_model, random_config, run_timed, synthetic_batch
+from benchmarks.batched import run_timed, synthetic_batch
 from benchmarks.common import RecordStore, Table
 from benchmarks.data import BUILTIN, DataError, load_dataset, parse_record, resolve_image
+from prefixkv_core.models import ModelLoadError, build_random_model, format_prompt, random_config
 from prefixkv_core.policies import METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,9 +258,7 @@ def test_speed_batch2_every_method_batches(tmp_path):
 def test_batched_rows_equal_single_runs(tiny_llama, method, knobs):
     """A batch of prompts computes what batch-1 runs compute, row by row (same greedy tokens, same kept counts),
     whether the prompts share one cache or keep one each."""
-    from benchmarks.batched import from_loaded
-
-    sm = from_loaded(tiny_llama)
+    sm = tiny_llama
     ids, is_image, pixels = synthetic_batch(sm, 2, 40, seed=3)
     both = run_timed(sm, method, 0.25, knobs, ids, is_image, pixels, 5)
     rows = [run_timed(sm, method, 0.25, knobs, ids[i:i + 1], is_image[i:i + 1], pixels[i:i + 1], 5) for i in range(2)]
@@ -320,3 +319,25 @@ def test_random_llava_1_5_7b_shapes_on_meta():
 
     big = random_config("llava-1.5-13b").text_config
     assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.vocab_size) == (5120, 40, 40, 32064)
+
+
+def _shape(cfg) -> tuple:
+    t, v = cfg.get_text_config(), cfg.vision_config
+    return (type(t).__name__, t.vocab_size, t.hidden_size, t.intermediate_size, t.num_hidden_layers,
+            t.num_attention_heads, t.num_key_value_heads, t.max_position_embeddings, t.bos_token_id,
+            v.image_size, v.patch_size, v.hidden_size, v.num_hidden_layers, cfg.image_token_id, cfg.image_seq_length)
+
+
+def test_random_tiny_model_is_the_test_model_shape_without_processor(tiny_llama):
+    """`--random-weights tiny` builds from the same factory as the tiny test model, and runs through the runner."""
+    sm = build_random_model("tiny", seed=1)
+    assert _shape(sm.model.config) == _shape(tiny_llama.model.config)
+    assert (sm.random_weights, sm.processor, tiny_llama.random_weights) == (True, None, False)
+    assert (sm.image_size, sm.vocab_size, sm.bos_id, sm.max_context) == (32, 512, 1, 2048)
+    assert (sm.image_grid, sm.kv_bytes_per_token()) == ((4, 4), tiny_llama.kv_bytes_per_token())
+    with pytest.raises(ModelLoadError, match="random weights"):
+        format_prompt(sm, "Hi", True)
+    ids, is_image, pixels = synthetic_batch(sm, 2, 24, seed=0)
+    assert (ids[:, 0] == sm.bos_id).all() and int(is_image.sum()) == 2 * sm.image_seq_length
+    out = run_timed(sm, "full", 1.0, {}, ids, is_image, pixels, 3)
+    assert len(out["tokens"]) == 2 and len(out["tokens"][0]) == 3

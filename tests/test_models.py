@@ -48,6 +48,26 @@ def test_tiny_builds(variant, kv_heads, request):
     assert len(set(new)) >= 4, new  # a random model that is not degenerate
 
 
+def test_descriptor_facts(tiny_llama, tiny_qwen2):
+    for lm, kv_heads in ((tiny_llama, 4), (tiny_qwen2, 2)):
+        assert (lm.image_size, lm.vocab_size, lm.bos_id) == (32, 512, lm.tokenizer.bos_token_id)
+        assert lm.random_weights is False and lm.tokenizer is lm.processor.tokenizer
+        # keys + values, 4 layers, head_dim 16, float32
+        assert lm.kv_bytes_per_token() == 2 * 4 * kv_heads * 16 * 4
+        assert lm.param_count() == sum(p.numel() for p in lm.model.parameters()) > 0
+
+
+def test_tiny_model_built_from_the_shared_factory(tiny_qwen2):
+    """The tiny test model's config is `tiny_config` with the tiny tokenizer's ids (its defaults)."""
+    ref = M.tiny_config("qwen2")
+    cfg = tiny_qwen2.model.config
+    assert cfg.text_config.to_dict() | {"dtype": None} == ref.text_config.to_dict() | {"dtype": None}
+    assert cfg.vision_config.to_dict() | {"dtype": None} == ref.vision_config.to_dict() | {"dtype": None}
+    assert (cfg.image_token_id, cfg.image_seq_length) == (ref.image_token_id, ref.image_seq_length)
+    with pytest.raises(M.ModelLoadError, match="llama, qwen2"):
+        M.tiny_config("mistral")
+
+
 def test_tiny_deterministic_and_seeded(tiny_llama):
     again = T.build_tiny_model("llama", seed=0)
     other = T.build_tiny_model("llama", seed=1)
@@ -196,6 +216,16 @@ def test_embedded_model_answers_offline():
     assert lm.image_seq_length == 144 and lm.image_grid == (12, 12)
     assert lm.max_context == 8192
     assert lm.model.lm_head.weight.data_ptr() == lm.model.model.language_model.embed_tokens.weight.data_ptr()
+    # the random-weight "embedded" shape (speed benchmark) is what the GGUF assembles to
+    text, ref = lm.text_config, M.smollm2_135m_text_config()
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id", "eos_token_id",
+                "pad_token_id", "tie_word_embeddings", "hidden_act"):
+        assert getattr(text, key) == getattr(ref, key), key
+    assert text.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
+    assert text.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"]
+    assert lm.model.config.vision_config.to_dict() | {"dtype": None} == M.embedded_vision_config().to_dict() | {"dtype": None}
+    assert lm.image_token_id == M.embedded_config().image_token_id
     if not lm.vision_trained:
         assert any("untrained" in n for n in lm.notes)
     text = M.format_prompt(lm, "What is the capital of France?", False)

@@ -13,11 +13,25 @@ Four kinds of model spec for `load_model`:
 * a local directory or a hub id: anything ``LlavaForConditionalGeneration.from_pretrained`` loads
   (hub ids work offline when they are in the Hugging Face cache).
 
+`build_random_model(kind)` gives a model with random weights and the exact shapes of LLaVA-1.5-7B/13B, the
+embedded model or the tiny test model (no processor; for speed and memory measurements).
+
 Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, ``encode``), ``configs`` (the shapes of
-the models built in code), ``processor``, ``descriptor`` (``LoadedModel``), ``embedded``, ``loading``.
+the models built in code), ``processor``, ``descriptor`` (``LoadedModel``), ``embedded``, ``loading``,
+``random_weights``.
 """
 from .chat import IMAGE_TOKEN, chatml_template, encode, format_followup, format_prompt
-from .configs import META_KEY, TINY_VARIANTS, embedded_config, embedded_vision_config, tiny_config
+from .configs import (
+    META_KEY,
+    RANDOM_CONFIGS,
+    TINY_VARIANTS,
+    embedded_config,
+    embedded_vision_config,
+    llava_1_5_config,
+    random_config,
+    smollm2_135m_text_config,
+    tiny_config,
+)
 from .descriptor import LoadedModel, TextShape, describe_model, image_grid
 from .device import DEVICES_ACCEPTED, DTYPES_ACCEPTED, place_model, resolve_device, resolve_dtype
 from .embedded import (
@@ -33,6 +47,7 @@ from .embedded import (
 from .errors import ModelLoadError
 from .loading import ACCEPTED_MODEL_TYPES, load_model
 from .processor import make_processor
+from .random_weights import build_random_model
 
 __all__ = [
     "ModelLoadError",
@@ -41,6 +56,7 @@ __all__ = [
     "describe_model",
     "image_grid",
     "load_model",
+    "build_random_model",
     "format_prompt",
     "format_followup",
     "encode",
@@ -56,6 +72,10 @@ __all__ = [
     "tiny_config",
     "embedded_config",
     "embedded_vision_config",
+    "smollm2_135m_text_config",
+    "llava_1_5_config",
+    "RANDOM_CONFIGS",
+    "random_config",
     "ACCEPTED_MODEL_TYPES",
     "TINY_VARIANTS",
     "EMBEDDED_VERSION",

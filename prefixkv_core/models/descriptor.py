@@ -1,5 +1,6 @@
-"""What the rest of the project knows about a loaded model: `LoadedModel`, and `describe_model`, which
-builds one from a LLaVA model and its processor (checking that they agree on the image tokens)."""
+"""What the rest of the project knows about a model: `LoadedModel`, and `describe_model`, which builds one
+from a LLaVA model and its processor (checking that they agree on the image tokens). A model with random
+weights (`build_random_model`) is a LoadedModel without a processor."""
 from __future__ import annotations
 
 import math
@@ -44,7 +45,7 @@ class TextShape:
 @dataclass
 class LoadedModel(TextShape):
     model: Any  # LlavaForConditionalGeneration, eval mode, on `device`, in `dtype`
-    processor: Any  # LlavaProcessor: tokenizer + image processor + chat template
+    processor: Any  # LlavaProcessor (tokenizer + image processor + chat template); None for random weights
     name: str
     slug: str
     device: torch.device
@@ -52,13 +53,27 @@ class LoadedModel(TextShape):
     image_token_id: int
     image_seq_length: int
     image_grid: tuple[int, int]
+    image_size: int  # the vision tower's input side, in pixels
+    vocab_size: int
+    bos_id: int  # what a prompt starts with (synthetic prompts use it too)
     max_context: int
     vision_trained: bool
+    random_weights: bool = False  # shapes only: speed and memory are real, outputs are noise
     notes: list[str] = field(default_factory=list)
 
     @property
     def tokenizer(self):
+        if self.processor is None:
+            raise ModelLoadError(f"{self.name} has no tokenizer (random weights)")
         return self.processor.tokenizer
+
+    def kv_bytes_per_token(self) -> int:
+        """Keys + values of one token over all layers, uncompressed, in the model's dtype."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
 
 
 def _count_image_tokens(processor, image_token_id: int) -> int:
@@ -115,6 +130,7 @@ def describe_model(
     if gen is not None and gen.pad_token_id is None and tok.pad_token_id is not None:
         gen.pad_token_id = tok.pad_token_id
     text_cfg = cfg.get_text_config()
+    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(text_cfg, "bos_token_id", None)
     return LoadedModel(
         model=model,
         processor=processor,
@@ -125,6 +141,9 @@ def describe_model(
         image_token_id=image_token_id,
         image_seq_length=n_img,
         image_grid=image_grid(cfg, n_img),
+        image_size=int(cfg.vision_config.image_size),
+        vocab_size=int(text_cfg.vocab_size),
+        bos_id=int(bos if bos is not None else 1),
         max_context=int(getattr(text_cfg, "max_position_embeddings", 0) or tok.model_max_length),
         vision_trained=vision_trained,
         notes=notes,
