@@ -96,9 +96,10 @@ def full_greedy_words(engine, image, question: str, n: int) -> str:
         session.turn = 0
         session._prefill_all()
         logits = session._first_logits
-        for _ in range(n):
+        for step in range(n):
             ids.append(int(torch.where(safe, logits.float(), float("-inf")).argmax()))
-            logits, _, _ = session._advance(state, ids[-1])
+            batch_logits, _, _ = session._advance([state], [[ids[-1]]], step=step + 1)
+            logits = batch_logits[0]
     answer = tok.decode(ids)
     assert tok(answer, add_special_tokens=False)["input_ids"] == ids
     return answer
