@@ -33,6 +33,13 @@ class QuantSegment:
         return self.keys.nbytes() + self.values.nbytes()
 
 
+def per_head_meta(positions: torch.Tensor, is_image: torch.Tensor, n_kv: int):
+    """[B, T_new] positions / image flags -> per-KV-head positions, flags and zero scores ([B, Hkv, T_new])."""
+    pos = positions[:, None, :].expand(-1, n_kv, -1)
+    img = is_image[:, None, :].expand(-1, n_kv, -1)
+    return pos, img, torch.zeros(pos.shape, dtype=torch.float32, device=pos.device)
+
+
 class TrackedLayer(DynamicLayer):
     """Entries are ordered: [quantised segments..., full-precision keys/values]; metadata covers all."""
 
@@ -42,6 +49,7 @@ class TrackedLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None  # long [B, Hkv, T]
         self.is_image: torch.Tensor | None = None  # bool [B, Hkv, T]
         self.scores: torch.Tensor | None = None  # float32 [B, Hkv, T]
+        self._image_count: int | None = None  # cached image_count(); None = recount
 
     # -- transformers' side -------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
@@ -60,11 +68,15 @@ class TrackedLayer(DynamicLayer):
     # -- metadata -----------------------------------------------------------------------------------
     def append_meta(self, positions: torch.Tensor, is_image: torch.Tensor, n_kv: int) -> None:
         """positions/is_image: [B, T_new] for the entries just appended."""
-        pos = positions[:, None, :].expand(-1, n_kv, -1)
-        img = is_image[:, None, :].expand(-1, n_kv, -1)
-        zeros = torch.zeros(pos.shape, dtype=torch.float32, device=pos.device)
+        self.append_meta_per_head(*per_head_meta(positions, is_image, n_kv), has_image=bool(is_image.any()))
+
+    def append_meta_per_head(self, pos: torch.Tensor, img: torch.Tensor, zeros: torch.Tensor, has_image: bool) -> None:
+        """The same with the per-KV-head tensors ([B, Hkv, T_new]) already built (shared by every layer);
+        `has_image` says whether any new entry is an image entry (known to the caller without a device sync)."""
+        if self.positions is None or has_image:
+            self._image_count = None
         if self.positions is None:
-            self.positions, self.is_image, self.scores = pos.clone(), img.clone(), zeros
+            self.positions, self.is_image, self.scores = pos.clone(), img.clone(), zeros.clone()
         else:
             self.positions = torch.cat([self.positions, pos], dim=-1)
             self.is_image = torch.cat([self.is_image, img], dim=-1)
@@ -97,6 +109,7 @@ class TrackedLayer(DynamicLayer):
         self.positions = self.positions.gather(2, idx)
         self.is_image = self.is_image.gather(2, idx)
         self.scores = self.scores.gather(2, idx)
+        self._image_count = None
 
     def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor):
         """Weighted merge: entry j becomes (w_j·x_j + Σ_e w_e·x_e) / (w_j + Σ_e w_e) for keys and values.
@@ -156,10 +169,13 @@ class TrackedLayer(DynamicLayer):
         return fp + sum(s.nbytes() for s in self.segments)
 
     def image_count(self) -> int:
-        """Image entries, averaged over KV heads (head-wise methods keep different entries per head)."""
+        """Image entries, averaged over KV heads (head-wise methods keep different entries per head).
+        Counted again only after entries were dropped or image entries added (events ask every step)."""
         if self.is_image is None:
             return 0
-        return int(round(self.is_image[0].sum(dim=-1).float().mean().item()))
+        if self._image_count is None:
+            self._image_count = int(round(self.is_image[0].sum(dim=-1).float().mean().item()))
+        return self._image_count
 
 
 class TrackedCache(DynamicCache):
@@ -171,16 +187,22 @@ class TrackedCache(DynamicCache):
         self.layers = [TrackedLayer() for _ in range(num_layers)]
         self.layer_class_to_replicate = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_meta: tuple | None = None
 
     def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor) -> None:
         self.pending = (positions, is_image)
+        self._pending_meta = None  # per-KV-head form, built at the first layer and shared by the others
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self.pending is None:
             raise RuntimeError("TrackedCache.set_pending(positions, is_image) must be called before a forward")
-        positions, is_image = self.pending
-        self.layers[layer_idx].append_meta(positions, is_image, key_states.shape[1])
+        n_kv = key_states.shape[1]
+        if self._pending_meta is None or self._pending_meta[0].shape[1] != n_kv:
+            positions, is_image = self.pending
+            self._pending_meta = (*per_head_meta(positions, is_image, n_kv), bool(is_image.any()))
+        pos, img, zeros, has_image = self._pending_meta
+        self.layers[layer_idx].append_meta_per_head(pos, img, zeros, has_image)
         return keys, values
 
     def add_scores(self, stats: dict[int, torch.Tensor]) -> None:

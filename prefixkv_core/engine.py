@@ -418,6 +418,7 @@ class Session:
                 return
             logits, forward_s, policy_s = self._advance(active, [[s.pending] for s in active],
                                                         step=len(active[0].turn_ids))
+            greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
             for r, state in enumerate(active):
                 if state.error is not None:
                     yield self._event(state, "error")
@@ -425,7 +426,7 @@ class Session:
                 own_s = policy_s.get(state.name, 0.0)
                 state.compute_s += forward_s + own_s
                 state.steps += 1
-                state.pending = self._sample(state, logits[r])
+                state.pending = greedy[r] if greedy is not None else self._sample(state, logits[r])
                 state.turn_ids.append(state.pending)
                 text = self._detok(state.turn_ids)
                 delta = text[len(state.text):] if text.startswith(state.text) else text

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .attention import AttentionProbe, StatRequest
-from .cache import TrackedCache, TrackedLayer
+from .cache import TrackedCache, TrackedLayer, per_head_meta
 from .policies import Policy, PolicyState
 from .policies.base import DecodeView, PrefillView, apply_plans
 
@@ -66,11 +66,11 @@ class _StepLayer(DynamicLayer):
         uniform = step.uniform and len(set(self.old_lengths)) == 1
         keys = key_states.new_zeros(b, h, t_old + q, key_states.shape[-1])
         values = value_states.new_zeros(b, h, t_old + q, value_states.shape[-1])
-        for r, cache in enumerate(step.caches):
+        for r, (cache, meta) in enumerate(zip(step.caches, step.row_meta(h))):
             layer: TrackedLayer = cache.layers[self.layer_idx]
             n_old, q_r = self.old_lengths[r], step.chunk_lengths[r]
             row_keys, row_values = layer.update(key_states[r:r + 1, :, q - q_r:], value_states[r:r + 1, :, q - q_r:])
-            layer.append_meta(step.positions[r:r + 1, q - q_r:], step.flags[r:r + 1, q - q_r:], h)
+            layer.append_meta_per_head(*meta, has_image=False)  # steps feed text: image tokens come with the prompt
             keys[r, :, :n_old] = row_keys[0, :, :n_old]
             values[r, :, :n_old] = row_values[0, :, :n_old]
         keys[:, :, t_old:] = key_states
@@ -88,10 +88,11 @@ class _StepCache(DynamicCache):
     """The cache object the model sees during one batched step over several row caches."""
 
     def __init__(self, caches: Sequence[TrackedCache], chunk_lengths: list[int], positions: torch.Tensor,
-                 flags: torch.Tensor, probe: AttentionProbe):
+                 probe: AttentionProbe):
         super().__init__()
         self.caches, self.chunk_lengths = list(caches), chunk_lengths
-        self.positions, self.flags, self.probe = positions, flags, probe
+        self.positions, self.probe = positions, probe
+        self._row_meta: tuple[int, list] | None = None
         self.uniform = len(set(chunk_lengths)) == 1
         self.chunk_tensor = torch.tensor(chunk_lengths, device=positions.device)
         self.layer_class_to_replicate = None
@@ -99,6 +100,17 @@ class _StepCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def row_meta(self, n_kv: int) -> list:
+        """Per row: the new entries' per-KV-head positions, image flags and zero scores (same in every layer)."""
+        if self._row_meta is None or self._row_meta[0] != n_kv:
+            q = self.positions.shape[1]
+            rows = []
+            for r, q_r in enumerate(self.chunk_lengths):
+                pos = self.positions[r:r + 1, q - q_r:]
+                rows.append(per_head_meta(pos, torch.zeros_like(pos, dtype=torch.bool), n_kv))
+            self._row_meta = (n_kv, rows)
+        return self._row_meta[1]
 
 
 # -- one forward over rows -----------------------------------------------------------------------------------
@@ -170,8 +182,7 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     if b == 1:
         logits, stats = forward_group(model, caches[0], ids, starts[0], request)
         return StepOutput(logits, [last_query(stats) if want_attention[0] else None])
-    flags = torch.zeros_like(ids, dtype=torch.bool)
-    step = _StepCache(caches, lengths, positions, flags, probe)
+    step = _StepCache(caches, lengths, positions, probe)
     old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
     out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
                 kv_probe=probe)
