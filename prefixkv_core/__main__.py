@@ -82,10 +82,26 @@ def cmd_methods(args) -> int:
     from .policies import describe
 
     for m in describe():
-        knobs = ", ".join(f"{k}={v!r}" for k, v in m["knobs"].items()) or "none"
+        budget = "uses the budget" if m["uses_budget"] else "ignores the budget"
         print(f"{m['name']:10s} {m['label']}\n           {m['summary']}\n           schedule: {m['schedule']}; "
-              f"knobs: {knobs}")
+              f"{budget}; colour {m['colour']}")
+        if not m["knob_details"]:
+            print("           knobs: none")
+        for k in m["knob_details"]:
+            print(f"           --knob {m['name']}.{k['name']}={_cli_value(k['default'])}: {k['help']} "
+                  f"({k['accepted']})")
     return 0
+
+
+def _cli_value(value: Any) -> str:
+    """A default as it would be typed after --knob METHOD.KNOB= (true/false, numbers, text, comma lists)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "(unset)"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --sample)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each method starts from it)")
     p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
-                   help="a method's own setting, repeatable: snapkv.window=16, zipvl.tau=0.95, "
-                        "lookm.merge=average, prefixkv.mode=offline")
+                   help="a method's own setting, repeatable, e.g. snapkv.window=16; the `methods` command lists "
+                        "every method's knobs, defaults and accepted values")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_compare)

@@ -5,9 +5,9 @@ import time
 import gradio as gr
 import pytest
 
-from prefixkv_core import Engine
+from prefixkv_core import METHODS, Engine
 
-ALL = ["full", "local", "h2o", "snapkv", "pyramidkv", "elastic", "lookm", "zipvl", "prefixkv"]
+ALL = list(METHODS)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from benchmarks.batched import run_timed, synthetic_batch
 from benchmarks.common import RecordStore, Table
 from benchmarks.data import BUILTIN, DataError, load_dataset, parse_record, resolve_image
 from prefixkv_core.models import ModelLoadError, build_random_model, format_prompt, random_config
-from prefixkv_core.policies import METHODS
+from prefixkv_core.policies import METHODS, REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 QBUDGETS = ["0.10", "0.50"]
@@ -156,7 +156,7 @@ def test_quality_tables(quality_run):
         assert ppl["full"][b] < min(others.values()), (b, ppl["full"][b], others)
         assert res["tables"]["kv_kept_pct"]["full"][b] == 100.0
     # every raw number is there: one record per (sample, method, budget); budget-free methods once
-    n_fixed = sum(1 for m in METHODS if m in ("full", "zipvl"))
+    n_fixed = sum(1 for m in METHODS if not REGISTRY[m].uses_budget)
     assert len(res["records"]) == 3 * (n_fixed + (len(METHODS) - n_fixed) * len(QBUDGETS))
     assert all(r["error"] is None and r["nll"] is not None for r in res["records"])
     assert res["counts"]["prefixkv"]["0.10"]["samples"] == 3

@@ -95,7 +95,7 @@ def test_score_answer_batched_equals_alone(tiny_qwen2, noise_image):
     engine = Engine(tiny_qwen2)
     answer = "a red square on the left and a blue circle"
     together = engine.new_session(noise_image, PROMPT, "all", 0.3, knobs=KNOBS).score_answer(answer)
-    for method in ("full", "h2o", "elastic", "zipvl", "prefixkv"):
+    for method in METHODS:
         alone = engine.new_session(noise_image, PROMPT, [method], 0.3,
                                    knobs={k: v for k, v in KNOBS.items() if k == method}).score_answer(answer)
         assert together[method][1] == alone[method][1]

@@ -7,9 +7,10 @@ import pytest
 from PIL import Image
 
 from prefixkv_core.events import MethodEvent, PrefillInfo
+from prefixkv_core.policies import METHODS, REGISTRY, method_colours
 from ui import charts
 from ui.lorenz_np import gini, retention_curves
-from ui.theme import METHOD_COLOURS, colour
+from ui.theme import colour
 
 
 def _ev(method, label, kept, img, full_len, kind="done", turn=0, step=5, text="a cat", kv=100, full_kv=400, **kw):
@@ -106,12 +107,19 @@ def test_quality_figure():
     assert [t.name for t in fig.data] == ["H2O"] and fig.data[0].x[0] == 0.3 and fig.data[0].y[0] == 0.7
 
 
-def test_palette_is_consistent_and_complete():
-    from prefixkv_core import METHODS
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_colour_comes_from_its_policy(method):
+    from ui.theme import css
 
-    assert set(METHODS) <= set(METHOD_COLOURS)
-    assert len(set(METHOD_COLOURS.values())) == len(METHOD_COLOURS)
-    assert colour("unknown-method") == colour("unknown-method")
+    assert colour(method) == REGISTRY[method].colour
+    assert f".method-panel.m-{method} {{ border-top: 4px solid {REGISTRY[method].colour}" in css()
+
+
+def test_palette_is_consistent_and_complete():
+    colours = method_colours()
+    assert set(colours) == set(METHODS)
+    assert len({c.lower() for c in colours.values()}) == len(colours)  # no two methods look alike
+    assert colour("unknown-method") == colour("unknown-method") and colour("unknown-method") not in colours.values()
 
 
 def test_overlay_dims_evicted_patches():
@@ -170,6 +178,24 @@ def test_panels_badges_and_chat():
     comp.tracks["h2o"].turns[-1].status, comp.tracks["h2o"].turns[-1].error = "error", "RuntimeError: boom"
     assert "RuntimeError: boom" in header_html(comp.tracks["h2o"], "every step", comp)
     assert clean("a\x00b\x1fc\nd") == "abc\nd"
+
+
+def test_panel_shows_any_methods_facts_without_knowing_the_method():
+    from prefixkv_core.policies import Fact, facts_to_extras
+    from ui.panels import facts_note, header_html
+
+    extras = facts_to_extras([Fact("threshold", "retention threshold p", 0.8123, fmt=".3f"),
+                              Fact("capacities", "capacity", (120, 60, 8), kind="per-layer", fmt="d", unit=" entries"),
+                              Fact("mode", "mode", "offline"), Fact("notes", "note", "fell back", kind="note")])
+    # the keys exports have always read stay at the top level
+    assert extras["threshold"] == 0.8123 and extras["capacities"] == [120, 60, 8] and extras["notes"] == ["fell back"]
+    extras = json.loads(json.dumps(extras))  # what crosses the API
+    expected = "retention threshold p = 0.812 · capacity 8–120 entries over 3 layers · mode: offline · fell back"
+    assert facts_note(extras) == expected
+    comp = _comparison()
+    comp.tracks["h2o"].last.extras = extras  # any method may report any fact
+    assert expected in header_html(comp.tracks["h2o"], "every step", comp)
+    assert facts_note({}) == "" and facts_note(None) == ""
 
 
 def test_export_tables_and_files(tmp_path):

@@ -66,6 +66,14 @@ def _methods_help(methods: list[str]) -> str:
     return "\n".join(rows)
 
 
+def _budget_info(described: list[dict[str, Any]]) -> str:
+    """Which offered methods compress without the budget (they say how in their own summary and knobs)."""
+    free = [d["label"] for d in described if not d["uses_budget"] and d["schedule"] != "none"]
+    if not free:
+        return "every offered method keeps this share"
+    return f"not used by {', '.join(free)}: see their own knobs under Advanced"
+
+
 def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any = "all",
               default_methods: Any = None, max_new_tokens_limit: int = 256, examples_dir: Path | str | None = None,
               title: str = TITLE) -> gr.Blocks:
@@ -101,7 +109,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                                               label="Methods", elem_id="methods")
                 budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
                                    label="KV budget r: kept share of the cache, applied to every method",
-                                   info="ZipVL keeps every token (quantised); its τ knob sets its trade-off")
+                                   info=_budget_info(described))
                 max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
                                     elem_id="max-new")
                 with gr.Accordion("Sampling", open=False):

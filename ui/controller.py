@@ -87,7 +87,8 @@ class Controller:
 
     def head(self, method: str, comp: Comparison | None) -> str:
         track = comp.tracks.get(method) if comp is not None else None
-        uses_budget = self.described[method]["uses_budget"] or method == "full"
+        d = self.described[method]
+        uses_budget = d["uses_budget"] or d["schedule"] == "none"  # a method that never compresses has no note
         if track is None:  # not in this run (or no run yet): name, description, no badges
             return header_html(Track(method, self.labels[method]), self.summary(method), None, uses_budget)
         return header_html(track, self.summary(method), comp, uses_budget)

@@ -3,7 +3,7 @@ widgets built from the engine's registry, and the checks run before a request re
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +16,6 @@ MAX_PROMPT_CHARS = 2000
 MAX_DISPLAY_SIDE = 2048  # larger uploads are downscaled before anything else sees them
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
-# Choices for string knobs (anything else is a free text box).
-KNOB_CHOICES = {("lookm", "merge"): ["pivotal", "average", "weighted"], ("prefixkv", "mode"): ["online", "offline"]}
-KNOB_HELP = {
-    "sinks": "attention-sink tokens always kept",
-    "recent_fraction": "share of the budget kept for the most recent tokens",
-    "window": "observation window: last prompt queries that vote",
-    "kernel": "max-pool width over the votes",
-    "beta": "pyramid steepness (top layer keeps 1/β of the bottom's share)",
-    "normalised_importance": "divide column sums by how many queries see each token",
-    "merge": "how evicted tokens are merged into kept ones",
-    "tau": "τ: share of attention the 4-bit tokens must hold (sets ZipVL's size/quality trade-off)",
-    "bits_hi": "bits for important tokens",
-    "bits_lo": "bits for the rest",
-    "group_size": "quantisation group size (0 = per token)",
-    "probe_fraction": "share of queries probed to rank tokens",
-    "decode_block": "re-quantise every this many generated tokens",
-    "seed": "seed of the probe-query sample",
-    "mode": "online: bisect the threshold on this prompt; offline: calibrated per-layer ratios",
-}
 
 
 def checked_image(**kwargs) -> gr.Image:
@@ -83,23 +64,35 @@ class KnobSpec:
     method: str
     knob: str
     default: Any
+    # the policy's declaration, as prefixkv_core.describe() gives it: label, help, accepted, choices, low, high, ...
+    details: dict[str, Any] = dataclass_field(default_factory=dict)
 
     @property
     def key(self) -> str:  # the keyword name in the API
         return f"{self.method}__{self.knob}"
 
     def widget(self) -> gr.components.Component:
-        label, info = self.knob, KNOB_HELP.get(self.knob)
-        if (self.method, self.knob) in KNOB_CHOICES:
-            return gr.Radio(KNOB_CHOICES[(self.method, self.knob)], value=self.default, label=label, info=info)
+        """The input for this knob, from the policy's declaration (choices, type, range, help)."""
+        d = self.details
+        label = d.get("label") or self.knob
+        info = d.get("help")
+        choices = d.get("choices")
+        if choices:
+            return gr.Radio(list(choices), value=self.default, label=label, info=info)
         if isinstance(self.default, bool):
             return gr.Checkbox(value=self.default, label=label, info=info)
+        low, high = d.get("low"), d.get("high")
+        if d.get("accepted"):
+            info = f"{info} ({d['accepted']})" if info else d["accepted"]
         if isinstance(self.default, int):
-            return gr.Number(value=self.default, precision=0, label=label, info=info, minimum=0)
+            return gr.Number(value=self.default, precision=0, label=label, info=info, minimum=low, maximum=high)
         if isinstance(self.default, float):
-            if self.knob == "tau":
-                return gr.Slider(0.5, 1.0, value=self.default, step=0.005, label="τ (tau)", info=info)
-            return gr.Number(value=self.default, label=label, info=info, minimum=0)
+            if low is not None and high is not None:
+                step = 0.005
+                lo = low + step if d.get("low_open") else low
+                hi = high - step if d.get("high_open") else high
+                return gr.Slider(lo, hi, value=self.default, step=step, label=label, info=info)
+            return gr.Number(value=self.default, label=label, info=info, minimum=low, maximum=high)
         return gr.Textbox(value=str(self.default), label=label, info=info)
 
     def coerce(self, value: Any) -> Any:
@@ -115,15 +108,15 @@ class KnobSpec:
 
 
 def knob_specs(described: list[dict[str, Any]], methods: list[str]) -> list[KnobSpec]:
-    """Editable knobs of the offered methods (knobs without a default, like offline ratios, are internal)."""
+    """Editable knobs of the offered methods, as their policies declare them (knobs a policy marks as not
+    editable, like offline PrefixKV's calibrated ratios, are set by code)."""
     out = []
     for d in described:
         if d["name"] not in methods:
             continue
-        for knob, default in d["knobs"].items():
-            if default is None or isinstance(default, (list, dict)):
-                continue
-            out.append(KnobSpec(d["name"], knob, default))
+        for detail in d["knob_details"]:
+            if detail["editable"]:
+                out.append(KnobSpec(d["name"], detail["name"], detail["default"], dict(detail)))
     return out
 
 

@@ -5,6 +5,8 @@ import html
 import re
 from typing import Any
 
+from prefixkv_core.policies import facts_from_extras
+
 from .charts import MB
 from .runstate import Comparison, Track
 
@@ -27,21 +29,9 @@ def _fmt_mb(nbytes: int) -> str:
     return f"{mb:.2f} MB" if mb >= 0.1 else f"{mb * 1000:.1f} kB"
 
 
-def _extras_note(method: str, extras: dict[str, Any], settings: dict[str, Any] | None = None) -> str:
-    notes = []
-    if extras.get("threshold") is not None:
-        notes.append(f"retention threshold p = {extras['threshold']:.3f}")
-    if method == "prefixkv" and extras.get("mode") == "offline":
-        notes.append("offline (calibrated) ratios")
-    if extras.get("capacities"):
-        caps = extras["capacities"]
-        notes.append(f"capacities {caps[0]}→{caps[-1]} per layer")
-    if extras.get("important_ratios"):
-        r = extras["important_ratios"]
-        notes.append(f"4-bit share {min(r):.0%}–{max(r):.0%} over layers")
-    for n in extras.get("notes", []) or []:
-        notes.append(str(n))
-    return " · ".join(notes)
+def facts_note(extras: dict[str, Any] | None) -> str:
+    """The facts a method reported about its run (thresholds, per-layer ranges, notes), one phrase each."""
+    return " · ".join(f.text() for f in facts_from_extras(extras))
 
 
 def header_html(track: Track, summary: str, comparison: Comparison | None, uses_budget: bool = True) -> str:
@@ -71,7 +61,7 @@ def header_html(track: Track, summary: str, comparison: Comparison | None, uses_
     out = [f'<div class="method-head m-{track.method}"><span class="method-name">{name}</span>'
            f'<div class="method-sub">{sub}</div><div class="badges">{"".join(badges)}</div>']
     if ev is not None:
-        note = _extras_note(track.method, ev.extras)
+        note = facts_note(ev.extras)
         if note:
             out.append(f'<div class="method-note">{html.escape(note)}</div>')
     if turn is not None and turn.error and comparison is not None:

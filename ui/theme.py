@@ -1,23 +1,15 @@
 """One palette and one typography for every chart, panel and export.
 
-Method colours follow the Okabe-Ito colour-blind-safe palette where it has room; Full is black (the
-reference) and PrefixKV vermillion (the method the tool is about), so both stand out in every figure.
+Each method declares its own colour (prefixkv_core.policies; the built-in ones follow the Okabe-Ito
+colour-blind-safe palette where it has room, Full black, PrefixKV vermillion); names the registry does not
+know get a stable colour from a small fallback list.
 """
 from __future__ import annotations
 
 import hashlib
 
-METHOD_COLOURS: dict[str, str] = {
-    "full": "#222222",
-    "local": "#56B4E9",
-    "h2o": "#E69F00",
-    "snapkv": "#009E73",
-    "pyramidkv": "#0072B2",
-    "elastic": "#CC79A7",
-    "lookm": "#8C564B",
-    "zipvl": "#7B61C9",
-    "prefixkv": "#D55E00",
-}
+from prefixkv_core.policies import method_colours
+
 _FALLBACK = ("#999933", "#44AA99", "#882255", "#117733", "#332288", "#AA4499")
 
 FONT_FAMILY = "Inter, Helvetica, Arial, sans-serif"
@@ -28,8 +20,9 @@ GRID = "#e6e6e6"
 
 def colour(method: str) -> str:
     """The colour of a method; unknown names get a stable colour from a small fallback list."""
-    if method in METHOD_COLOURS:
-        return METHOD_COLOURS[method]
+    known = method_colours()
+    if method in known:
+        return known[method]
     digest = int(hashlib.sha1(method.encode()).hexdigest(), 16)
     return _FALLBACK[digest % len(_FALLBACK)]
 
@@ -62,7 +55,7 @@ def css() -> str:
     per_method = "\n".join(
         f".method-panel.m-{name} {{ border-top: 4px solid {c} !important; }}\n"
         f".m-{name} .method-name {{ color: {c}; }}"
-        for name, c in METHOD_COLOURS.items()
+        for name, c in method_colours().items()
     )
     return f"""
 .method-panel {{ border-radius: 8px; padding: 4px 8px 8px 8px !important; }}

@@ -122,7 +122,8 @@ def make_policy(name: str, budget: float, **knobs: Any) -> Policy:
 
 
 def parse_knobs(items) -> dict[str, dict[str, Any]]:
-    """Command-line knobs, METHOD.KNOB=VALUE, -> {method: {knob: value}}; numbers and booleans parsed.
+    """Command-line knobs, METHOD.KNOB=VALUE, -> {method: {knob: value}}; numbers, booleans and
+    comma-separated lists of numbers (e.g. prefixkv.ratios=0.5,0.3,0.2) parsed.
 
     Raises ValueError on an item without METHOD.KNOB=; make_policy later rejects unknown knobs."""
     knobs: dict[str, dict[str, Any]] = {}
@@ -131,18 +132,25 @@ def parse_knobs(items) -> dict[str, dict[str, Any]]:
         method, dot, name = key.partition(".")
         if not sep or not dot or not method or not name:
             raise ValueError(f"a knob is METHOD.KNOB=VALUE (e.g. snapkv.window=16), got {item!r}")
-        value: Any = raw
         if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
+            value: Any = raw.lower() == "true"
+        elif "," in raw:
+            parts = [_number(x.strip()) for x in raw.split(",")]
+            value = parts if all(not isinstance(x, str) for x in parts) else raw
         else:
-            for cast in (int, float):
-                try:
-                    value = cast(raw)
-                    break
-                except ValueError:
-                    continue
+            value = _number(raw)
         knobs.setdefault(method, {})[name] = value
     return knobs
+
+
+def _number(raw: str) -> Any:
+    """'16' -> 16, '0.9' -> 0.9, anything else stays text."""
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            continue
+    return raw
 
 
 def describe() -> list[dict[str, Any]]:

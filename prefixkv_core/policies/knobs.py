@@ -62,7 +62,7 @@ class KnobInfo:
 
 
 def _num(x: float) -> str:
-    return f"{x:g}"
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def knob(default: Any, *, help: str, choices: Sequence[Any] | None = None, low: float | None = None,
