@@ -253,10 +253,9 @@ def make_figure(agg: dict[str, Any], methods: list[str], budgets: list[float], t
 
     fig = make_subplots(rows=1, cols=3, subplot_titles=("PPL (lower is better)", "ROUGE-L vs Full (higher is better)",
                                                         "KV kept (% of Full)"))
-    palette = ["#222222", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#d62728"]
     xs = [float(b) for b in budgets]
-    for i, m in enumerate(methods):
-        color = palette[i % len(palette)]
+    for m in methods:
+        color = REGISTRY[m].colour  # the method's own colour, as in the app
         fixed = not REGISTRY[m].uses_budget
         for col, key in enumerate(("ppl", "rouge_l", "kv_kept_pct"), start=1):
             ys = [agg[key][m].get(budget_key(b)) for b in budgets]

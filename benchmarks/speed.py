@@ -172,7 +172,7 @@ def load_speed_model(args) -> LoadedModel:
 
 
 def prefixkv_knobs(sm: LoadedModel, mode: str, budget: float, base: dict) -> tuple[dict, str]:
-    from prefixkv_core.calibrate import load_ratios
+    from prefixkv_core.policies import PolicyError, ResolveContext, make_policy
 
     knobs = dict(base)
     if "mode" in knobs and knobs["mode"] == "online":
@@ -181,9 +181,12 @@ def prefixkv_knobs(sm: LoadedModel, mode: str, budget: float, base: dict) -> tup
         return {**knobs, "mode": "offline"}, "offline (ratios from --knob)"
     if mode == "online":
         return {**knobs, "mode": "online"}, "online (per-prompt search)"
-    found = load_ratios(sm.slug, budget, sm.num_layers)
-    if found is not None:
-        return {**knobs, "mode": "offline", "ratios": found.ratios}, f"offline ({Path(found.source).name})"
+    try:  # the policy's own hook finds this model's calibrated ratios, as in the app
+        found = make_policy("prefixkv", budget, **{**knobs, "mode": "offline"}).resolve(
+            ResolveContext(sm.slug, sm.name, sm.num_layers, budget))
+        return {**knobs, "mode": "offline", "ratios": list(found.ratios)}, f"offline ({found.ratios_source})"
+    except PolicyError:
+        pass
     if mode == "offline":
         raise SystemExit(f"no calibrated PrefixKV configuration for {sm.slug}: run `python -m prefixkv_core calibrate "
                          f"--model ...` or use --prefixkv-mode auto")
@@ -373,12 +376,13 @@ def make_figure(raw: list[dict], settings, budgets, title: str):
 
     fig = make_subplots(rows=len(settings), cols=3, subplot_titles=[
         f"{s[0]}+{s[1]}: {name}" for s in settings for name in ("decode tok/s", "KV MiB", "peak memory MiB")])
-    palette = ["#7f7f7f", "#222222", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-               "#d62728"]
+    from prefixkv_core.policies import method_colours
+
+    colours = {**method_colours(), STOCK: "#7f7f7f"}  # each method's own colour; the stock baseline grey
     methods = list(dict.fromkeys(r["method"] for r in raw))
     xs = [float(b) for b in budgets]
     for si, (p_len, g_len) in enumerate(settings):
-        for mi, m in enumerate(methods):
+        for m in methods:
             rs = [r for r in raw if r["method"] == m and r["prompt_len"] == p_len and r["gen_len"] == g_len]
             if not rs:
                 continue
@@ -392,7 +396,7 @@ def make_figure(raw: list[dict], settings, budgets, title: str):
                     ys = [by_b[b][key] * scale if b in by_b and by_b[b]["status"] == "ok" else None for b in budgets]
                 fig.add_trace(go.Scatter(x=xs, y=ys, name=m, legendgroup=m, showlegend=(si == 0 and col == 1),
                                          mode="lines" if fixed else "lines+markers",
-                                         line=dict(color=palette[mi % len(palette)], dash="dash" if fixed else "solid",
+                                         line=dict(color=colours.get(m, "#999999"), dash="dash" if fixed else "solid",
                                                    width=3 if m == "prefixkv" else 2)), row=si + 1, col=col)
     fig.update_xaxes(title_text="budget (kept fraction)")
     fig.update_layout(title=title, width=1400, height=420 * len(settings), template="plotly_white")
