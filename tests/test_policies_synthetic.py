@@ -312,3 +312,113 @@ def test_zipvl_prefill_runs_at_tau_one():
     for plan, ratio in zip(plans, state.important_ratios):
         assert int(plan.quantise.important.sum()) == round(ratio * n) <= n
     assert torch.equal(state.probe_queries, probe_queries(n, policy.probe_fraction, policy.seed))
+
+
+# -- every registered policy: frozen configuration, declared knobs, typed facts ---------------------------
+def _knob_cases():
+    from prefixkv_core.policies import REGISTRY
+    from prefixkv_core.policies.knobs import knob_fields
+
+    return [pytest.param(cls.name, name, default, info, id=f"{cls.name}.{name}")
+            for cls in REGISTRY.values() for name, default, info in knob_fields(cls)]
+
+
+def _refused_values(default, info):
+    """Values that a knob declared like this must refuse."""
+    if info.choices is not None:
+        return ["not-a-choice", True, None]
+    if isinstance(default, bool):
+        return [1, "yes", None]
+    if info.sequence:
+        return ["0.1,0.2", [float("nan")]] + ([[info.high + 1]] if info.high is not None else [])
+    out = [None, "3", float("nan"), float("inf")]
+    if info.low is not None:
+        out.append(info.low if info.low_open else info.low - 1)
+    if info.high is not None:
+        out.append(info.high if info.high_open else info.high + 1)
+    if info.integer:
+        out.append((info.low or 0) + 0.5)
+    return out
+
+
+@pytest.mark.parametrize("method,name,default,info", _knob_cases())
+def test_every_knob_refuses_what_its_declaration_excludes(method, name, default, info):
+    assert info.help  # every knob says what it does
+    assert getattr(make_policy(method, 0.3, **{name: default}), name) == default
+    for bad in _refused_values(default, info):
+        with pytest.raises(PolicyError) as err:
+            make_policy(method, 0.3, **{name: bad})
+        message = str(err.value)
+        assert f"knob {name} must be" in message and repr(bad) in message, message
+        assert info.accepted() in message or "true or false" in message, message
+
+
+def test_named_bad_knobs_are_refused_with_their_range():
+    with pytest.raises(PolicyError, match=r"PyramidKV knob beta must be a whole number in \[1, 1000\]; got 0"):
+        make_policy("pyramidkv", 0.3, beta=0)
+    for bad in (float("nan"), 5):
+        with pytest.raises(PolicyError, match=r"H2O knob recent_fraction must be a number in \[0, 1\]"):
+            make_policy("h2o", 0.3, recent_fraction=bad)
+    with pytest.raises(PolicyError, match="kernel must be odd"):
+        make_policy("snapkv", 0.3, kernel=4)
+    assert make_policy("snapkv", 0.3, window=16.0).window == 16  # a whole float is taken as the integer
+
+
+def _synthetic_prefill(n=40, n_layers=3, h=2, seed=0):
+    from prefixkv_core.policies.base import PrefillView
+
+    cache = TrackedCache(n_layers)
+    stats = {}
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_layers):
+        cache.layers[i] = _layer(n=n, h=h, d=8, seed=seed + i)
+        cache.layers[i].is_image[..., 5:25] = True
+        stats[i] = {k: torch.rand(1, h, n, generator=g) for k in ("colsum", "window", "subset")}
+    return cache, stats
+
+
+@pytest.mark.parametrize("window", [16, 60])
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+def test_observation_window_longer_than_the_prompt_is_clamped_with_a_note(method, window):
+    from prefixkv_core.policies.base import PrefillView
+
+    n = 12
+    cache, stats = _synthetic_prefill(n=n)
+    policy = make_policy(method, 0.5, window=window)
+    assert policy.prefill_stats(n).window == n - 1  # the statistic recorded is the one used
+    plans, state = policy.prefill(PrefillView(cache, stats, n, 0.5, n - 1))
+    assert state.window == n - 1 and all(p.keep.shape[-1] <= n for p in plans)
+    notes = [f.value for f in policy.facts(state) if f.kind == "note"]
+    assert any(f"observation window {window} is not shorter than the prompt ({n} tokens)" in x for x in notes)
+    assert make_policy(method, 0.5, window=4).prefill_stats(n).window == 4
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_policy_is_frozen_and_reports_typed_facts(method):
+    import dataclasses
+    import json
+
+    from prefixkv_core.policies import Fact, PolicyState, Prefilled, facts_from_extras
+    from prefixkv_core.policies.base import PrefillView
+
+    n = 40
+    cache, stats = _synthetic_prefill(n=n)
+    policy = make_policy(method, 0.3)
+    before = dataclasses.replace(policy)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.budget = 0.5
+    result = policy.prefill(PrefillView(cache, stats, n, 0.3, policy.prefill_stats(n).window))
+    assert isinstance(result, Prefilled) and isinstance(result.state, PolicyState)
+    assert len(result.plans) == 3
+    apply_plans(cache, result.plans)
+    for layer in cache.layers:  # one decode step with the state prefill returned
+        layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+        layer.append_meta(torch.tensor([[n]]), torch.zeros(1, 1, dtype=torch.bool), 2)
+    attention = {i: torch.rand(1, 2, layer.length) for i, layer in enumerate(cache.layers)}
+    apply_plans(cache, policy.decode(DecodeView(cache, n + 1, n, 1, attention), result.state))
+    assert policy == before  # the run changed the state, never the configuration
+    facts = policy.facts(result.state)
+    assert all(isinstance(f, Fact) for f in facts)
+    extras = json.loads(json.dumps(policy.extras(result.state)))
+    assert facts_from_extras(extras) == [Fact.from_dict(f.as_dict()) for f in facts]
+    assert policy.extras(None) == {}
