@@ -62,6 +62,7 @@ class MethodRun:
         self.true_len = 0
         self.step_no = 0
         self.shared_plan = True
+        self.buffers = runner.StepBuffers()  # padded step tensors, reused for the whole run
 
     @property
     def mode(self) -> str:
@@ -90,7 +91,7 @@ class MethodRun:
         else:
             chunks = [[t] for t in tokens.tolist()]
             out = runner.forward_rows(sm.model, self.caches, chunks, [self.true_len] * len(chunks),
-                                      [needs] * len(chunks), sm.device)
+                                      [needs] * len(chunks), sm.device, self.buffers)
             logits, attention = out.logits, out.attention
         self.true_len += 1
         self.step_no += 1

@@ -179,6 +179,7 @@ class Session:
         self.bytes_per_token = 0.0
         self.image_offset: int | None = None
         self.released = False
+        self._buffers: runner.StepBuffers | None = None  # padded step tensors, reused within one turn
         loaded = engine.loaded
         # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
         self.record = ComparisonRecord(
@@ -193,6 +194,7 @@ class Session:
                 yield item
         finally:
             self.record.active = False
+            self._buffers = None  # the padded step tensors live for one turn
 
     # -- public ------------------------------------------------------------------------------------------
     def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
@@ -299,6 +301,7 @@ class Session:
                         break
                     batch_logits, _, _ = self._advance(live, [[token]] * len(live), step=i + 1)
                     logits.update({s.name: batch_logits[r] for r, s in enumerate(live)})
+            self._buffers = None
         return {s.name: (nll[s.name], len(answer_ids)) for s in self.states.values() if s.error is None}
 
     # -- internals ---------------------------------------------------------------------------------------
@@ -379,8 +382,10 @@ class Session:
         device = loaded.device
         t0 = runner.now(device)
         try:
+            if self._buffers is None:
+                self._buffers = runner.StepBuffers()
             out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
-                                      [s.policy.decode_needs_attention() for s in states], device)
+                                      [s.policy.decode_needs_attention() for s in states], device, self._buffers)
         except Exception as exc:
             for state in states:
                 self._fail(state, exc)

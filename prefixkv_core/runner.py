@@ -46,6 +46,32 @@ def now(device: torch.device) -> float:
 
 # -- the padded step cache ---------------------------------------------------------------------------------
 
+class StepBuffers:
+    """The padded keys/values of batched steps, reused from one step to the next (one pair per layer), so a step
+    neither allocates nor zeroes a fresh tensor per layer. Reuse without zeroing is exact: a row attends only
+    to its own entries and this step's tokens (the key mask), and the rest only ever holds earlier finite
+    keys/values, which the mask turns into exact zeros. Keep one for a turn; drop it afterwards (it is as
+    large as every row padded to the longest)."""
+
+    def __init__(self):
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H, t, D] views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""
+        b, h, _, d = keys.shape
+        found = self._layers.get(layer_idx)
+        if (found is None or found[0].shape[0] < b or found[0].shape[2] < t or found[0].shape[1] != h
+                or found[0].shape[3] != d or found[0].dtype != keys.dtype or found[0].device != keys.device):
+            grown = t if found is None else max(t, found[0].shape[2] + found[0].shape[2] // 2)
+            rows = b if found is None else max(b, found[0].shape[0])
+            found = (keys.new_zeros(rows, h, grown + 16, d), values.new_zeros(rows, h, grown + 16, values.shape[-1]))
+            self._layers[layer_idx] = found
+        return found[0][:b, :, :t], found[1][:b, :, :t]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._layers.values())
+
+
 class _StepLayer(DynamicLayer):
     """One layer of a batched step: appends each row's new entries to that row's own layer and returns the
     padded keys/values of all rows, registering the padding mask on the probe."""
@@ -64,8 +90,7 @@ class _StepLayer(DynamicLayer):
         b, h, q, _ = key_states.shape
         t_old = max(self.old_lengths)
         uniform = step.uniform and len(set(self.old_lengths)) == 1
-        keys = key_states.new_zeros(b, h, t_old + q, key_states.shape[-1])
-        values = value_states.new_zeros(b, h, t_old + q, value_states.shape[-1])
+        keys, values = step.buffers.get(self.layer_idx, key_states, value_states, t_old + q)
         for r, (cache, meta) in enumerate(zip(step.caches, step.row_meta(h))):
             layer: TrackedLayer = cache.layers[self.layer_idx]
             n_old, q_r = self.old_lengths[r], step.chunk_lengths[r]
@@ -88,8 +113,9 @@ class _StepCache(DynamicCache):
     """The cache object the model sees during one batched step over several row caches."""
 
     def __init__(self, caches: Sequence[TrackedCache], chunk_lengths: list[int], positions: torch.Tensor,
-                 probe: AttentionProbe):
+                 probe: AttentionProbe, buffers: StepBuffers):
         super().__init__()
+        self.buffers = buffers
         self.caches, self.chunk_lengths = list(caches), chunk_lengths
         self.positions, self.probe = positions, probe
         self._row_meta: tuple[int, list] | None = None
@@ -157,10 +183,12 @@ def last_query(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Ten
 
 @torch.inference_mode()
 def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
-                 want_attention: Sequence[bool], device: torch.device) -> StepOutput:
+                 want_attention: Sequence[bool], device: torch.device,
+                 buffers: StepBuffers | None = None) -> StepOutput:
     """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
     rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
-    scoring), aligned with that row's entries."""
+    scoring), aligned with that row's entries. Pass the same `buffers` to every step of a turn to reuse the
+    padded tensors."""
     b = len(caches)
     lengths = [len(c) for c in chunks]
     if min(lengths) < 1:
@@ -182,7 +210,7 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     if b == 1:
         logits, stats = forward_group(model, caches[0], ids, starts[0], request)
         return StepOutput(logits, [last_query(stats) if want_attention[0] else None])
-    step = _StepCache(caches, lengths, positions, probe)
+    step = _StepCache(caches, lengths, positions, probe, buffers if buffers is not None else StepBuffers())
     old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
     out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
                 kv_probe=probe)

@@ -124,3 +124,21 @@ def test_methods_leave_the_batch_when_they_finish(tiny_llama, noise_image):
     alone = engine.new_session(noise_image, PROMPT, ["h2o"], 0.3, GenerationSettings(6))
     list(alone.run())
     assert session.states["h2o"].turn_ids == alone.states["h2o"].turn_ids
+
+
+def test_reused_step_buffers_give_the_same_step(tiny_qwen2, noise_image):
+    """Padded tensors reused from a wider, longer earlier step (stale entries left in place) change nothing."""
+    caches, n = _prefilled(tiny_qwen2, noise_image, 3)
+    fresh = [c.clone() for c in caches[:2]]
+    buffers = runner.StepBuffers()
+    with tracked_attention_enabled(tiny_qwen2.model):
+        runner.forward_rows(tiny_qwen2.model, [c.clone() for c in caches], [[7, 8], [9], [10, 11]],
+                            [n, n, n], [True, False, False], tiny_qwen2.device, buffers)
+        reused = runner.forward_rows(tiny_qwen2.model, caches[:2], [[5], [6]], [n, n], [True, True],
+                                     tiny_qwen2.device, buffers)
+        plain = runner.forward_rows(tiny_qwen2.model, fresh, [[5], [6]], [n, n], [True, True], tiny_qwen2.device)
+    assert buffers.nbytes() > 0
+    torch.testing.assert_close(reused.logits, plain.logits, atol=1e-6, rtol=1e-6)
+    for a, b in zip(reused.attention, plain.attention):
+        for layer in a:
+            torch.testing.assert_close(a[layer], b[layer], atol=1e-7, rtol=1e-6)
