@@ -1,0 +1,143 @@
+"""Every named method with its published defaults (and a few knob variants) plans exactly what it planned when
+its allocation and scoring were first written out as separate pieces: the kept indices, merges, quantisation
+masks and reported facts of a prefill and several decoding steps on seeded synthetic tensors are compared
+with the record in tests/data/policy_plans.json.
+
+`python tests/test_policy_plans_frozen.py --write` rewrites that record; do it only for a deliberate change of
+a method's behaviour, and say so in the commit.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixkv_core.cache import TrackedCache, TrackedLayer
+from prefixkv_core.policies import make_policy
+from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
+
+RECORD = Path(__file__).resolve().parent / "data" / "policy_plans.json"
+N, LAYERS, HEADS, DIM, STEPS = 36, 3, 2, 8, 6
+BUDGETS = (0.2, 0.5, 0.8)
+
+# case id -> (method, knobs); ids are the keys of the record
+CASES = {
+    "full": ("full", {}),
+    "local": ("local", {}),
+    "local-sinks2": ("local", {"sinks": 2}),
+    "h2o": ("h2o", {}),
+    "h2o-recent": ("h2o", {"recent_fraction": 0.3}),
+    "snapkv": ("snapkv", {}),
+    "snapkv-w4k3": ("snapkv", {"window": 4, "kernel": 3}),
+    "pyramidkv": ("pyramidkv", {}),
+    "pyramidkv-w2b5": ("pyramidkv", {"window": 2, "beta": 5}),
+    "elastic": ("elastic", {}),
+    "elastic-normalised": ("elastic", {"normalised_importance": True}),
+    "lookm": ("lookm", {}),
+    "lookm-average": ("lookm", {"merge": "average"}),
+    "lookm-weighted": ("lookm", {"merge": "weighted"}),
+    "zipvl": ("zipvl", {"decode_block": 2}),
+    "prefixkv": ("prefixkv", {}),
+    "prefixkv-normalised": ("prefixkv", {"normalised_importance": True}),
+    "prefixkv-offline": ("prefixkv", {"mode": "offline", "ratios": [0.5, 0.3, 0.2]}),
+}
+
+
+def synthetic(seed: int) -> tuple[TrackedCache, dict[int, dict[str, torch.Tensor]]]:
+    """A prompt of N tokens (image tokens 4..23) in LAYERS layers, with a strong attention sink."""
+    g = torch.Generator().manual_seed(seed)
+    cache = TrackedCache(LAYERS)
+    stats = {}
+    flags = torch.zeros(1, N, dtype=torch.bool)
+    flags[:, 4:24] = True
+    for i in range(LAYERS):
+        layer = TrackedLayer()
+        layer.update(torch.randn(1, HEADS, N, DIM, generator=g), torch.randn(1, HEADS, N, DIM, generator=g))
+        layer.append_meta(torch.arange(N)[None], flags, HEADS)
+        colsum = torch.rand(1, HEADS, N, generator=g) ** (1 + 2 * i)
+        colsum[..., 0] += 4.0
+        stats[i] = {"colsum": colsum, "window": torch.rand(1, HEADS, N, generator=g),
+                    "subset": torch.rand(1, HEADS, N, generator=g)}
+        layer.scores = colsum.clone()  # the runner's prefill adds the column sums to the scores
+        cache.layers[i] = layer
+    return cache, stats
+
+
+def _plan_record(plans) -> list:
+    out = []
+    for plan in plans or []:
+        if plan is None:
+            out.append(None)
+            continue
+        rec = {}
+        if plan.keep is not None:
+            rec["keep"] = plan.keep.tolist()
+        if plan.merge is not None:
+            m = plan.merge
+            rec["merge"] = {"src": m.src.tolist(), "dst": m.dst.tolist(),
+                            "src_weight": [round(float(x), 6) for x in m.src_weight.flatten()],
+                            "self_weight": [round(float(x), 6) for x in m.self_weight.flatten()]}
+        if plan.quantise is not None:
+            q = plan.quantise
+            rec["quantise"] = {"important": q.important.nonzero()[:, -1].tolist(), "bits": [q.bits_hi, q.bits_lo],
+                               "group": q.group_size}
+        out.append(rec)
+    return out
+
+
+def trace(method: str, knobs: dict, budget: float, seed: int = 0) -> dict:
+    """The plans of one prefill and STEPS decoding steps, the cache lengths after each, and the facts."""
+    policy = make_policy(method, budget, **knobs)
+    cache, stats = synthetic(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    prefilled = policy.prefill(PrefillView(cache, stats, N, budget, policy.prefill_stats(N).window))
+    steps = [_plan_record(prefilled.plans)]
+    apply_plans(cache, prefilled.plans)
+    lengths = [cache.lengths()]
+    for t in range(STEPS):
+        for layer in cache.layers:
+            layer.update(torch.randn(1, HEADS, 1, DIM, generator=g), torch.randn(1, HEADS, 1, DIM, generator=g))
+            layer.append_meta(torch.tensor([[N + t]]), torch.zeros(1, 1, dtype=torch.bool), HEADS)
+        attention = None
+        if policy.decode_needs_attention():
+            attention = {i: torch.rand(1, HEADS, layer.length, generator=g) for i, layer in enumerate(cache.layers)}
+            cache.add_scores(attention)
+        plans = policy.decode(DecodeView(cache, N + t + 1, N, t + 1, attention), prefilled.state)
+        steps.append(_plan_record(plans))
+        apply_plans(cache, plans)
+        lengths.append(cache.lengths())
+    facts = json.loads(json.dumps(policy.extras(prefilled.state)))
+    facts.pop("facts", None)  # the display form; the values are compared through their keys
+    return {"plans": steps, "lengths": lengths, "facts": facts}
+
+
+def record() -> dict:
+    return {case: {f"{b:.2f}": trace(method, knobs, b) for b in BUDGETS} for case, (method, knobs) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def frozen() -> dict:
+    return json.loads(RECORD.read_text())
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_defaults_plan_what_they_planned(frozen, case, budget):
+    method, knobs = CASES[case]
+    got = json.loads(json.dumps(trace(method, knobs, budget)))
+    want = frozen[case][f"{budget:.2f}"]
+    assert got["lengths"] == want["lengths"], (case, got["lengths"], want["lengths"])
+    for step, (mine, theirs) in enumerate(zip(got["plans"], want["plans"])):
+        assert mine == theirs, f"{case} at r = {budget}: step {step} plans differ"
+    assert got["facts"] == want["facts"]
+
+
+if __name__ == "__main__":
+    if "--write" not in sys.argv:
+        sys.exit("python tests/test_policy_plans_frozen.py --write  rewrites " + str(RECORD))
+    RECORD.parent.mkdir(parents=True, exist_ok=True)
+    RECORD.write_text(json.dumps(record(), separators=(",", ":")) + "\n")
+    print(f"wrote {RECORD} ({RECORD.stat().st_size} bytes)")
