@@ -16,15 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from . import runner
 from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
-from .events import MethodEvent, PrefillInfo
-from .models import LoadedModel, encode, format_followup, format_prompt
+from .events import KeptImageMap, MethodEvent, PrefillInfo
+from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, strip_layout, vision_inputs
 from .policies import Policy, PolicyError, PolicyState, ResolveContext, make_policy, resolve_methods
 from .policies.base import check_budget
 from .record import ComparisonRecord
@@ -152,10 +151,9 @@ class Engine:
         positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0)
         flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
         cache.set_pending(positions, flags)
-        kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
         with torch.inference_mode():
             out = self.loaded.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1, kv_probe=probe, **kwargs)
+                                    logits_to_keep=1, kv_probe=probe, **runner.vision_kwargs(pixel_values))
         return out.logits[0, -1]
 
 
@@ -178,6 +176,7 @@ class Session:
         self.prefill: PrefillInfo | None = None
         self.bytes_per_token = 0.0
         self.image_offset: int | None = None
+        self.image_layout: ImageLayout | None = None  # where each image token comes from (views, grids)
         self.released = False
         self._buffers: runner.StepBuffers | None = None  # padded step tensors, reused within one turn
         loaded = engine.loaded
@@ -221,7 +220,7 @@ class Session:
             raise EngineError("this comparison's caches were released to free memory; run Compare again")
         loaded = self.engine.loaded
         with self.engine.lock, tracked_attention_enabled(loaded.model):
-            new_ids = encode(loaded, None, format_followup(loaded, prompt))["input_ids"][0].tolist()
+            new_ids = encode(loaded, None, format_followup(loaded, prompt), add_special_tokens=False)["input_ids"][0].tolist()
             for state in self.states.values():
                 if state.error is not None:
                     continue
@@ -261,20 +260,21 @@ class Session:
         """Per-method figures of the current turn, from the result record (see `record.to_dict()` for all)."""
         return self.record.to_dict()["methods"]
 
-    def kept_image_map(self, method: str, layer: int) -> np.ndarray | None:
-        """[rows, cols] share of KV heads that still hold each image patch in `layer` (for the overlay)."""
+    def kept_image_map(self, method: str, layer: int) -> KeptImageMap | None:
+        """Share of KV heads that still hold each image token in `layer`, placed on the image's views (every
+        crop and newline token of an anyres image included), for the overlay."""
         state = self.states[method]
-        grid = self.engine.loaded.image_grid
-        if state.cache is None or self.image_offset is None or grid is None:
+        layout = self.image_layout
+        if state.cache is None or self.image_offset is None or layout is None:
             return None
         lay = state.cache.layers[layer]
         pos = lay.positions[0]  # [Hkv, T]
-        n_patches = grid[0] * grid[1]
+        n_tokens = layout.n_tokens
         rel = pos - self.image_offset
-        valid = (rel >= 0) & (rel < n_patches) & lay.is_image[0]
-        counts = torch.zeros(n_patches)
+        valid = (rel >= 0) & (rel < n_tokens) & lay.is_image[0]
+        counts = torch.zeros(n_tokens)
         counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
-        return (counts / pos.shape[0]).view(grid).numpy()
+        return KeptImageMap(layout, (counts / pos.shape[0]).numpy())
 
     def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
         """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
@@ -318,9 +318,10 @@ class Session:
                 f"the prompt is {n} tokens ({n_image} for the image) + {self.generation.max_new_tokens} new tokens, "
                 f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
         self.image_offset = int(is_image[0].nonzero()[0]) if n_image else None
+        self.image_layout = self._layout(n_image)
 
         policies = [s.policy for s in self.states.values()]
-        shared = runner.prefill(loaded.model, ids, is_image, inputs.get("pixel_values"), policies,
+        shared = runner.prefill(loaded.model, ids, is_image, vision_inputs(inputs), policies,
                                 loaded.num_layers, loaded.device)
         logits = shared.logits[0]
         self._first_logits = logits
@@ -341,12 +342,25 @@ class Session:
                 state.text = self._detok(state.turn_ids)
             except Exception as exc:  # one method failing must not stop the others
                 self._fail(state, exc)
-        grid = loaded.image_grid if n_image else None
+        first = self.image_layout.views[0] if self.image_layout is not None else None
         self.prefill = PrefillInfo(
             prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
             importance=importance.float().cpu().numpy(), is_image=is_image[0].cpu().numpy(),
-            image_grid=tuple(grid) if grid else None, image_offset=self.image_offset, prefill_s=shared.seconds)
+            image_grid=(first.rows, first.cols) if first is not None else None, image_offset=self.image_offset,
+            prefill_s=shared.seconds, image_layout=self.image_layout)
         return self.prefill
+
+    def _layout(self, n_image: int) -> ImageLayout | None:
+        """The layout of this session's image tokens (all crops and newline tokens); one strip over the image if
+        the model's layout does not account for exactly the tokens the processor made."""
+        if not n_image or self.image is None:
+            return None
+        size = self.image.size
+        try:
+            layout = self.engine.loaded.image_layout(*size)
+        except ValueError:
+            layout = None
+        return layout if layout is not None and layout.n_tokens == n_image else strip_layout(n_image, size)
 
     def _feed_turn(self, states: list[MethodState], new_ids: list[int]) -> None:
         """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache."""

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .models.layout import ImageLayout
+
 
 @dataclass
 class PrefillInfo:
@@ -19,9 +21,54 @@ class PrefillInfo:
     num_layers: int
     importance: np.ndarray  # [L, N] float32: column sums of prefill attention, mean over heads
     is_image: np.ndarray  # [N] bool
-    image_grid: tuple[int, int] | None  # patches per side (rows, cols) of the image tokens, if any
+    image_grid: tuple[int, int] | None  # patches per side (rows, cols) of the (first view's) image tokens, if any
     image_offset: int | None  # index of the first image token in the prompt
     prefill_s: float  # model forward time of the prefill (vision tower and statistics included)
+    image_layout: ImageLayout | None = None  # every view of the image (anyres: base view + tiles), if any
+
+
+@dataclass
+class KeptImageMap:
+    """At one layer, the share of KV heads that still hold each image token (0 = evicted everywhere, 1 = kept by
+    every head), placed on the views of the image: each crop's patch grid and its newline tokens."""
+
+    layout: ImageLayout
+    token_share: np.ndarray  # [image tokens] in prompt order
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_share.size)
+
+    def kept_tokens(self) -> int:
+        return int((self.token_share > 0).sum())
+
+    def mean_share(self) -> float:
+        return float(self.token_share.mean()) if self.token_share.size else 0.0
+
+    def _cells(self, view: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        views, rows, cols = self.layout.token_cells()
+        mine = views == view
+        return rows[mine], cols[mine], self.token_share[mine]
+
+    def view_share(self, view: int) -> np.ndarray:
+        """[rows, cols] share of the view's patch tokens."""
+        v = self.layout.views[view]
+        rows, cols, share = self._cells(view)
+        grid = np.zeros((v.rows, v.cols), dtype=np.float32)
+        patch = cols < v.cols
+        grid[rows[patch], cols[patch]] = share[patch]
+        return grid
+
+    def newline_share(self, view: int) -> np.ndarray | None:
+        """[rows] share of the newline token closing each row of the view (None when it has none)."""
+        v = self.layout.views[view]
+        if not v.newline:
+            return None
+        rows, cols, share = self._cells(view)
+        out = np.zeros(v.rows, dtype=np.float32)
+        nl = cols == v.cols
+        out[rows[nl]] = share[nl]
+        return out
 
 
 EventKind = Literal["start", "token", "done", "error", "cancelled"]

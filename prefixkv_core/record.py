@@ -213,6 +213,8 @@ class ComparisonRecord:
                 "prompt_tokens": pre.prompt_tokens, "image_tokens": pre.image_tokens,
                 "num_layers": pre.num_layers, "prefill_s": round(pre.prefill_s, 4),
                 "image_grid": list(pre.image_grid) if pre.image_grid else None,
+                # every view of the image: one grid, or an anyres base view + high-resolution tiles
+                "image_views": pre.image_layout.describe() if pre.image_layout is not None else None,
             },
             "methods": {m: self.method_summary(m) for m in self.methods},
         }

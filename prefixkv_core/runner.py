@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence, Union
 
 import torch
 from transformers import DynamicCache
@@ -160,20 +160,33 @@ def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, k: int, ol
     return out
 
 
+VisionInputs = Union[torch.Tensor, Mapping[str, torch.Tensor], None]
+
+
+def vision_kwargs(vision_inputs) -> dict[str, torch.Tensor]:
+    """The image inputs of a forward as keyword arguments: pixel values alone (a tensor), or every image tensor
+    the processor made (a mapping: pixel_values, and image_sizes / batch_num_images for the anyres families)."""
+    if vision_inputs is None:
+        return {}
+    if isinstance(vision_inputs, torch.Tensor):
+        return {"pixel_values": vision_inputs}
+    return dict(vision_inputs)
+
+
 @torch.inference_mode()
 def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, request: StatRequest,
-                  image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None
+                  image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None
                   ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
     """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
-    plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for."""
+    plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for.
+    `vision_inputs`: see `vision_kwargs` (prefill only)."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
     cache.set_pending(positions, flags)
     probe = AttentionProbe(request)
-    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                kv_probe=probe, **kwargs)
+                kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
 
 
@@ -232,14 +245,15 @@ class Prefill:
 
 
 @torch.inference_mode()
-def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, pixel_values: torch.Tensor | None,
+def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
             policies: Sequence[Policy], num_layers: int, device: torch.device) -> Prefill:
-    """One prefill (batch = prompts of equal length) recording every statistic the given policies asked for."""
+    """One prefill (batch = prompts of equal length) recording every statistic the given policies asked for.
+    `vision_inputs`: the pixel values, or every image tensor the processor made (see `vision_kwargs`)."""
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True)] + [p.prefill_stats(n) for p in policies])
     cache = TrackedCache(num_layers)
     t0 = now(device)
-    logits, stats = forward_group(model, cache, ids, 0, request, is_image, pixel_values)
+    logits, stats = forward_group(model, cache, ids, 0, request, is_image, vision_inputs)
     seconds = now(device) - t0
     cache.add_scores({l: s["colsum"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds)

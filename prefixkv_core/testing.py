@@ -8,6 +8,7 @@ import os
 import torch
 
 from .models import (
+    FAMILIES,
     IMAGE_TOKEN,
     META_KEY,
     TINY_VARIANTS,
@@ -15,12 +16,17 @@ from .models import (
     ModelLoadError,
     chatml_template,
     describe_model,
+    family_config,
     make_processor,
     tiny_config,
 )
+from .models.chat import FAMILY_TEMPLATES
+from .models.families import FAMILY_INFO
 from .models.loading import TINY_NOTE
+from .models.processor import family_processor
 
-__all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS"]
+__all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
+           "FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer"]
 
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. A picture shows a cat sitting on a red sofa near the window.
@@ -118,4 +124,94 @@ def save_tiny_model(path, variant: str = "llama", seed: int = 0) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    return path
+
+
+# -- tiny models of the LLaVA families -----------------------------------------------------------------------------
+# Each is its family's released structure scaled down (`models.family_config(family, tiny=True)`), with a
+# tokenizer of the same kind as the released one: SentencePiece-style specials with BOS added (Llama, Mistral) or
+# ChatML specials without BOS (Qwen). `save_tiny_family` writes it as a checkpoint that `load_model` reads like
+# a real one.
+_FAMILY_SPECIAL = {
+    "llama": ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN],
+    "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN, "<video>"],
+}
+
+
+def build_family_tokenizer(kind: str, vocab_size: int = 512):
+    """A byte-level BPE tokenizer with the special tokens of a "llama" or "qwen" style checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = _FAMILY_SPECIAL[kind]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    lines = [ln.strip() for ln in _CORPUS.strip().splitlines() if ln.strip()]
+    tk.train_from_iterator(lines * 4, trainer=trainer)
+    if kind == "llama":  # Llama / Mistral tokenizers put BOS before every encoded text
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                          special_tokens=[("<s>", special.index("<s>"))])
+        return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                       unk_token="<unk>", extra_special_tokens={"image_token": IMAGE_TOKEN},
+                                       model_max_length=2048)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>",
+                                   extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": "<video>"},
+                                   model_max_length=2048)
+
+
+def tiny_family_parts(family: str, seed: int = 0):
+    """(model in float32 eval mode, processor) of a tiny random model of a LLaVA family."""
+    if family not in FAMILIES:
+        raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(FAMILIES)}")
+    info = FAMILY_INFO[family]
+    tok = build_family_tokenizer(info.tokenizer)
+    ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if tok.bos_token_id is not None:
+        ids["bos_token_id"] = tok.bos_token_id
+    video = tok.convert_tokens_to_ids("<video>") if info.tokenizer == "qwen" else None
+    slug = f"tiny-{family}"
+    config = family_config(family, tiny=True, image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+                           video_token_id=video, meta={"kind": "tiny", "family": family, "vision_trained": False,
+                                                       "slug": slug}, **ids)
+    from .models.families import model_class
+
+    torch.manual_seed(seed)
+    model = model_class(config)(config)
+    model.to(torch.float32).eval()
+    gen = model.generation_config
+    gen.pad_token_id, gen.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    if tok.bos_token_id is not None:
+        gen.bos_token_id = tok.bos_token_id
+    return model, family_processor(config, tok, FAMILY_TEMPLATES[family])
+
+
+def build_tiny_family(family: str, seed: int = 0) -> LoadedModel:
+    """A tiny random model of a LLaVA family in memory (CPU float32), without the save/load round trip."""
+    model, processor = tiny_family_parts(family, seed)
+    return describe_model(model, processor, name=f"tiny-{family}", slug=f"tiny-{family}",
+                          device=torch.device("cpu"), dtype=torch.float32, vision_trained=False, notes=[TINY_NOTE])
+
+
+def save_tiny_family(path, family: str, seed: int = 0) -> str:
+    """Write a tiny model of a LLaVA family as a checkpoint directory (weights, config, processor, tokenizer, chat
+    template) laid out as the released one, so `load_model(path)` takes the same path as for a hub checkpoint."""
+    import json
+
+    model, processor = tiny_family_parts(family, seed)
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    if family == "llava-onevision":  # saved by our image-only subclass: name the released processor class
+        for name in ("processor_config.json", "tokenizer_config.json"):
+            file = os.path.join(path, name)
+            with open(file) as fh:
+                data = json.load(fh)
+            data["processor_class"] = "LlavaOnevisionProcessor"
+            with open(file, "w") as fh:
+                json.dump(data, fh, indent=2)
     return path

@@ -1,9 +1,14 @@
 """The uploaded image with the patches a method keeps at one layer lit, and the evicted ones dimmed.
 
-The engine reports, per image patch, the share of KV heads that still hold it (0 = evicted everywhere,
-1 = kept by every head). The image is first brought to the square view the vision tower sees (centre
-crop when the processor crops, a plain resize otherwise), then each patch cell is blended from its
-colour (kept) to a dark grey (evicted).
+The engine reports, per image token, the share of KV heads that still hold it (0 = evicted everywhere,
+1 = kept by every head), placed on the views the model saw (`KeptImageMap`). Every view is drawn over the
+original image, one panel each, side by side: the patch grid over the part of the image that view covers
+(the rest, e.g. what a CLIP centre crop cut away, is darkened), each patch cell blended from its colour
+(kept) to a dark grey (evicted). Anyres models (LLaVA-NeXT, OneVision) get two panels: the base view and
+the high-resolution tiles (tile borders drawn), with a strip at the right of the tiles for the image-newline
+token that closes each row. So every image token of the prompt has exactly one cell.
+
+A plain [rows, cols] array is still drawn the old way, on the square the vision tower sees.
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ from PIL import Image, ImageDraw
 
 from .theme import colour
 
-VIEW_SIDE = 336  # pixels of the rendered overlay
+VIEW_SIDE = 336  # pixels of the rendered overlay (the height of each panel)
+NEWLINE_STRIP = 10  # pixels of the newline-token strip right of a panel
+PANEL_GAP = 8
+MAX_PANEL_ASPECT = 2.5  # a very wide image is drawn at most this wide per panel
 
 
 def crops_to_square(image_processor: Any) -> bool:
@@ -33,36 +41,119 @@ def model_view(image: Image.Image, crop: bool, side: int = VIEW_SIDE) -> Image.I
     return image.resize((side, side), Image.Resampling.BICUBIC)
 
 
-def overlay(image: Image.Image, share: np.ndarray | None, method: str = "", crop: bool = False,
+def overlay(image: Image.Image, share: Any, method: str = "", crop: bool = False,
             side: int = VIEW_SIDE) -> Image.Image:
-    """Blend `share` ([rows, cols] in [0, 1]) over the image's model view; None -> the plain view."""
+    """Blend `share` over the image: a `KeptImageMap` (every view of the image, see the module doc), or a
+    [rows, cols] array in [0, 1] over the model's square view; None -> the plain view."""
+    if share is not None and hasattr(share, "layout"):
+        return _views_overlay(image, share, method, side)
     view = model_view(image, crop, side)
     if share is None:
         return view
-    share = np.clip(np.asarray(share, dtype=np.float32), 0.0, 1.0)
-    rows, cols = share.shape
-    mask = Image.fromarray((share * 255).astype(np.uint8), mode="L").resize((side, side), Image.Resampling.NEAREST)
-    s = np.asarray(mask, dtype=np.float32)[..., None] / 255.0
-    rgb = np.asarray(view, dtype=np.float32)
-    grey = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
-    dark = np.repeat(grey[..., None] * 0.28 + 18, 3, axis=-1)
-    out = Image.fromarray(np.clip(s * rgb + (1 - s) * dark, 0, 255).astype(np.uint8))
-    draw = ImageDraw.Draw(out, "RGBA")
-    for r in range(1, rows):
-        y = round(r * side / rows)
-        draw.line([(0, y), (side, y)], fill=(255, 255, 255, 40), width=1)
-    for c in range(1, cols):
-        x = round(c * side / cols)
-        draw.line([(x, 0), (x, side)], fill=(255, 255, 255, 40), width=1)
+    out = _blend_grid(view, np.asarray(share, dtype=np.float32), (0, 0, side, side))
     if method:
-        draw.rectangle([(0, 0), (side - 1, side - 1)], outline=colour(method), width=4)
+        ImageDraw.Draw(out).rectangle([(0, 0), (side - 1, side - 1)], outline=colour(method), width=4)
     return out
 
 
-def caption(label: str, share: np.ndarray | None, layer: int) -> str:
-    """'H2O · layer 3 · 41 of 144 patches kept (mean head share 28%)'."""
+def _dark(rgb: np.ndarray) -> np.ndarray:
+    grey = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+    return np.repeat(grey[..., None] * 0.28 + 18, 3, axis=-1)
+
+
+def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, int],
+                tile_rows=(), tile_cols=()) -> Image.Image:
+    """Blend each cell of `share` ([rows, cols] in [0, 1]) over `box` (pixels) of `img`; grid and tile lines."""
+    share = np.clip(share, 0.0, 1.0)
+    rows, cols = share.shape
+    left, top, right, bottom = box
+    w, h = max(right - left, 1), max(bottom - top, 1)
+    mask = Image.fromarray((share * 255).astype(np.uint8), mode="L").resize((w, h), Image.Resampling.NEAREST)
+    s = np.asarray(mask, dtype=np.float32)[..., None] / 255.0
+    rgb = np.asarray(img, dtype=np.float32).copy()
+    part = rgb[top:top + h, left:left + w]
+    rgb[top:top + h, left:left + w] = s * part + (1 - s) * _dark(part)
+    out = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(out, "RGBA")
+    if min(w / cols, h / rows) >= 5:  # patch lines only where cells are big enough to see
+        for r in range(1, rows):
+            y = top + round(r * h / rows)
+            draw.line([(left, y), (right, y)], fill=(255, 255, 255, 40), width=1)
+        for c in range(1, cols):
+            x = left + round(c * w / cols)
+            draw.line([(x, top), (x, bottom)], fill=(255, 255, 255, 40), width=1)
+    for f in tile_rows:  # where the crops the vision tower saw meet
+        y = top + round(f * h)
+        draw.line([(left, y), (right, y)], fill=(255, 255, 255, 170), width=2)
+    for f in tile_cols:
+        x = left + round(f * w)
+        draw.line([(x, top), (x, bottom)], fill=(255, 255, 255, 170), width=2)
+    return out
+
+
+def _views_overlay(image: Image.Image, kept, method: str, side: int) -> Image.Image:
+    """One panel per view of the image, side by side (see the module doc)."""
+    image = image.convert("RGB")
+    iw, ih = image.size
+    width = int(round(side * min(max(iw / max(ih, 1), 1 / MAX_PANEL_ASPECT), MAX_PANEL_ASPECT)))
+    base = image.resize((width, side), Image.Resampling.BICUBIC)
+    panels = []
+    for i, view in enumerate(kept.layout.views):
+        left, top, right, bottom = view.box
+        box = (round(left * width), round(top * side), round(right * width), round(bottom * side))
+        rgb = np.asarray(base, dtype=np.float32)
+        outside = np.ones((side, width, 1), dtype=np.float32)
+        outside[box[1]:box[3], box[0]:box[2]] = 0.0  # the view never saw the rest: darken it
+        shown = Image.fromarray(np.clip(outside * _dark(rgb) + (1 - outside) * rgb, 0, 255).astype(np.uint8))
+        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols)
+        newline = kept.newline_share(i)
+        if newline is not None:
+            strip = Image.new("RGB", (NEWLINE_STRIP, side), (24, 24, 24))
+            draw = ImageDraw.Draw(strip)
+            for r, v in enumerate(np.clip(newline, 0.0, 1.0)):
+                grey = int(40 + 200 * v)
+                y0, y1 = round(box[1] + r * (box[3] - box[1]) / view.rows), round(box[1] + (r + 1) * (box[3] - box[1]) / view.rows)
+                draw.rectangle([(1, y0), (NEWLINE_STRIP - 2, max(y0, y1 - 1))], fill=(grey, grey, grey))
+            joined = Image.new("RGB", (panel.width + NEWLINE_STRIP + 2, side), (0, 0, 0))
+            joined.paste(panel, (0, 0))
+            joined.paste(strip, (panel.width + 2, 0))
+            panel = joined
+        if view.box != (0.0, 0.0, 1.0, 1.0):  # the part of the image this view covers
+            ImageDraw.Draw(panel).rectangle([box[:2], (box[2] - 1, box[3] - 1)], outline=(235, 235, 235), width=2)
+        label = f"{view.name} {view.rows}x{view.cols}" + (" + newline" if view.newline else "")
+        ImageDraw.Draw(panel, "RGBA").text((6, 4), label, fill=(255, 255, 255, 230), stroke_width=2,
+                                           stroke_fill=(0, 0, 0, 200))
+        panels.append(panel)
+    total = sum(p.width for p in panels) + PANEL_GAP * (len(panels) - 1)
+    out = Image.new("RGB", (total, side), (0, 0, 0))
+    x = 0
+    for p in panels:
+        out.paste(p, (x, 0))
+        x += p.width + PANEL_GAP
+    if method:
+        ImageDraw.Draw(out).rectangle([(0, 0), (total - 1, side - 1)], outline=colour(method), width=4)
+    return out
+
+
+def caption(label: str, share: Any, layer: int) -> str:
+    """'H2O · layer 3 · 41 of 144 patches kept · mean share 28%'; for an anyres `KeptImageMap`, the image tokens
+    of every view ('… 98 of 188 image tokens kept (base 9/16 · tiles 85/160 + newline 4/12) …')."""
     if share is None:
         return f"{label} · layer {layer} · no image tokens"
+    if hasattr(share, "layout"):
+        parts = []
+        for i, view in enumerate(share.layout.views):
+            grid = share.view_share(i)
+            text = f"{view.name} {int((grid > 0).sum())}/{grid.size}"
+            newline = share.newline_share(i)
+            if newline is not None:
+                text += f" + newline {int((newline > 0).sum())}/{newline.size}"
+            parts.append(text)
+        views = share.layout.views
+        what = "patches" if len(views) == 1 and not views[0].newline else "image tokens"
+        detail = f" ({' · '.join(parts)})" if what != "patches" else ""
+        return (f"{label} · layer {layer} · {share.kept_tokens()} of {share.n_tokens} {what} kept{detail} · "
+                f"mean share {share.mean_share():.0%}")
     share = np.asarray(share, dtype=float)
     kept = int((share > 0).sum())
     return f"{label} · layer {layer} · {kept} of {share.size} patches kept · mean share {share.mean():.0%}"

@@ -11,9 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from prefixkv_core.events import PrefillInfo
+from prefixkv_core.events import KeptImageMap, PrefillInfo
 from prefixkv_core.record import ComparisonRecord, Series, Track, Turn
 
 __all__ = ["Comparison", "OverlayMaps", "Series", "Track", "Turn"]
@@ -21,11 +19,12 @@ __all__ = ["Comparison", "OverlayMaps", "Series", "Track", "Turn"]
 
 @dataclass
 class OverlayMaps:
-    """Per-method [rows, cols] kept-head share of every image patch at one layer (computed by the thread
-    that owns the engine session, between two decoding steps)."""
+    """Per-method kept-head share of every image token at one layer, placed on the image's views
+    (`prefixkv_core.events.KeptImageMap`; computed by the thread that owns the engine session, between two
+    decoding steps)."""
 
     layer: int
-    maps: dict[str, np.ndarray | None]
+    maps: dict[str, KeptImageMap | None]
 
 
 class Comparison(ComparisonRecord):

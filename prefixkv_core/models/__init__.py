@@ -9,24 +9,29 @@ Four kinds of model spec for `load_model`:
   otherwise it is randomly initialised with a fixed seed (the model then cannot see images). The
   assembled model is saved once under a cache directory and loaded from there afterwards.
 * ``"tiny-llama"`` / ``"tiny-qwen2"``: randomly initialised LLaVA models built in code for tests
-  (see ``prefixkv_core.testing``).
-* a local directory or a hub id: anything ``LlavaForConditionalGeneration.from_pretrained`` loads
-  (hub ids work offline when they are in the Hugging Face cache).
+  (see ``prefixkv_core.testing``); ``"tiny-<family>"``: a tiny random model of one LLaVA family, saved and
+  loaded like a checkpoint.
+* a local directory or a hub id of a supported LLaVA family (``families``): LLaVA-1.5 and LLaVA-Interleave
+  (``llava``), LLaVA-NeXT (``llava_next``, anyres) and LLaVA-OneVision (``llava_onevision``, anyres). Hub ids
+  work offline when they are in the Hugging Face cache.
 
 `build_random_model(kind)` gives a model with random weights and the exact shapes of LLaVA-1.5-7B/13B, the
 embedded model or the tiny test model (no processor; for speed and memory measurements).
 
-Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, ``encode``), ``configs`` (the shapes of
-the models built in code), ``processor``, ``descriptor`` (``LoadedModel``), ``embedded``, ``loading``,
-``random_weights``.
+Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, chat templates, ``encode``), ``configs``
+(the shapes of the models built in code, the families' released and tiny configs), ``families`` (which
+families, which class loads each), ``layout`` (where each image token comes from), ``processor``,
+``descriptor`` (``LoadedModel``), ``embedded``, ``loading``, ``random_weights``.
 """
-from .chat import IMAGE_TOKEN, chatml_template, encode, format_followup, format_prompt
+from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN, chatml_template, encode, format_followup, format_prompt, vision_inputs
 from .configs import (
+    FAMILIES,
     META_KEY,
     RANDOM_CONFIGS,
     TINY_VARIANTS,
     embedded_config,
     embedded_vision_config,
+    family_config,
     llava_1_5_config,
     random_config,
     smollm2_135m_text_config,
@@ -45,6 +50,8 @@ from .embedded import (
     merge_embedded_lora,
 )
 from .errors import ModelLoadError
+from .families import FAMILY_INFO, SUPPORTED_MODEL_TYPES, Family, family_of, supported_text
+from .layout import GridView, ImageLayout, image_layout, strip_layout
 from .loading import ACCEPTED_MODEL_TYPES, load_model
 from .processor import make_processor
 from .random_weights import build_random_model
@@ -60,6 +67,19 @@ __all__ = [
     "format_prompt",
     "format_followup",
     "encode",
+    "vision_inputs",
+    "FAMILIES",
+    "FAMILY_INFO",
+    "FAMILY_TEMPLATES",
+    "SUPPORTED_MODEL_TYPES",
+    "Family",
+    "family_of",
+    "family_config",
+    "supported_text",
+    "GridView",
+    "ImageLayout",
+    "image_layout",
+    "strip_layout",
     "chatml_template",
     "make_processor",
     "IMAGE_TOKEN",

@@ -42,6 +42,62 @@ def chatml_template(default_system: str | None = None) -> str:
     )
 
 
+# The released checkpoints' conversation formats (their chat templates render exactly these strings):
+#   llava-1.5 (llava-1.5-7b-hf):          "USER: <image>\n{q} ASSISTANT: {a} USER: {q2} ASSISTANT:"
+#   llava-next (llava-v1.6-mistral-7b-hf): "[INST] <image>\n{q} [/INST] {a}</s> [INST] {q2} [/INST]"
+#   llava-interleave (ChatML):            "<|im_start|>user\n<image>\n{q}<|im_end|>\n<|im_start|>assistant\n"
+#                                          (images first, then "\n" + each text item)
+#   llava-onevision (ChatML):             "<|im_start|>user\n<image>\n{q}<|im_end|>\n<|im_start|>assistant\n"
+#                                          (each image as "<image>\n", then the text items)
+_TEXT_ITEMS = "{%- for item in message['content'] if item['type'] == 'text' -%}"
+_IMAGE_ITEMS = "{%- for item in message['content'] if item['type'] == 'image' -%}"
+
+VICUNA_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] != 'system' -%}{{ message['role'] | upper + ': ' }}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] + ' ' }}{%- else -%}"
+    + _IMAGE_ITEMS + "{{ '<image>\n' }}{%- endfor -%}"
+    + _TEXT_ITEMS + "{{ item['text'] + ' ' }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
+)
+
+MISTRAL_INST_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set text = message['content'] if message['content'] is string else "
+    "(message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('')) -%}"
+    "{%- if message['role'] == 'user' -%}{{ '[INST] ' }}"
+    "{%- if message['content'] is not string -%}" + _IMAGE_ITEMS + "{{ '<image>\n' }}{%- endfor -%}{%- endif -%}"
+    "{{ text + ' [/INST]' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ ' ' + text + '</s> ' }}"
+    "{%- elif message['role'] == 'system' -%}{{ '<<SYS>>\n' + text + '\n<</SYS>>\n\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def _chatml(image: str, text_prefix: str) -> str:
+    return (
+        "{%- for message in messages -%}"
+        "{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
+        + _IMAGE_ITEMS + "{{ '" + image + "' }}{%- endfor -%}"
+        + _TEXT_ITEMS + "{{ '" + text_prefix + "' + item['text'] }}{%- endfor -%}"
+        "{%- endif -%}"
+        "{{ '<|im_end|>\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+    )
+
+
+INTERLEAVE_TEMPLATE = _chatml("<image>", "\\n")
+ONEVISION_TEMPLATE = _chatml("<image>\\n", "")
+
+FAMILY_TEMPLATES = {"llava-1.5": VICUNA_TEMPLATE, "llava-next": MISTRAL_INST_TEMPLATE,
+                    "llava-interleave": INTERLEAVE_TEMPLATE, "llava-onevision": ONEVISION_TEMPLATE}
+
+
 def _processor(loaded: LoadedModel):
     if loaded.processor is None:
         raise ModelLoadError(f"{loaded.name} has no processor (random weights): it cannot format or encode text")
@@ -106,22 +162,33 @@ def format_followup(loaded: LoadedModel, prompt: str) -> str:
     return full[i + len(_SENTINEL):]
 
 
-def encode(loaded: LoadedModel, image, text: str) -> dict:
-    """processor(...) -> dict of tensors on loaded.device (pixel_values in loaded.dtype)."""
+TEXT_KEYS = ("input_ids", "attention_mask")
+
+
+def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True) -> dict:
+    """processor(...) -> dict of tensors on loaded.device: input_ids, attention_mask and, with an image, every
+    tensor the processor made for it (pixel_values in loaded.dtype; anyres families add image_sizes, OneVision
+    batch_num_images). `add_special_tokens=False` for text that continues a conversation (no BOS)."""
     proc = _processor(loaded)
     if image is not None:
         if getattr(image, "mode", "RGB") != "RGB":
             image = image.convert("RGB")
         batch = proc(images=image, text=text, return_tensors="pt")
     else:
-        batch = proc.tokenizer(text, return_tensors="pt")
+        batch = proc.tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)
     out: dict[str, torch.Tensor] = {
         "input_ids": batch["input_ids"].to(loaded.device, torch.long),
         "attention_mask": batch["attention_mask"].to(loaded.device),
     }
     if image is not None:
-        out["pixel_values"] = batch["pixel_values"].to(loaded.device, loaded.dtype)
-        for k in ("image_sizes",):
-            if k in batch:
-                out[k] = batch[k].to(loaded.device)
+        for key, value in batch.items():
+            if key in TEXT_KEYS or not isinstance(value, torch.Tensor):
+                continue
+            floating = value.is_floating_point()
+            out[key] = value.to(loaded.device, loaded.dtype) if floating else value.to(loaded.device)
     return out
+
+
+def vision_inputs(batch: dict) -> dict:
+    """The image tensors of an `encode` result (what the model's forward takes besides the token ids)."""
+    return {k: v for k, v in batch.items() if k not in TEXT_KEYS}

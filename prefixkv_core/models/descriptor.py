@@ -11,6 +11,8 @@ import torch
 
 from .chat import IMAGE_TOKEN
 from .errors import ModelLoadError
+from .families import FAMILY_INFO, family_of
+from .layout import ImageLayout, image_layout, max_image_tokens
 
 
 class TextShape:
@@ -51,8 +53,8 @@ class LoadedModel(TextShape):
     device: torch.device
     dtype: torch.dtype
     image_token_id: int
-    image_seq_length: int
-    image_grid: tuple[int, int]
+    image_seq_length: int  # tokens of one image; anyres families: the most one image can take
+    image_grid: tuple[int, int]  # (rows, cols) of the (first) view's patch grid
     image_size: int  # the vision tower's input side, in pixels
     vocab_size: int
     bos_id: int  # what a prompt starts with (synthetic prompts use it too)
@@ -60,6 +62,20 @@ class LoadedModel(TextShape):
     vision_trained: bool
     random_weights: bool = False  # shapes only: speed and memory are real, outputs are noise
     notes: list[str] = field(default_factory=list)
+    family: str = "llava-1.5"  # see families.FAMILY_INFO
+
+    @property
+    def anyres(self) -> bool:
+        """Whether the number of image tokens depends on the image (LLaVA-NeXT, LLaVA-OneVision)."""
+        return FAMILY_INFO[self.family].anyres
+
+    def image_layout(self, width: int, height: int) -> ImageLayout:
+        """Where each token of an image of this size comes from (views, patch grids, newline tokens)."""
+        return image_layout(self.model.config, self.processor, int(width), int(height))
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """How many tokens an image of this size takes in a prompt."""
+        return self.image_layout(width, height).n_tokens
 
     @property
     def tokenizer(self):
@@ -76,10 +92,10 @@ class LoadedModel(TextShape):
         return sum(p.numel() for p in self.model.parameters())
 
 
-def _count_image_tokens(processor, image_token_id: int) -> int:
+def _count_image_tokens(processor, image_token_id: int, size: tuple[int, int] = (64, 48)) -> int:
     from PIL import Image
 
-    img = Image.new("RGB", (64, 48), (127, 127, 127))
+    img = Image.new("RGB", size, (127, 127, 127))
     ids = processor(images=img, text=IMAGE_TOKEN, return_tensors="pt")["input_ids"]
     return int((ids == image_token_id).sum().item())
 
@@ -120,10 +136,19 @@ def describe_model(
         raise ModelLoadError(
             f"{name}: processor image token id {proc_id} differs from config.image_token_id {image_token_id}"
         )
+    family = family_of(cfg)
     n_img = _count_image_tokens(processor, image_token_id)
-    cfg_len = getattr(cfg, "image_seq_length", None)
-    if cfg_len is not None and int(cfg_len) != n_img:
-        notes.append(f"config.image_seq_length={cfg_len} but the processor expands <image> into {n_img} tokens")
+    layout_n = image_layout(cfg, processor, 64, 48).n_tokens
+    if layout_n != n_img:  # the overlay would then place the image tokens in one strip
+        notes.append(f"the processor expands <image> into {n_img} tokens where this model's layout has {layout_n}")
+    if FAMILY_INFO[family].anyres:
+        grid = (cfg.vision_config.image_size // cfg.vision_config.patch_size,) * 2
+        n_img = max_image_tokens(cfg, processor)
+    else:
+        grid = image_grid(cfg, n_img)
+        cfg_len = getattr(cfg, "image_seq_length", None)
+        if cfg_len is not None and int(cfg_len) != n_img:
+            notes.append(f"config.image_seq_length={cfg_len} but the processor expands <image> into {n_img} tokens")
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     gen = getattr(model, "generation_config", None)
@@ -140,11 +165,12 @@ def describe_model(
         dtype=dtype,
         image_token_id=image_token_id,
         image_seq_length=n_img,
-        image_grid=image_grid(cfg, n_img),
+        image_grid=tuple(grid),
         image_size=int(cfg.vision_config.image_size),
         vocab_size=int(text_cfg.vocab_size),
         bos_id=int(bos if bos is not None else 1),
         max_context=int(getattr(text_cfg, "max_position_embeddings", 0) or tok.model_max_length),
         vision_trained=vision_trained,
         notes=notes,
+        family=family,
     )

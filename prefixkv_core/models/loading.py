@@ -14,14 +14,15 @@ import torch
 from .configs import META_KEY, TINY_VARIANTS
 from .descriptor import LoadedModel, describe_model
 from .device import place_model, resolve_device, resolve_dtype
-from .embedded import EMBEDDED_SLUG, embedded_dir
+from .embedded import EMBEDDED_SLUG, _embedded_cache_root, embedded_dir
 from .errors import ModelLoadError
+from .processor import image_only_onevision_processor_class
+from .families import FAMILY_INFO, SUPPORTED_MODEL_TYPES, model_class, supported_text
 
-# model_type values that load as LlavaForConditionalGeneration (or a subclass of it). llava_next,
-# llava_onevision, vipllava, ... are separate classes in transformers 5.x with a variable number of
-# image tokens per image (anyres tiling), which the engine does not handle.
-ACCEPTED_MODEL_TYPES = ("llava",)
+# LLaVA-1.5 / Interleave (llava), LLaVA-NeXT (llava_next) and LLaVA-OneVision (llava_onevision); see families.py
+ACCEPTED_MODEL_TYPES = SUPPORTED_MODEL_TYPES
 TINY_NOTE = "tiny random model for tests: its outputs are meaningless"
+TINY_FAMILY_SPECS = tuple(f"tiny-{f}" for f in FAMILY_INFO)
 
 
 def _slug_for(spec: str, config=None) -> str:
@@ -49,7 +50,7 @@ def _load_pretrained(
     cache_dir: str | None,
     name: str,
 ):
-    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoConfig
 
     kw: dict[str, Any] = {}
     if cache_dir is not None:
@@ -60,29 +61,37 @@ def _load_pretrained(
         raise ModelLoadError(
             f"cannot load a model config from {name!r}: {e}. Accepted: 'embedded', "
             f"{', '.join('tiny-' + v for v in TINY_VARIANTS)}, a local directory or a hub id "
-            f"(offline: it must already be in the Hugging Face cache) of a LLaVA model "
-            f"(model_type in {list(ACCEPTED_MODEL_TYPES)})"
+            f"(offline: it must already be in the Hugging Face cache) of a supported LLaVA family: "
+            f"{supported_text()}"
         ) from e
     mt = getattr(config, "model_type", None)
     if mt not in ACCEPTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{name!r} has model_type {mt!r}, which is not a supported LLaVA model; accepted model_type: "
-            f"{', '.join(ACCEPTED_MODEL_TYPES)} (checkpoints that load as LlavaForConditionalGeneration, "
-            f"e.g. llava-hf/llava-1.5-7b-hf, llava-hf/llava-interleave-qwen-0.5b-hf)"
+            f"{name!r} has model_type {mt!r}, which is not a supported LLaVA family. Supported: {supported_text()}"
         )
     load_kw: dict[str, Any] = dict(dtype=dtype, attn_implementation="sdpa", **kw)
     if multi:
         load_kw["device_map"] = "auto"
-    model = LlavaForConditionalGeneration.from_pretrained(src, config=config, **load_kw)
+    model = model_class(config).from_pretrained(src, config=config, **load_kw)
     if multi:
         device = model.get_input_embeddings().weight.device
     else:
         model = place_model(model, device, dtype)
     try:
-        processor = AutoProcessor.from_pretrained(src, **kw)
-    except (OSError, ValueError) as e:
+        processor = load_processor(src, config, **kw)
+    except (OSError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{name!r}: cannot load its processor: {e}") from e
     return config, model, processor, device
+
+
+def load_processor(src: str, config, **kw):
+    """The checkpoint's processor. OneVision's is loaded without its video processor (that one needs
+    torchvision, and the engine feeds images only)."""
+    from transformers import AutoProcessor
+
+    if getattr(config, "model_type", None) == "llava_onevision":
+        return image_only_onevision_processor_class().from_pretrained(src, **kw)
+    return AutoProcessor.from_pretrained(src, **kw)
 
 
 def load_model(
@@ -90,7 +99,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a LLaVA model + processor.
 
-    spec: "embedded" | "tiny-llama" | "tiny-qwen2" | a local directory | a hub id.
+    spec: "embedded" | "tiny-llama" | "tiny-qwen2" | "tiny-<family>" (tiny-llava-1.5, tiny-llava-interleave,
+          tiny-llava-next, tiny-llava-onevision: a tiny random model of that family, saved under the cache
+          directory and loaded from there like a checkpoint) | a local directory | a hub id.
     device: "auto" (cuda if available, else cpu), "auto-multi" (accelerate device_map="auto"),
             "cpu", "cuda", "cuda:N".  dtype: "auto" (bfloat16 on cuda, float32 on cpu), "float32",
             "float16", "bfloat16".
@@ -98,8 +109,9 @@ def load_model(
             ~/.cache/prefixkv); for hub ids, the Hugging Face cache directory.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ModelLoadError("empty model spec; accepted: 'embedded', 'tiny-llama', 'tiny-qwen2', a directory or a hub id")
-    spec = spec.strip()
+        raise ModelLoadError("empty model spec; accepted: 'embedded', 'tiny-llama', 'tiny-qwen2', "
+                             f"{', '.join(TINY_FAMILY_SPECS)}, a directory or a hub id")
+    spec = name = spec.strip()
     dev, multi = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
 
@@ -113,6 +125,12 @@ def load_model(
             model, processor, name=spec, slug=f"tiny-{variant}", device=dev, dtype=dt,
             vision_trained=False, notes=[TINY_NOTE],
         )
+
+    if spec.lower() in TINY_FAMILY_SPECS:
+        from ..testing import save_tiny_family  # the tiny models live with the test helpers
+
+        family = spec.lower()[len("tiny-"):]
+        spec = save_tiny_family(_embedded_cache_root(cache_dir) / "tiny" / family, family)
 
     if spec.lower() == "embedded":
         src, vision_trained, notes = embedded_dir(cache_dir)
@@ -129,7 +147,7 @@ def load_model(
     if not is_dir and (spec.startswith((".", "/", "~")) or os.sep in spec.replace("/", "", 1)):
         raise ModelLoadError(f"model directory {spec!r} does not exist")
     config, model, processor, dev = _load_pretrained(
-        spec, device=dev, dtype=dt, multi=multi, cache_dir=None if is_dir else cache_dir, name=spec
+        spec, device=dev, dtype=dt, multi=multi, cache_dir=None if is_dir else cache_dir, name=name
     )
     meta = getattr(config, META_KEY, None)
     notes: list[str] = []
@@ -141,6 +159,6 @@ def load_model(
         elif not vision_trained:
             notes.append("vision tower is untrained: the model cannot see images, so answers ignore the image content")
     return describe_model(
-        model, processor, name=spec, slug=_slug_for(spec, config), device=dev, dtype=dt,
+        model, processor, name=name, slug=_slug_for(spec, config), device=dev, dtype=dt,
         vision_trained=vision_trained, notes=notes,
     )

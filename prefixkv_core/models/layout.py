@@ -1,0 +1,168 @@
+"""Where each image token of a LLaVA prompt comes from: the views of the image and their patch grids.
+
+LLaVA-1.5 and LLaVA-Interleave see one view: a grid of patches over the image (CLIP centre-crops it to a
+square, SigLIP squashes it). LLaVA-NeXT and LLaVA-OneVision ("anyres") see two: the whole image squashed to
+the tower's square (the base view), then the image resized into the best grid of tiles, with the tiles'
+padding cut away again and an image-newline token closing every row of that high-resolution grid (OneVision
+also shrinks that grid when it holds more than about nine tiles' worth of patches). So the number of image
+tokens depends on the image's size.
+
+`image_layout` computes the token layout the way transformers packs the features (`pack_image_features`,
+`unpad_image`, `select_best_resolution`); the tests check it against the processors' token counts. Plain
+Python and numpy: the overlay reads it without torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) as fractions of the original image
+
+
+@dataclass(frozen=True)
+class GridView:
+    """One view of the image: `rows` x `cols` patch tokens in row-major order over `box` of the original image,
+    each row followed by one image-newline token when `newline`. `tile_rows` / `tile_cols`: where the crops
+    the vision tower saw meet, as fractions of the box (for drawing the tiles)."""
+
+    name: str
+    rows: int
+    cols: int
+    box: Box = (0.0, 0.0, 1.0, 1.0)
+    newline: bool = False
+    tile_rows: tuple[float, ...] = ()
+    tile_cols: tuple[float, ...] = ()
+
+    @property
+    def n_tokens(self) -> int:
+        return self.rows * (self.cols + (1 if self.newline else 0))
+
+    @property
+    def n_patches(self) -> int:
+        return self.rows * self.cols
+
+    def describe(self) -> dict:
+        return {"name": self.name, "rows": self.rows, "cols": self.cols, "newline": self.newline,
+                "tokens": self.n_tokens, "box": [round(v, 4) for v in self.box],
+                "tiles": [len(self.tile_rows) + 1, len(self.tile_cols) + 1]}
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """The image block of a prompt: its views in the order their tokens appear."""
+
+    views: tuple[GridView, ...]
+    image_size: tuple[int, int] = (0, 0)  # (width, height) of the original image
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(v.n_tokens for v in self.views)
+
+    def token_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per image token (in prompt order): (view index, row, col); col == view.cols marks a newline token."""
+        views, rows, cols = [], [], []
+        for i, v in enumerate(self.views):
+            width = v.cols + (1 if v.newline else 0)
+            r, c = np.divmod(np.arange(v.n_tokens), width)
+            views.append(np.full(v.n_tokens, i))
+            rows.append(r)
+            cols.append(c)
+        if not views:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(views), np.concatenate(rows), np.concatenate(cols)
+
+    def describe(self) -> list[dict]:
+        return [v.describe() for v in self.views]
+
+
+def strip_layout(n_tokens: int, image_size: tuple[int, int] = (0, 0)) -> ImageLayout:
+    """A layout that places every token in one row over the whole image (when the real one is unknown)."""
+    return ImageLayout((GridView("image tokens", 1, n_tokens),), image_size)
+
+
+# -- the families' geometry --------------------------------------------------------------------------------------
+
+def _centre_square(width: int, height: int) -> Box:
+    """The centred square a CLIP-style processor crops after resizing the short side."""
+    s = min(width, height)
+    left, top = (width - s) / 2 / width, (height - s) / 2 / height
+    return (left, top, 1.0 - left, 1.0 - top)
+
+
+def _crops_to_square(image_processor) -> bool:
+    """Resize the short side then centre crop (CLIP); otherwise the image is resized to the square (SigLIP)."""
+    size = getattr(image_processor, "size", None) or {}
+    get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
+    return bool(getattr(image_processor, "do_center_crop", False)) and get("shortest_edge") is not None
+
+
+def best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+    """The pinpoint (h, w) that keeps the most of the image's pixels, then wastes the fewest (as transformers)."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    return tuple(int(v) for v in select_best_resolution((height, width), [list(p) for p in pinpoints]))
+
+
+def _tile_lines(n_tiles: int, side: int, pad: int, kept: int) -> tuple[float, ...]:
+    """Where tiles meet in a grid of `kept` features after `pad` were cut from its start, as fractions of it."""
+    return tuple((k * side - pad) / kept for k in range(1, n_tiles) if 0 < k * side - pad < kept)
+
+
+def anyres_layout(width: int, height: int, *, side: int, tile_px: int, pinpoints, max_tiles: int | None,
+                  base_tokens: int) -> ImageLayout:
+    """LLaVA-NeXT / OneVision: the base view (`base_tokens` = side x side), then the high-resolution grid of the
+    best pinpoint, unpadded, shrunk when over `max_tiles` tiles' worth (OneVision), a newline per row."""
+    best_h, best_w = best_resolution(height, width, pinpoints)
+    tiles_h, tiles_w = best_h // tile_px, best_w // tile_px
+    cur_h, cur_w = tiles_h * side, tiles_w * side
+    pad_top = pad_left = 0
+    if width / height > cur_w / cur_h:  # wider than the grid: padding above and below was cut
+        new_h = int(round(height * (cur_w / width), 7))
+        pad_top = (cur_h - new_h) // 2
+        rows, cols = cur_h - 2 * pad_top, cur_w
+    else:
+        new_w = int(round(width * (cur_h / height), 7))
+        pad_left = (cur_w - new_w) // 2
+        rows, cols = cur_h, cur_w - 2 * pad_left
+    tile_rows = _tile_lines(tiles_h, side, pad_top, rows)
+    tile_cols = _tile_lines(tiles_w, side, pad_left, cols)
+    if max_tiles is not None:
+        ratio = math.sqrt(rows * cols / (max_tiles * side * side))
+        if ratio > 1.1:  # bilinear downsampling of the feature grid; the tiles keep their place in it
+            rows, cols = int(rows // ratio), int(cols // ratio)
+    base_side = int(round(math.sqrt(base_tokens)))
+    base = GridView("base", base_side, base_side)
+    tiles = GridView("tiles", rows, cols, newline=True, tile_rows=tile_rows, tile_cols=tile_cols)
+    return ImageLayout((base, tiles), (width, height))
+
+
+def image_layout(config, processor, width: int, height: int) -> ImageLayout:
+    """The layout of one image of `width` x `height` pixels in a prompt of this model (config + processor).
+    Raises ValueError for a model type it does not know."""
+    vc = config.vision_config
+    side = int(vc.image_size) // int(vc.patch_size)
+    mt = getattr(config, "model_type", "llava")
+    if mt == "llava":
+        image_processor = getattr(processor, "image_processor", None) if processor is not None else None
+        box = _centre_square(width, height) if _crops_to_square(image_processor) else (0.0, 0.0, 1.0, 1.0)
+        return ImageLayout((GridView("image", side, side, box),), (width, height))
+    if mt in ("llava_next", "llava_onevision"):
+        max_tiles = None
+        if mt == "llava_onevision":
+            aspect = str(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
+            max_tiles = int(aspect.removeprefix("anyres_max_")) if aspect.startswith("anyres_max_") else None
+        return anyres_layout(width, height, side=side, tile_px=int(vc.image_size),
+                             pinpoints=config.image_grid_pinpoints, max_tiles=max_tiles, base_tokens=side * side)
+    raise ValueError(f"no image layout for model_type {mt!r}")
+
+
+def max_image_tokens(config, processor) -> int:
+    """The most tokens one image can take: for anyres, an image of each pinpoint's exact shape (no padding)."""
+    vc = config.vision_config
+    pins = getattr(config, "image_grid_pinpoints", None)
+    if getattr(config, "model_type", "llava") == "llava" or not pins:
+        return image_layout(config, processor, int(vc.image_size), int(vc.image_size)).n_tokens
+    return max(image_layout(config, processor, int(w), int(h)).n_tokens for h, w in pins)
