@@ -25,8 +25,10 @@ def _knobs(items: list[str]) -> dict[str, dict[str, Any]]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded",
-                   help="'embedded' (default, offline), 'tiny-llama'/'tiny-qwen2' (random, for tests), a Hugging "
-                        "Face hub id such as llava-hf/llava-1.5-7b-hf, or a local model directory")
+                   help="'embedded' (default, offline), 'tiny-llama'/'tiny-qwen2' or tiny-<family> (random, for tests: "
+                        "tiny-llava-1.5, tiny-llava-interleave, tiny-llava-next, tiny-llava-onevision), a Hugging "
+                        "Face hub id of a LLaVA-1.5, -Interleave, -NeXT or -OneVision checkpoint such as "
+                        "llava-hf/llava-onevision-qwen2-0.5b-ov-hf, or a local model directory")
     p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16")
 
