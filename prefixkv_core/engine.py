@@ -220,7 +220,8 @@ class Session:
             raise EngineError("this comparison's caches were released to free memory; run Compare again")
         loaded = self.engine.loaded
         with self.engine.lock, tracked_attention_enabled(loaded.model):
-            new_ids = encode(loaded, None, format_followup(loaded, prompt), add_special_tokens=False)["input_ids"][0].tolist()
+            followup = format_followup(loaded, prompt)
+            new_ids = encode(loaded, None, followup, add_special_tokens=False)["input_ids"][0].tolist()
             for state in self.states.values():
                 if state.error is not None:
                     continue

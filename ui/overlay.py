@@ -110,9 +110,10 @@ def _views_overlay(image: Image.Image, kept, method: str, side: int) -> Image.Im
         if newline is not None:
             strip = Image.new("RGB", (NEWLINE_STRIP, side), (24, 24, 24))
             draw = ImageDraw.Draw(strip)
+            row_h = (box[3] - box[1]) / view.rows
             for r, v in enumerate(np.clip(newline, 0.0, 1.0)):
                 grey = int(40 + 200 * v)
-                y0, y1 = round(box[1] + r * (box[3] - box[1]) / view.rows), round(box[1] + (r + 1) * (box[3] - box[1]) / view.rows)
+                y0, y1 = round(box[1] + r * row_h), round(box[1] + (r + 1) * row_h)
                 draw.rectangle([(1, y0), (NEWLINE_STRIP - 2, max(y0, y1 - 1))], fill=(grey, grey, grey))
             joined = Image.new("RGB", (panel.width + NEWLINE_STRIP + 2, side), (0, 0, 0))
             joined.paste(panel, (0, 0))
