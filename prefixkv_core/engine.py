@@ -111,11 +111,16 @@ class Engine:
 
     def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
                     generation: GenerationSettings | None = None,
-                    knobs: dict[str, dict[str, Any]] | None = None) -> "Session":
+                    knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True) -> "Session":
+        """`chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
+        text, no turn markup): a document whose continuation is measured, as in language modelling. Such a
+        session takes no image and has no follow-up turns."""
         if isinstance(prompt, (list, tuple)):
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the prompt is empty: type a question or instruction")
+        if not chat_template and image is not None:
+            raise EngineError("a plain-text prompt (chat_template=False) takes no image")
         try:
             check_budget(budget)
             names = resolve_methods(methods)
@@ -132,7 +137,8 @@ class Engine:
                 policies[name] = make_policy(name, budget, **dict(knobs.get(name, {}))).resolve(context)
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
-        return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs)
+        return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs,
+                       chat_template=chat_template)
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
@@ -164,8 +170,10 @@ class Session:
     call, then each policy compresses its own cache, then one event per method is yielded."""
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
-                 budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None):
+                 budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
+                 chat_template: bool = True):
         self.engine = engine
+        self.chat_template = chat_template  # False: the prompt is plain text, fed without turn markup
         self.image = image
         self.prompt = prompt
         self.budget = budget
@@ -214,6 +222,8 @@ class Session:
         """Next user turn: each method continues on its own compressed cache (all methods in one batch)."""
         if self.turn < 0:
             raise EngineError("run() the first turn before a follow-up")
+        if not self.chat_template:
+            raise EngineError("a plain-text session (chat_template=False) has no turns to follow up")
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the follow-up prompt is empty")
         if self.released:
@@ -308,7 +318,8 @@ class Session:
     # -- internals ---------------------------------------------------------------------------------------
     def _prefill_all(self) -> PrefillInfo:
         loaded = self.engine.loaded
-        text = format_prompt(loaded, self.prompt, with_image=self.image is not None)
+        text = (format_prompt(loaded, self.prompt, with_image=self.image is not None) if self.chat_template
+                else self.prompt)
         inputs = encode(loaded, self.image, text)
         ids = inputs["input_ids"]
         n = ids.shape[1]
