@@ -246,6 +246,89 @@ def builtin_text() -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in build_builtin())
 
 
+# -- long-context text -----------------------------------------------------------------------------------------
+# The text mode of benchmarks/quality.py cuts (context, continuation) pairs from one long plain text. The built-in
+# text is the Python Language Reference that every CPython ships as `pydoc_data.topics` (the pages `help()` shows):
+# about 465,000 characters of English technical prose with some code and grammar, licensed with Python's
+# documentation under the PSF License Version 2. It is read from the interpreter, not copied into this
+# repository, so it needs no download; its exact text follows the Python version (the run records its digest).
+
+BUILTIN_TEXT = "builtin"
+CUT_SLACK = 32  # a window may move this many tokens forward to find cuts that re-tokenize exactly
+
+
+@dataclass(frozen=True)
+class LongText:
+    text: str
+    source: str  # for tables and notes
+    path: Path | None  # the file read; None for the built-in text
+
+
+def builtin_long_text() -> LongText:
+    import platform
+
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(page.strip("\n") for page in topics.values()) + "\n"
+    return LongText(text, f"the Python {platform.python_version()} Language Reference (pydoc_data.topics, "
+                          "PSF License Version 2)", None)
+
+
+def load_long_text(spec: str) -> LongText:
+    """'builtin' or a UTF-8 plain-text file."""
+    if spec == BUILTIN_TEXT:
+        return builtin_long_text()
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"text file {path} does not exist (use 'builtin' for the built-in text)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path.name} is not UTF-8 text (byte {exc.start}); pass a plain-text file") from None
+    if not text.strip():
+        raise DataError(f"{path.name} is empty")
+    return LongText(text, path.name, path)
+
+
+def _round_trips(tokenizer, ids: list[int]) -> bool:
+    """Decoding `ids` and encoding the text again gives `ids` back (no split word, no split UTF-8 byte)."""
+    return tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] == ids
+
+
+def cut_text_pairs(tokenizer, text: str, context_tokens: int, continuation_tokens: int, pairs: int) -> list[Sample]:
+    """`pairs` non-overlapping windows spread evenly over `text`, each cut into a context of `context_tokens`
+    tokens (the sample's question) and the `continuation_tokens` tokens that follow it (the answer).
+
+    Both pieces are fed as separate texts, so a window moves forward (at most CUT_SLACK tokens) until each piece
+    encodes back to exactly its own tokens: context then continuation is then the text's own token sequence.
+    Where no such place exists the window stays and `exact` is False in the sample's extras."""
+    if context_tokens < 1 or continuation_tokens < 1 or pairs < 1:
+        raise DataError("context tokens, continuation tokens and pairs must each be at least 1")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # longer than any context: no warning
+    span = context_tokens + continuation_tokens
+    step = span + CUT_SLACK
+    if pairs * step > len(ids):
+        raise DataError(f"the text has {len(ids)} tokens: room for {len(ids) // step} pairs of {context_tokens} + "
+                        f"{continuation_tokens} tokens, not {pairs}; use a longer text, fewer pairs or shorter "
+                        "pieces")
+    stride = (len(ids) - step) // (pairs - 1) if pairs > 1 else 0
+    samples = []
+    for k in range(pairs):
+        base = k * stride
+        start, exact = base, False
+        for s in range(base, base + CUT_SLACK + 1):
+            if _round_trips(tokenizer, ids[s:s + context_tokens]) and \
+                    _round_trips(tokenizer, ids[s + context_tokens:s + span]):
+                start, exact = s, True
+                break
+        context = tokenizer.decode(ids[start:start + context_tokens])
+        continuation = tokenizer.decode(ids[start + context_tokens:start + span])
+        samples.append(Sample(id=f"text-{start}", image=None, question=context, answer=continuation,
+                              extra={"kind": "text", "start_token": start, "context_tokens": context_tokens,
+                                     "continuation_tokens": continuation_tokens, "exact": exact}))
+    return samples
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Write or check the built-in evaluation set "
                                             f"({BUILTIN.relative_to(BUILTIN.parent.parent.parent)}).")

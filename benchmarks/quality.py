@@ -6,6 +6,13 @@ F1 of the greedy output against the full-cache greedy output of the same model.
     python benchmarks/quality.py --model llava-hf/llava-1.5-7b-hf --device cuda
     accelerate launch --multi_gpu --num_processes 4 benchmarks/quality.py --model ...  # data parallel, same tables
     accelerate launch --multi_gpu --num_processes 2 benchmarks/quality.py --device cpu ...  # 2 CPU processes (gloo)
+    python benchmarks/quality.py --text builtin --context-tokens 1024 --continuation-tokens 64 --pairs 8
+
+Text mode (--text FILE|builtin): long-context language modelling without an image. K pairs (a context of N
+tokens, the M tokens that follow it) are cut from one plain text; the context is fed as plain text (no chat
+template: the continuation is the text's own next tokens, not an assistant's reply) and the PPL is that of the
+continuation teacher-forced through each compressed cache. ROUGE-L compares greedy continuations with Full's.
+The built-in text is the Python Language Reference shipped with the interpreter (benchmarks/data.py).
 
 Full (and every method that ignores the budget, e.g. ZipVL) runs once per sample and is reused for every
 budget; Full's output is the ROUGE reference. Records are appended to <out>/records.rank<R>.jsonl after each
@@ -32,10 +39,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, RecordStore, Table, parse_float_list, parse_knobs, run_info, save_figure  # noqa: E402
-from benchmarks.data import DataError, Sample, dataset_spec, load_dataset, resolve_image  # noqa: E402
+from benchmarks.data import (DataError, LongText, Sample, cut_text_pairs, dataset_spec, load_dataset,  # noqa: E402
+                             load_long_text, resolve_image)
 
 DEFAULT_BUDGETS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"
 QUICK = {"limit": 5, "budgets": "0.1,0.3,0.5", "max_new_tokens": 12, "max_answer_tokens": 16}
+# text mode: (context tokens, continuation tokens, pairs), full and --quick
+TEXT_DEFAULTS = {"context_tokens": 1024, "continuation_tokens": 64, "pairs": 8}
+TEXT_QUICK = {"context_tokens": 512, "continuation_tokens": 32, "pairs": 3}
 FULL_DEFAULTS = {"limit": None, "budgets": DEFAULT_BUDGETS, "max_new_tokens": 64, "max_answer_tokens": 0}
 # The PrefixKV paper's claim (a): PrefixKV beats these at every budget.
 CLAIM_BASELINES = ("local", "h2o", "pyramidkv", "elastic")
@@ -50,6 +61,18 @@ def record_key(r: dict[str, Any]) -> tuple[str, str, str]:
 
 
 # -- evaluation of one sample ------------------------------------------------------------------------------
+
+class PlainTextPrompts:
+    """The engine as the text mode uses it: every session feeds its prompt (a context cut from a long text) as
+    plain text, without the chat template."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.loaded = engine.loaded
+
+    def new_session(self, *args, **kwargs):
+        return self.engine.new_session(*args, chat_template=False, **kwargs)
+
 
 def truncate_answer(tokenizer, answer: str, max_tokens: int) -> str:
     """The first `max_tokens` tokens of the answer (0 = all), decoded back to text."""
@@ -317,6 +340,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'builtin' (benchmarks/data/builtin.jsonl, 45 samples) or a .jsonl/.json file in the flat "
                         "(image, question, answer) or LLaVA conversation format")
     p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the data file's)")
+    text = p.add_argument_group(
+        "text mode", "long-context language modelling without an image: pairs (context, continuation) cut from "
+                     "one plain text, the context fed without the chat template, PPL of the continuation")
+    text.add_argument("--text", default=None, metavar="FILE|builtin",
+                      help="a UTF-8 plain-text file, or 'builtin': the Python Language Reference shipped with the "
+                           "interpreter (pydoc_data, PSF License, about 113k tokens for SmolLM2); replaces --data")
+    text.add_argument("--context-tokens", type=int, default=None, metavar="N",
+                      help=f"tokens of context per pair (default {TEXT_DEFAULTS['context_tokens']}; --quick "
+                           f"{TEXT_QUICK['context_tokens']})")
+    text.add_argument("--continuation-tokens", type=int, default=None, metavar="M",
+                      help=f"tokens scored after each context (default {TEXT_DEFAULTS['continuation_tokens']}; "
+                           f"--quick {TEXT_QUICK['continuation_tokens']}); replaces --max-answer-tokens")
+    text.add_argument("--pairs", type=int, default=None, metavar="K",
+                      help=f"pairs, spread evenly over the text without overlap (default {TEXT_DEFAULTS['pairs']}; "
+                           f"--quick {TEXT_QUICK['pairs']})")
     p.add_argument("--methods", default="all", help="'all' or a comma-separated list; 'full' is always added "
                                                     "(it is the ROUGE reference)")
     p.add_argument("--budgets", default=None, help=f"comma-separated kept fractions (default {DEFAULT_BUDGETS}; "
@@ -356,6 +394,32 @@ def resolve_settings(args) -> dict[str, Any]:
     }
 
 
+def text_settings(args) -> dict[str, Any]:
+    """The text mode's own settings; the continuation is scored whole (it is already M tokens)."""
+    base = TEXT_QUICK if args.quick else TEXT_DEFAULTS
+    out = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
+    for k, v in out.items():
+        if v < 1:
+            raise SystemExit(f"--{k.replace('_', '-')} must be at least 1")
+    if args.data != "builtin":
+        raise SystemExit("--text and --data are alternatives: give one")
+    return {**out, "text": args.text, "max_answer_tokens": 0}
+
+
+def text_samples(loaded, long_text: LongText, settings: dict[str, Any]) -> list[Sample]:
+    """The pairs of the text mode, checked against the model's context."""
+    need = settings["context_tokens"] + max(settings["continuation_tokens"], settings["max_new_tokens"])
+    if need > loaded.max_context:
+        raise SystemExit(f"--context-tokens + --continuation-tokens (or --max-new-tokens) is {need} tokens, over "
+                         f"the model's context of {loaded.max_context}")
+    try:
+        samples = cut_text_pairs(loaded.tokenizer, long_text.text, settings["context_tokens"],
+                                 settings["continuation_tokens"], settings["pairs"])
+    except DataError as exc:
+        raise SystemExit(f"--text: {exc}") from None
+    return samples[: settings["limit"]] if settings["limit"] else samples
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -373,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = state.process_index, state.num_processes
     main_proc = state.is_main_process
     settings = resolve_settings(args)
+    long_text = None
+    if args.text:
+        settings.update(text_settings(args))
+        try:
+            long_text = load_long_text(args.text)
+        except DataError as exc:
+            raise SystemExit(f"--text: {exc}") from None
     for b in settings["budgets"]:
         try:
             check_budget(b)
@@ -388,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         methods = ["full"] + methods
     data_path, default_root = dataset_spec(args.data)
     try:
-        samples = load_dataset(data_path, settings["limit"])
+        samples = load_dataset(data_path, settings["limit"]) if long_text is None else []
     except DataError as exc:
         raise SystemExit(f"--data: {exc}") from None
     image_root = Path(args.image_root) if args.image_root else default_root
@@ -402,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     loaded = load_model(args.model, device=device, dtype=args.dtype)
     engine = Engine(loaded)
+    sessions = engine if long_text is None else PlainTextPrompts(engine)
+    data_label = f"{len(samples)} samples of {data_path.name}"
+    if long_text is not None:
+        samples = text_samples(loaded, long_text, settings)
+        data_label = (f"{len(samples)} pairs of {settings['context_tokens']} context + "
+                      f"{settings['continuation_tokens']} continuation tokens from {long_text.source}, "
+                      "plain text without the chat template")
 
     knobs = parse_knobs(args.knob)
     mode = args.prefixkv_mode
@@ -413,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
         f"quality-{loaded.slug}" + ("-quick" if args.quick else ""))
+    if long_text is not None and not args.out:  # text runs keep their own default folder
+        out = out.with_name(out.name + "-text")
     fingerprint = {
         "model": loaded.name, "model_slug": loaded.slug, "weights": weights_digest(loaded.model),
         "vision_trained": loaded.vision_trained, "dtype": str(loaded.dtype).replace("torch.", ""),
@@ -420,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         "image_root": repo_relative(image_root), "max_new_tokens": settings["max_new_tokens"],
         "max_answer_tokens": settings["max_answer_tokens"], "knobs": knobs,
     }
+    if long_text is not None:  # the text (by digest), not the unused --data file, identifies the data
+        fingerprint.update(data=f"text:{args.text}", data_sha=hashlib.sha256(long_text.text.encode()).hexdigest()[:12],
+                           image_root=None, context_tokens=settings["context_tokens"],
+                           continuation_tokens=settings["continuation_tokens"], chat_template=False)
     store = RecordStore(out, rank)
     cfg_path = out / "config.json"
     # Every process checks (so none is left waiting at the barrier below); only the main one writes.
@@ -452,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = tqdm(desc="tokens generated + scored", disable=quiet, unit="tok", leave=False)
         for sample in bar:
             bar.set_postfix_str(sample.id)
-            my_new += evaluate_sample(engine, sample, image_root, methods, settings["budgets"], settings, knobs,
+            my_new += evaluate_sample(sessions, sample, image_root, methods, settings["budgets"], settings, knobs,
                                       done, store, steps)
         steps.close()
         bar.close()
@@ -471,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      if r["method"] in methods else 99, budget_key(r["budget"])))
     agg = aggregate(records, sample_ids, methods, settings["budgets"])
     info = run_info(loaded.device)
-    note = (f"{loaded.name} ({loaded.slug}), {len(samples)} samples of {data_path.name}, "
+    note = (f"{loaded.name} ({loaded.slug}), {data_label}, "
             f"{settings['max_new_tokens']} new tokens, answers {'cut at ' + str(settings['max_answer_tokens']) + ' tokens' if settings['max_answer_tokens'] else 'whole'}, "
             f"PrefixKV {mode}; {info['machine']}, {info['date']}, commit {info['commit']}.")
     if not loaded.vision_trained:
@@ -495,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         "tables": {"ppl": agg["ppl"], "rouge_l": agg["rouge_l"], "kv_kept_pct": agg["kv_kept_pct"]},
         "counts": agg["counts"], "claims": claims, "records": records,
     }
+    if long_text is not None:
+        payload["text_mode"] = {"source": long_text.source, "pairs": [s.as_dict() for s in samples]}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     if not args.quiet:
         print(summary_md)
