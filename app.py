@@ -5,8 +5,11 @@
     python app.py --model llava-hf/llava-1.5-7b-hf --device cuda --dtype float16 --host 0.0.0.0
 
 Every flag also reads an environment variable (PREFIXKV_MODEL, PREFIXKV_DEVICE, PREFIXKV_DTYPE,
-PREFIXKV_HOST, PORT, PREFIXKV_METHODS, PREFIXKV_MAX_NEW_TOKENS_LIMIT), which is how the Docker image / a
-Hugging Face Space sets them. No share link is ever opened.
+PREFIXKV_HOST, PORT, PREFIXKV_METHODS, PREFIXKV_MAX_NEW_TOKENS_LIMIT, and the limits: PREFIXKV_MAX_PROMPT_CHARS,
+PREFIXKV_MAX_PROMPT_TOKENS, PREFIXKV_MAX_RUN_TOKENS, PREFIXKV_MAX_IMAGE_MB, PREFIXKV_MAX_IMAGE_MEGAPIXELS,
+PREFIXKV_MAX_SESSIONS, PREFIXKV_SESSION_IDLE_MINUTES, PREFIXKV_CACHE_LIMIT_MB, PREFIXKV_MEMORY_LIMIT_MB,
+PREFIXKV_QUEUE_SIZE), which is how the Docker image / a Hugging Face Space sets them. No share link is ever
+opened.
 """
 from __future__ import annotations
 
@@ -24,6 +27,32 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def _megabytes_or_auto(text: str) -> str:
+    """'auto', 'off' (or 0) or a positive number of megabytes."""
+    value = str(text).strip().lower()
+    if value in ("auto", "off", "0", "none"):
+        return "off" if value in ("off", "0", "none") else "auto"
+    try:
+        if float(value) > 0:
+            return value
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or a positive number of megabytes, got {text!r}")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="app.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,7 +68,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="methods offered, 'all' or a comma list, e.g. full,snapkv,prefixkv")
     p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("PREFIXKV_MAX_NEW_TOKENS_LIMIT", "256")),
                    help="upper end of the max-new-tokens slider (default 256)")
+    g = p.add_argument_group("limits (what one client may ask, what all of them may hold)")
+    g.add_argument("--max-prompt-chars", type=_positive(int), default=_env("PREFIXKV_MAX_PROMPT_CHARS", "2000"),
+                   help="characters in a prompt or follow-up question (default 2000)")
+    g.add_argument("--max-prompt-tokens", type=_positive(int), default=_env("PREFIXKV_MAX_PROMPT_TOKENS", "1024"),
+                   help="tokens in a prompt or follow-up question (default 1024)")
+    g.add_argument("--max-run-tokens", type=_positive(int), default=_env("PREFIXKV_MAX_RUN_TOKENS", "3072"),
+                   help="tokens a whole conversation may reach: template, image, turns and answers (default 3072)")
+    g.add_argument("--max-image-mb", type=_positive(float), default=_env("PREFIXKV_MAX_IMAGE_MB", "10"),
+                   help="image size however it arrives: upload, data URL or API file (default 10)")
+    g.add_argument("--max-image-megapixels", type=_positive(float),
+                   default=_env("PREFIXKV_MAX_IMAGE_MEGAPIXELS", "40"), help="decoded image size (default 40)")
+    g.add_argument("--max-sessions", type=_positive(int), default=_env("PREFIXKV_MAX_SESSIONS", "6"),
+                   help="conversations that keep their KV caches for follow-ups; least recently used dropped "
+                        "first (default 6)")
+    g.add_argument("--session-idle-minutes", type=_positive(float),
+                   default=_env("PREFIXKV_SESSION_IDLE_MINUTES", "10"),
+                   help="drop a conversation's caches after this long unused (default 10)")
+    g.add_argument("--cache-limit-mb", type=_megabytes_or_auto, default=_env("PREFIXKV_CACHE_LIMIT_MB", "auto"),
+                   help="KV caches of all conversations plus the next run; 'auto' (default): half the free GPU "
+                        "memory after loading, or a quarter of the machine's memory on CPU; 'off'")
+    g.add_argument("--memory-limit-mb", type=_megabytes_or_auto, default=_env("PREFIXKV_MEMORY_LIMIT_MB", "auto"),
+                   help="refuse new runs while the process uses more; 'auto' (default): 90%% of the machine's or "
+                        "container's memory; 'off'")
+    g.add_argument("--queue-size", type=_positive(int), default=_env("PREFIXKV_QUEUE_SIZE", "64"),
+                   help="requests that may wait for the model (default 64)")
     return p.parse_args(argv)
+
+
+def build_limits(args: argparse.Namespace, loaded):
+    """The Limits for this server from the flags ('auto' ceilings are measured on this machine)."""
+    from prefixkv_core.limits import MB, Limits, default_cache_limit, default_memory_limit
+
+    def ceiling(value: str, auto):
+        return None if value == "off" else auto() if value == "auto" else int(float(value) * MB)
+
+    return Limits(max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
+                  max_run_tokens=args.max_run_tokens, max_image_bytes=int(args.max_image_mb * MB),
+                  max_image_pixels=int(args.max_image_megapixels * 1e6), max_sessions=args.max_sessions,
+                  idle_s=args.session_idle_minutes * 60,
+                  cache_limit_bytes=ceiling(args.cache_limit_mb, lambda: default_cache_limit(loaded)),
+                  memory_limit_bytes=ceiling(args.memory_limit_mb, default_memory_limit))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,9 +140,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from ui.app_builder import build_app, launch_kwargs
 
-    demo = build_app(Engine(loaded), methods=methods, max_new_tokens_limit=args.max_new_tokens_limit)
-    demo.launch(**launch_kwargs(args.host, args.port))
+    limits = build_limits(args, loaded)
+    log.info("limits: prompt %d characters / %d tokens, conversation %d tokens, image %s, %d conversations "
+             "holding caches (idle %.0f min), cache limit %s, memory limit %s", limits.max_prompt_chars,
+             limits.max_prompt_tokens, limits.max_run_tokens, limits.image_limit_text, limits.max_sessions,
+             limits.idle_s / 60, _mb(limits.cache_limit_bytes), _mb(limits.memory_limit_bytes))
+    demo = build_app(Engine(loaded), methods=methods, max_new_tokens_limit=args.max_new_tokens_limit, limits=limits,
+                     queue_size=args.queue_size)
+    demo.launch(**launch_kwargs(args.host, args.port, limits=limits))
     return 0
+
+
+def _mb(value: int | None) -> str:
+    return "off" if value is None else f"{value / 2**20:.0f} MB"
 
 
 if __name__ == "__main__":

@@ -51,10 +51,11 @@ def serve_app():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         demo = build_app(engine, **kwargs)
-        demo.launch(**launch_kwargs("127.0.0.1", port, prevent_thread_lock=True, quiet=True))
+        demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
         demos.append(demo)
         return f"http://127.0.0.1:{port}/"
 
+    start.demos = demos  # the launched Blocks, for tests that look at the server's side (demo.controller)
     yield start
     for demo in demos:
         demo.close()

@@ -5,6 +5,8 @@ follow-up chat and export, wired to the Controller.
     demo.launch(**launch_kwargs("127.0.0.1", 7860))
 
 `build_app` never loads a model itself unless it is given a factory (a callable returning an Engine).
+Every input is checked before a handler sees it (inputs.py), request bodies are bounded (http_limits.py)
+and the limits in prefixkv_core.limits apply; `limits` defaults to `server_limits(engine.loaded)`.
 """
 from __future__ import annotations
 
@@ -14,16 +16,23 @@ from typing import Any, Callable
 import gradio as gr
 
 from prefixkv_core import Engine, describe, resolve_methods
+from prefixkv_core.limits import MB, Limits, server_limits
 
-from .controller import Controller, SessionBox
+from .controller import ENGINE_QUEUE, BoxReaper, Controller, SessionBox
 from .export import ALL_FORMATS
-from .inputs import MAX_PROMPT_CHARS, MAX_UPLOAD, checked_image, example_images, knob_specs
+from .export_store import ExportStore
+from .http_limits import BodySizeLimit, body_limit_for
+from .inputs import (DEFAULT_LIMITS, MAX_SEED, checked_image, example_images, guard_input, guard_requests,
+                     knob_specs, upload_folder)
 from .panels import status_line
+from .sessions import SessionRegistry
 from .theme import css, gradio_theme
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets" / "images"
 TITLE = "PrefixKV Lab · KV-cache compression, side by side"
+FILE_CACHE = (600, 3600)  # every 10 minutes, delete uploads and outputs Gradio cached over an hour ago
+QUEUE_SIZE = 64
 DEFAULT_PROMPT = "Describe this image in detail."
 
 HELP = """
@@ -76,35 +85,40 @@ def _budget_info(described: list[dict[str, Any]]) -> str:
 
 def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any = "all",
               default_methods: Any = None, max_new_tokens_limit: int = 256, examples_dir: Path | str | None = None,
-              title: str = TITLE) -> gr.Blocks:
+              title: str = TITLE, limits: Limits | None = None, queue_size: int = QUEUE_SIZE) -> gr.Blocks:
     """Blocks for one loaded model. `methods` are the methods offered (registry order), all selected unless
-    `default_methods` says otherwise. The queue runs one engine request at a time; others wait in line."""
+    `default_methods` says otherwise. The queue runs one engine request at a time; at most `queue_size`
+    wait in line."""
     engine = engine_or_factory if isinstance(engine_or_factory, Engine) else engine_or_factory()
+    limits = limits or server_limits(engine.loaded)
     offered = resolve_methods(methods)
     chosen = [m for m in (resolve_methods(default_methods) if default_methods else offered) if m in offered]
     limit = max(1, int(max_new_tokens_limit))
     described = [d for d in describe() if d["name"] in offered]
     specs = knob_specs(described, offered)
-    ctl = Controller(engine, offered, limit, specs)
+    examples_folder = Path(examples_dir) if examples_dir else ASSETS
+    ctl = Controller(engine, offered, limit, specs, limits=limits, registry=SessionRegistry(limits),
+                     exports=ExportStore(), image_roots=lambda: [upload_folder(), str(examples_folder)])
     n_layers = ctl.num_layers
-    examples = example_images(Path(examples_dir) if examples_dir else ASSETS)
+    examples = example_images(examples_folder)
 
-    with gr.Blocks(title=title, analytics_enabled=False) as demo:
+    with gr.Blocks(title=title, analytics_enabled=False, delete_cache=FILE_CACHE) as demo:
         gr.Markdown(f"## {title}")
         gr.Markdown(ctl.banner(), elem_id="banner")
-        # a plain instance, deep-copied for every session (a callable default would add a public load endpoint)
-        box = gr.State(SessionBox(overlay_layer=n_layers // 2))
+        # a plain instance, deep-copied for every session (a callable default would add a public load endpoint);
+        # when gradio deletes a closed session's state, whatever it still holds goes too
+        box = gr.State(SessionBox(overlay_layer=n_layers // 2), delete_callback=BoxReaper(ctl))
 
         with gr.Row(equal_height=False):
             with gr.Column(scale=4, min_width=300):
-                image = checked_image(label="Image", height=300, sources=["upload", "clipboard"],
-                                     elem_id="image-input")
+                image = checked_image(limits, ctl.image_roots, label="Image", height=300,
+                                      sources=["upload", "clipboard"], elem_id="image-input")
                 if examples:
                     gr.Examples(examples=[[p] for p in examples], inputs=[image], label="Example images",
                                 examples_per_page=12)
             with gr.Column(scale=5, min_width=340):
                 prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, max_lines=8,
-                                    max_length=MAX_PROMPT_CHARS, elem_id="prompt")
+                                    max_length=limits.max_prompt_chars, elem_id="prompt")
                 method_box = gr.CheckboxGroup(choices=[(ctl.labels[m], m) for m in offered], value=chosen,
                                               label="Methods", elem_id="methods")
                 budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
@@ -115,7 +129,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                 with gr.Accordion("Sampling", open=False):
                     with gr.Row():
                         do_sample = gr.Checkbox(False, label="Sample (greedy when off)")
-                        seed = gr.Number(0, precision=0, label="Seed", minimum=0)
+                        seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED)
                     with gr.Row():
                         temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                         top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
@@ -146,7 +160,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                 cols.append(col)
         with gr.Row(equal_height=True):
             followup = gr.Textbox(label="Follow-up question: every method continues on its own compressed cache",
-                                  scale=5, max_length=MAX_PROMPT_CHARS, elem_id="followup",
+                                  scale=5, max_length=limits.max_prompt_chars, elem_id="followup",
                                   placeholder="e.g. What colours stand out?")
             ask_btn = gr.Button("Ask every method", scale=1, elem_id="ask")
 
@@ -191,7 +205,13 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                    quality_plot, gallery, table, results, box]
         assert len(outputs) == len(ctl.output_keys)
         compare_inputs = [image, prompt, method_box, budget, max_new, do_sample, temperature, top_p, seed, box]
-        engine_queue = dict(concurrency_id="engine", concurrency_limit=1, show_progress="minimal",
+        # every value a client sends is checked under the name the API gives it
+        for field, component in [("prompt", prompt), ("methods", method_box), ("budget", budget),
+                                 ("max_new_tokens", max_new), ("do_sample", do_sample), ("temperature", temperature),
+                                 ("top_p", top_p), ("seed", seed), ("question", followup), ("formats", formats),
+                                 ("layer", overlay_layer), ("layers", lorenz_layers), *knob_widgets.items()]:
+            guard_input(component, field)
+        engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
                             show_progress_on=[status])
 
         method_box.change(ctl.visibility, [method_box], cols, queue=False, api_visibility="private")
@@ -219,9 +239,13 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                        api_visibility="private")
         export_btn.click(ctl.export, [formats, box], [export_files, export_msg], concurrency_id="export",
                          concurrency_limit=1, api_name="export")
+        demo.unload(ctl.disconnected)  # a closed tab or client: its caches and exports go at once
 
-    demo.queue(default_concurrency_limit=1, max_size=64)
+    guard_requests(demo)
+    demo.queue(default_concurrency_limit=1, max_size=max(1, int(queue_size)))
     demo.controller = ctl  # for tests and app.py
+    demo.limits = limits
+    ctl.blocks = demo
     return demo
 
 
@@ -237,9 +261,17 @@ def _table_headers():
     return TABLE_HEADERS
 
 
-def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, **extra: Any) -> dict[str, Any]:
-    """The launch settings the app always uses: no share link, 10 MB uploads, offline-safe theme."""
-    kwargs = dict(server_name=host, server_port=port, share=False, max_file_size=MAX_UPLOAD, theme=gradio_theme(),
-                  css=css(), ssr_mode=False, show_error=False, allowed_paths=[str(ASSETS)])
+def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, *, limits: Limits = DEFAULT_LIMITS,
+                  **extra: Any) -> dict[str, Any]:
+    """The launch settings the app always uses: no share link, offline-safe theme, uploads up to the image
+    limit, and every request body bounded (an image sent inside an API call as a data URL included)."""
+    from starlette.middleware import Middleware
+
+    size = limits.max_image_bytes
+    kwargs = dict(server_name=host, server_port=port, share=False,
+                  max_file_size=f"{size // MB}mb" if size % MB == 0 else size,
+                  theme=gradio_theme(), css=css(), ssr_mode=False, show_error=False, allowed_paths=[str(ASSETS)],
+                  app_kwargs={"middleware": [Middleware(BodySizeLimit,
+                                                        max_bytes=body_limit_for(limits.max_image_bytes))]})
     kwargs.update(extra)
     return kwargs

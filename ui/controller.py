@@ -4,23 +4,32 @@ throttled UI updates, and handle stop / clear / follow-up / overlay / Lorenz / e
 The Blocks layout lives in app_builder.py; this module knows the order of the outputs (OUTPUT_KEYS) and
 fills them. Each browser tab keeps one SessionBox in a gr.State: the current Comparison (with the engine
 Session, so follow-ups continue every method's own cache) and the tab's view preferences.
+
+Every request passes the checks in inputs.py and the limits in prefixkv_core.limits before it reaches the
+engine; the SessionRegistry decides how long the engine Sessions keep their caches (sessions.py).
 """
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import gradio as gr
 
 from prefixkv_core import EngineError, GenerationSettings, describe
+from prefixkv_core.limits import (LimitError, Limits, check_followup, check_prompt, estimate_run_bytes,
+                                  kv_bytes_per_token)
 
-from . import charts
+from . import charts, queue_probe
 from .export import ALL_FORMATS, export_all
-from .inputs import MAX_PROMPT_CHARS, KnobSpec, check_request, collect_knobs, downscale
+from .export_store import ExportStore
+from .inputs import (DEFAULT_LIMITS, KnobSpec, check_request, check_sampling, collect_knobs,
+                     downscale, refuse, upload_folder)
 from .overlay import caption, crops_to_square, overlay
 from .panels import banner_markdown, chat_messages, header_html, status_line
 from .runstate import Comparison, OverlayMaps, Track
+from .sessions import SessionRegistry
 from .streaming import StreamWorker
 
 log = logging.getLogger(__name__)
@@ -31,6 +40,7 @@ OVERLAY_EVERY_S = 1.5  # the worker samples the kept-patch maps this often
 OVERLAY_DISPLAY_SIDE = 1024
 TABLE_HEADERS = ["Method", "KV (MB)", "KV % of full", "Kept ratio", "ROUGE-L vs Full", "TTFT (ms)", "tok/s", "Status"]
 FIGURE_NAMES = ("retained-per-layer", "lorenz", "kv-memory", "latency", "quality-vs-memory")
+ENGINE_QUEUE = "engine"  # the concurrency id of Compare and follow-ups (app_builder.py)
 
 
 class SessionBox:
@@ -44,19 +54,41 @@ class SessionBox:
         self.lorenz_layers: list[int] | None = None
         self.overlay_layer = overlay_layer
         self.view_budget: float | None = None  # budget slider position, for the Lorenz preview
+        self.owner: str | None = None  # the Gradio session this box belongs to (key in the registry)
+        self.stop_at: float | None = None  # monotonic time of the last Stop with nothing running
 
 
 def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
     return "–" if v is None else format(v * scale, spec)
 
 
+class BoxReaper:
+    """The gr.State's delete_callback. Gradio copies a component's arguments (deeply, on page loads), so this
+    holds the controller by a weak reference: copying a bound method would copy the model with it."""
+
+    def __init__(self, controller: "Controller"):
+        self._controller = weakref.ref(controller)
+
+    def __call__(self, box) -> None:
+        controller = self._controller()
+        if controller is not None:
+            controller.forget_box(box)
+
+
 class Controller:
-    def __init__(self, engine, methods: list[str], max_new_tokens_limit: int, knob_specs: list[KnobSpec]):
+    def __init__(self, engine, methods: list[str], max_new_tokens_limit: int, knob_specs: list[KnobSpec], *,
+                 limits: Limits = DEFAULT_LIMITS, registry: SessionRegistry | None = None,
+                 exports: ExportStore | None = None, image_roots: Callable[[], list[str]] | None = None):
         self.engine = engine
         self.loaded = engine.loaded
         self.methods = list(methods)
         self.limit = int(max_new_tokens_limit)
         self.knob_specs = knob_specs
+        self.limits = limits
+        self.registry = registry or SessionRegistry(limits)
+        self.exports = exports or ExportStore()
+        self.image_roots = image_roots or (lambda: [upload_folder()])
+        self.blocks = None  # the Blocks, once built (for queue_probe)
         self.described = {d["name"]: d for d in describe()}
         self.labels = {m: self.described[m]["label"] for m in self.methods}
         self.crop = crops_to_square(getattr(self.loaded.processor, "image_processor", None))
@@ -205,14 +237,8 @@ class Controller:
         box.run = comp
         box.generation += 1
         generation = box.generation
-        if box.stop_requested:  # Stop was pressed while this request waited in the queue
-            box.stop_requested = False
-            comp.stop_all("stopped")
-            if not first_turn:
-                comp.rollback_turn()
-            yield self.render(comp, box, "■ Stopped before it started.", all_heads=first_turn)
-            return
         comp.active = True
+        self.registry.begin(box.owner)
         t0 = time.perf_counter()
         worker = StreamWorker(factory, comp.cancel, snapshot=lambda: self._overlay_snapshot(comp, box),
                               snapshot_every=OVERLAY_EVERY_S)
@@ -247,6 +273,7 @@ class Controller:
                                   overlay_=overlay_new)
         finally:
             comp.active = False
+            self.registry.end(box.owner)
             if worker.thread.is_alive():
                 comp.cancel.set()  # closed tab, Clear, or an error in the UI: the engine stops within a token
         elapsed = time.perf_counter() - t0
@@ -284,26 +311,59 @@ class Controller:
         return ("Queued: another run is using the model; this one starts when it finishes." if busy
                 else "Starting…"), box
 
+    def _owner(self, box: SessionBox, request: gr.Request | None) -> str:
+        """The registry key of this box: its Gradio session, or the box itself for a direct call."""
+        session_hash = getattr(request, "session_hash", None) if request is not None else None
+        if session_hash:
+            box.owner = str(session_hash)
+        elif box.owner is None:
+            box.owner = f"local-{id(box)}"
+        return box.owner
+
+    def _stopped_while_queued(self, box: SessionBox) -> bool:
+        """Was Stop pressed after this request joined the queue? Clears the browser's flag either way."""
+        queued_at = queue_probe.enqueued_at()
+        if queued_at is not None:
+            stopped = box.stop_at is not None and box.stop_at >= queued_at
+        else:  # a direct call, or a gradio without the queue's bookkeeping: the browser's own flag
+            stopped = box.stop_requested
+        box.stop_requested = False
+        return stopped
+
+    def _not_started(self, box: SessionBox) -> list[Any]:
+        box.pending = False
+        return self._as_list({"status": "■ Stopped before it started.", "box": box})
+
     def compare(self, image, prompt, methods, budget, max_new_tokens, do_sample=False, temperature=0.7, top_p=0.9,
-                seed=0, box=None, **knob_values) -> Iterator[list[Any]]:
+                seed=0, box=None, request: gr.Request = None, **knob_values) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
+        owner = self._owner(box, request)
+        if self._stopped_while_queued(box):
+            yield self._not_started(box)
+            return
         try:
-            prompt, methods, budget, max_new = check_request(prompt, methods, budget, max_new_tokens, self.limit)
+            prompt, methods, budget, max_new = check_request(prompt, methods, budget, max_new_tokens, self.limit,
+                                                             max_chars=self.limits.max_prompt_chars)
             unknown = [m for m in methods if m not in self.methods]
             if unknown:
-                raise gr.Error(f"unknown or unavailable method(s): {', '.join(map(str, unknown))}; "
-                               f"available: {', '.join(self.methods)}")
+                raise refuse(f"unknown or unavailable method(s): {', '.join(map(str, unknown))}; "
+                             f"available: {', '.join(self.methods)}")
             methods = [m for m in self.methods if m in methods]
-            settings = GenerationSettings(max_new_tokens=max_new, do_sample=bool(do_sample),
-                                          temperature=float(temperature if temperature is not None else 0.7),
-                                          top_p=float(top_p if top_p is not None else 0.9),
-                                          seed=int(seed or 0))
+            do_sample, temperature, top_p, seed = check_sampling(do_sample, temperature, top_p, seed)
+            settings = GenerationSettings(max_new_tokens=max_new, do_sample=do_sample, temperature=temperature,
+                                          top_p=top_p, seed=seed)
             knobs = collect_knobs(self.knob_specs, knob_values, methods)
-            image = downscale(self.engine.load_image(image)) if image is not None else None
-            session = self.engine.new_session(image, prompt, methods, budget, settings, knobs)
-        except EngineError as exc:
+            image = downscale(self.engine.load_image(
+                image, allowed_roots=self.image_roots(), max_bytes=self.limits.max_image_bytes,
+                max_pixels=self.limits.max_image_pixels)) if image is not None else None
+            tokens = check_prompt(self.limits, self.loaded, prompt, with_image=image is not None, max_new_tokens=max_new)
+            session = self.engine.new_session(image, prompt, methods, budget, settings, knobs)  # no caches yet
+            if box.run is not None and box.run.active:
+                box.run.cancel.set()  # its caches are dropped next: the engine must let go of them first
+            self.registry.reserve(owner, estimate_run_bytes(self.loaded, tokens, len(methods), budget))
+        except (EngineError, LimitError) as exc:
             box.pending = False
-            raise gr.Error(str(exc), print_exception=False) from None
+            raise refuse(str(exc)) from None
         except gr.Error:
             box.pending = False
             raise
@@ -317,55 +377,95 @@ class Controller:
                           image=downscale(image, OVERLAY_DISPLAY_SIDE) if image is not None else None,
                           model=self.model_info())
         comp.session = session
+        self.registry.add(owner, session, stop=lambda: comp.cancel.set())
         box.view_budget = budget
         yield from self._stream(box, comp, lambda cancel: session.run(cancel), first_turn=True)
 
-    def follow_up(self, question, box=None) -> Iterator[list[Any]]:
+    def _conversation_tokens(self, comp: Comparison) -> int:
+        """Tokens the longest method's conversation holds so far (uncompressed length)."""
+        lengths = [t.last.full_len for t in comp.tracks.values() if t.last is not None and t.last.full_len]
+        if lengths:
+            return max(lengths)
+        return comp.prefill.prompt_tokens if comp.prefill is not None else 0
+
+    def follow_up(self, question, box=None, request: gr.Request = None) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
+        owner = self._owner(box, request)
         comp = box.run
-        if comp is None or comp.session is None or comp.prefill is None:
+        try:
+            if self._stopped_while_queued(box):
+                yield self._not_started(box)
+                return
+            if comp is None or comp.session is None or comp.prefill is None:
+                raise refuse("run a comparison first: a follow-up continues every method's own compressed cache")
+            if comp.active:
+                raise refuse("the answers are still streaming: wait for them or press Stop")
+            if not isinstance(question, str) or not question.strip():
+                raise refuse("the follow-up question is empty" if question is None or isinstance(question, str)
+                             else f"question must be text, got {type(question).__name__}")
+            if getattr(comp.session, "released", False):
+                reason = self.registry.released_reason(owner) or "this comparison's caches were released"
+                raise refuse(f"{reason}; run Compare again to continue")
+            added = check_followup(self.limits, self.loaded, question,
+                                   conversation_tokens=self._conversation_tokens(comp),
+                                   max_new_tokens=int(comp.settings.get("max_new_tokens", self.limit)))
+            growth = kv_bytes_per_token(self.loaded) * added * len(comp.methods)
+            self.registry.reserve(owner, growth, keep_own=True)
+        except LimitError as exc:
             box.pending = False
-            raise gr.Error("run a comparison first: a follow-up continues every method's own compressed cache",
-                           print_exception=False)
-        if comp.active:
+            raise refuse(str(exc)) from None
+        except gr.Error:
             box.pending = False
-            raise gr.Error("the answers are still streaming: wait for them or press Stop", print_exception=False)
-        if not isinstance(question, str) or not question.strip():
-            box.pending = False
-            raise gr.Error("the follow-up question is empty", print_exception=False)
-        if len(question) > MAX_PROMPT_CHARS:
-            box.pending = False
-            raise gr.Error(f"the question is {len(question)} characters; the limit is {MAX_PROMPT_CHARS}",
-                           print_exception=False)
+            raise
         comp.begin_turn(question)
         session = comp.session
         yield from self._stream(box, comp, lambda cancel: session.follow_up(question, cancel), first_turn=False)
 
-    def stop(self, box):
+    def stop(self, box, request: gr.Request = None):
         if not isinstance(box, SessionBox):
-            return gr.skip()
+            return "Nothing to stop: no comparison is running in this session."
         if box.run is not None and box.run.active:
             box.run.cancel.set()
             return "■ Stopping: every method finishes its current token…"
-        if box.pending:
+        box.stop_at = time.monotonic()
+        session_hash = getattr(request, "session_hash", None) if request is not None else None
+        if box.pending or queue_probe.waiting(self.blocks, session_hash, ENGINE_QUEUE):
             box.stop_requested = True
             return "■ The queued request will not start."
-        return gr.skip()
+        return "Nothing to stop: no comparison is running or waiting in this session."
 
-    def clear(self, box):
+    def clear(self, box, request: gr.Request = None):
         box = box if isinstance(box, SessionBox) else SessionBox()
+        owner = self._owner(box, request)
         box.generation += 1
         if box.run is not None:
             box.run.cancel.set()
+        self.registry.release_owner(owner)
         box.run, box.pending, box.stop_requested = None, False, False
         return [*self.empty(box), "", gr.update(value=None, visible=False), ""]
+
+    def disconnected(self, request: gr.Request = None) -> None:
+        """The client's connection closed (Gradio's unload event): drop its caches and its exports."""
+        owner = getattr(request, "session_hash", None) if request is not None else None
+        if owner:
+            self.registry.release_owner(owner, reason="closed")
+            self.exports.forget(owner)
+
+    def forget_box(self, box) -> None:
+        """Gradio deleted a session's state (an hour after it closed): drop whatever it still holds."""
+        if isinstance(box, SessionBox) and box.owner:
+            if box.run is not None:
+                box.run.cancel.set()
+            self.registry.release_owner(box.owner, reason="closed")
+            self.exports.forget(box.owner)
+            box.run = None
 
     def set_overlay_layer(self, layer, box):
         if not isinstance(box, SessionBox):
             return gr.skip()
         try:
-            box.overlay_layer = int(layer)
-        except (TypeError, ValueError):
+            box.overlay_layer = int(min(max(int(layer), 0), max(self.num_layers - 1, 0)))
+        except (TypeError, ValueError, OverflowError):
             return gr.skip()
         comp = box.run
         if comp is None or comp.active:
@@ -380,29 +480,37 @@ class Controller:
         if not isinstance(box, SessionBox):
             return gr.skip()
         try:
-            box.lorenz_layers = sorted({int(x) for x in (layers or [])}) or None
-        except (TypeError, ValueError):
+            chosen = {int(x) for x in (layers or [])[: self.num_layers]}
+        except (TypeError, ValueError, OverflowError):
             return gr.skip()
+        box.lorenz_layers = sorted(x for x in chosen if 0 <= x < self.num_layers) or None
         return self.lorenz(box.run, box)
 
     def set_view_budget(self, budget, box):
         if not isinstance(box, SessionBox):
             return gr.skip()
         try:
-            box.view_budget = float(budget)
-        except (TypeError, ValueError):
+            value = float(budget)
+        except (TypeError, ValueError, OverflowError):
             return gr.skip()
+        if not (0.0 < value <= 1.0):  # NaN included
+            return gr.skip()
+        box.view_budget = value
         if box.run is None or box.run.prefill is None:
             return gr.skip()
         return self.lorenz(box.run, box)
 
-    def export(self, formats, box):
+    def export(self, formats, box, request: gr.Request = None):
         comp = box.run if isinstance(box, SessionBox) else None
         if comp is None or comp.prefill is None:
-            raise gr.Error("nothing to export yet: run a comparison first", print_exception=False)
-        formats = [f for f in (formats or ALL_FORMATS) if f in ALL_FORMATS]
+            raise refuse("nothing to export yet: run a comparison first")
+        if formats is not None and not isinstance(formats, (list, tuple)):
+            raise refuse(f"formats must be a list of any of: {', '.join(ALL_FORMATS)}")
+        formats = [f for f in (formats or ALL_FORMATS) if isinstance(f, str) and f in ALL_FORMATS]
+        folder = self.exports.new_folder(self._owner(box, request))
         try:
-            result = export_all(self.figures(comp, box), comp.to_dict(), formats, images=self.export_images(comp))
+            result = export_all(self.figures(comp, box), comp.to_dict(), formats, images=self.export_images(comp),
+                                out_root=folder)
         except Exception as exc:  # noqa: BLE001
             log.exception("export failed")
             raise gr.Error(f"export failed ({exc.__class__.__name__}: {str(exc)[:200]})", print_exception=False) from None

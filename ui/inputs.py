@@ -1,49 +1,113 @@
-"""Input side of the app: the image component that refuses bad files politely, the per-method knob
-widgets built from the engine's registry, and the checks run before a request reaches the engine."""
+"""Input side of the app: the checks between a client and the engine, and the per-method knob widgets built
+from the engine's registry.
+
+Every value a client sends passes a check here before anything else sees it. A value of the wrong type
+or shape is refused with the field's name and what it accepts; an image is taken only as uploaded bytes,
+a data URL, or a file in Gradio's upload folder or the shipped examples. A refusal is a gr.Error for
+the client and one line in the log (rate-limited), never a traceback.
+"""
 from __future__ import annotations
 
-import os
+import logging
+import math
+import threading
+import time
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import gradio as gr
 from PIL import Image
 
-MAX_UPLOAD_BYTES = 10 * 1024 * 1024  # 10 MB
-MAX_UPLOAD = "10mb"  # the same limit for gradio's upload route
-MAX_PROMPT_CHARS = 2000
+from prefixkv_core.limits import IMAGE_REFUSED, LimitError, Limits, decode_data_url, read_image_file
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LIMITS = Limits()
+MAX_PROMPT_CHARS = DEFAULT_LIMITS.max_prompt_chars
 MAX_DISPLAY_SIDE = 2048  # larger uploads are downscaled before anything else sees them
+MAX_SEED = 2**32 - 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
 
-def checked_image(**kwargs) -> gr.Image:
-    """A gr.Image (type="pil") whose preprocessing turns an oversized or non-image upload into a short
-    gr.Error instead of a server exception, and downscales huge images.
 
-    The check wraps this one instance's `preprocess` (a Component subclass would make gradio write a
-    .pyi stub next to this file at import time)."""
+# -- refusals ------------------------------------------------------------------------------------------------
+
+class _LogBudget:
+    """At most `per_minute` refusal lines a minute; the rest are counted and reported in one line."""
+
+    def __init__(self, per_minute: int = 30):
+        self.per_minute = per_minute
+        self.window_start = time.monotonic()
+        self.used = 0
+        self.dropped = 0
+        self.lock = threading.Lock()
+
+    def log(self, message: str) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if now - self.window_start >= 60:
+                if self.dropped:
+                    log.info("refused: %d more requests in the last minute (not logged)", self.dropped)
+                self.window_start, self.used, self.dropped = now, 0, 0
+            if self.used >= self.per_minute:
+                self.dropped += 1
+                return
+            self.used += 1
+        log.info("refused: %s", message[:300])
+
+
+_REFUSAL_LOG = _LogBudget()
+
+
+def refuse(message: str) -> gr.Error:
+    """An expected rejection: a short message for the client, one log line, no traceback."""
+    _REFUSAL_LOG.log(message)
+    return gr.Error(message, print_exception=False)
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# -- images --------------------------------------------------------------------------------------------------
+
+def upload_folder() -> str:
+    """Where Gradio keeps uploaded files (and its cached copies of examples and outputs)."""
+    from gradio.utils import get_upload_folder
+
+    return get_upload_folder()
+
+
+def checked_image(limits: Limits = DEFAULT_LIMITS, roots: Callable[[], Iterable[str]] | None = None,
+                  **kwargs) -> gr.Image:
+    """A gr.Image (type="pil") that takes an image only as a data URL or a file inside `roots()` (default:
+    Gradio's upload folder), within the limits, and downscales huge ones.
+
+    Gradio's own preprocessing would open any path a client names when the file object lacks Gradio's
+    marker; this one never does. The check wraps this one instance's `preprocess` (a Component subclass
+    would make gradio write a .pyi stub next to this file at import time)."""
     kwargs.setdefault("type", "pil")
     component = gr.Image(**kwargs)
-    original = component.preprocess
+    allowed = roots or (lambda: [upload_folder()])
 
     def preprocess(payload):
         if payload is None:
             return None
-        path = getattr(payload, "path", None)
-        name = Path(getattr(payload, "orig_name", None) or path or "upload").name
-        if path and os.path.exists(path) and os.path.getsize(path) > MAX_UPLOAD_BYTES:
-            raise gr.Error(f"{name} is {os.path.getsize(path) / 2**20:.1f} MB; the limit is 10 MB",
-                           print_exception=False)
+        url, path = getattr(payload, "url", None), getattr(payload, "path", None)
         try:
-            image = original(payload)
-        except gr.Error:
-            raise
-        except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
-            raise gr.Error(f"{name} is not a readable image ({exc.__class__.__name__}); "
-                           "accepted: PNG, JPEG, WebP, BMP, GIF", print_exception=False) from None
-        return downscale(image) if isinstance(image, Image.Image) else image
+            if isinstance(url, str) and url.startswith("data:"):
+                image = decode_data_url(url, max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+            elif isinstance(path, str) and path:
+                image = read_image_file(path, list(allowed()), max_bytes=limits.max_image_bytes,
+                                        max_pixels=limits.max_image_pixels)
+            else:
+                raise LimitError(IMAGE_REFUSED)
+        except LimitError as exc:
+            raise refuse(f"image: {exc}") from None
+        return downscale(image)
 
     component.preprocess = preprocess
     return component
@@ -57,6 +121,155 @@ def downscale(image: Image.Image | None, side: int = MAX_DISPLAY_SIDE) -> Image.
         image = image.copy()
         image.thumbnail((side, side))
     return image
+
+
+# -- every other input ---------------------------------------------------------------------------------------
+
+def _choice_values(component) -> list[Any]:
+    return [c[1] if isinstance(c, (list, tuple)) else c for c in (component.choices or [])]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def accepted_values(component) -> str:
+    """What one input accepts, in words, for refusal messages."""
+    if isinstance(component, (gr.Slider, gr.Number)):
+        whole = getattr(component, "precision", None) == 0 or (isinstance(component, gr.Slider)
+                                                                 and float(component.step or 0).is_integer()
+                                                                 and float(component.minimum).is_integer())
+        kind = "a whole number" if whole else "a number"
+        lo, hi = component.minimum, component.maximum
+        if lo is not None and hi is not None:
+            return f"{kind} from {_num(lo)} to {_num(hi)}"
+        if lo is not None:
+            return f"{kind} of at least {_num(lo)}"
+        return kind
+    if isinstance(component, gr.Checkbox):
+        return "true or false"
+    if isinstance(component, (gr.CheckboxGroup, gr.Dropdown)) and (
+            isinstance(component, gr.CheckboxGroup) or component.multiselect):
+        return "a list of any of: " + ", ".join(map(str, _choice_values(component)))
+    if isinstance(component, (gr.Radio, gr.Dropdown)):
+        return "one of: " + ", ".join(map(str, _choice_values(component)))
+    if isinstance(component, gr.Textbox):
+        return f"text of at most {component.max_length} characters" if component.max_length else "text"
+    return "a value of this field's type"
+
+
+def _precheck(component, field: str, payload: Any) -> Any:
+    """Type and shape of one payload before gradio's own preprocessing; returns it (lists normalised)."""
+    if payload is None:
+        return None
+    accepts = accepted_values(component)
+
+    def bad() -> gr.Error:
+        return refuse(f"{field} must be {accepts}, got {_short(payload)}")
+
+    if isinstance(component, (gr.Slider, gr.Number)):
+        if not _is_number(payload) or (accepts.startswith("a whole number") and not float(payload).is_integer()):
+            raise bad()
+    elif isinstance(component, gr.Checkbox):
+        if not isinstance(payload, bool):
+            raise bad()
+    elif isinstance(component, (gr.CheckboxGroup, gr.Dropdown)) and (
+            isinstance(component, gr.CheckboxGroup) or component.multiselect):
+        if isinstance(payload, str):  # "full, prefixkv" for a list of names
+            payload = [p.strip() for p in payload.split(",") if p.strip()]
+        if not isinstance(payload, (list, tuple)):
+            raise bad()
+        choices = _choice_values(component)
+        unknown = [p for p in payload if not isinstance(p, (str, int, float)) or p not in choices]
+        if unknown:
+            raise refuse(f"{field}: {_short(unknown)} not accepted; {field} must be {accepts}")
+        payload = list(payload)
+    elif isinstance(component, (gr.Radio, gr.Dropdown)):
+        if not isinstance(payload, (str, int, float)) or payload not in _choice_values(component):
+            raise bad()
+    elif isinstance(component, gr.Textbox):
+        if isinstance(payload, (list, tuple)):
+            raise refuse(f"{field}: one text at a time, please (got a list)")
+        if not isinstance(payload, str):
+            raise bad()
+        if component.max_length and len(payload) > component.max_length:
+            raise refuse(f"{field} is {len(payload)} characters; the limit is {component.max_length}")
+    return payload
+
+
+def guard_input(component, field: str):
+    """Wrap one input's `preprocess`: a value of the wrong type or shape, or one gradio itself rejects, is
+    refused with the field's name and what it accepts (gradio would answer an anonymous error and log a
+    traceback). `field` is the name the API gives the value."""
+    original = component.preprocess
+
+    def preprocess(payload):
+        payload = _precheck(component, field, payload)
+        if payload is None and isinstance(component, (gr.Slider, gr.CheckboxGroup, gr.Dropdown)):
+            return None  # the handler applies its default (or refuses with its own message)
+        try:
+            return original(payload)
+        except Exception:  # noqa: BLE001 - gradio's own checks (bounds, choices) or any failure of its processing
+            raise refuse(f"{field} must be {accepted_values(component)}, got {_short(payload)}") from None
+
+    component.preprocess = preprocess
+    return component
+
+
+def _names_remote_file(value: Any, depth: int = 0) -> bool:
+    """A file object whose path is a URL (gradio downloads those into its cache)."""
+    if depth > 3:
+        return False
+    if isinstance(value, dict):
+        path = value.get("path")
+        if isinstance(path, str) and path.strip().lower().startswith(("http://", "https://")):
+            return True
+        return any(_names_remote_file(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_names_remote_file(v, depth + 1) for v in value[:64])
+    return False
+
+
+def guard_requests(blocks) -> None:
+    """What gradio does with a request before any input's own check runs, made safe: a request with fewer
+    values than the endpoint takes, and a file object naming a server path that was not uploaded, are
+    answered in one line each (not an anonymous error and a traceback in the log; the path answered like
+    every other refused image, saying nothing about the disk); a file object naming a URL is refused
+    before gradio would download it. Any other malformed value is refused the same way."""
+    from gradio.exceptions import InvalidPathError
+
+    check_count, preprocess_data = blocks.validate_inputs, blocks.preprocess_data
+
+    def validate_inputs(block_fn, inputs):
+        try:
+            check_count(block_fn, inputs)
+        except ValueError:
+            name = f"/{block_fn.api_name}" if block_fn.api_name else "this event"
+            raise refuse(f"{name} takes {len(block_fn.inputs)} values, got {len(inputs)}: send every input "
+                         "(gradio_client fills in the defaults; see /gradio_api/info)") from None
+
+    async def checked_preprocess_data(block_fn, inputs, state, explicit_call=False):
+        if any(_names_remote_file(value) for value in inputs or []):
+            raise refuse(f"image: {IMAGE_REFUSED}")  # gradio would fetch it, unbounded, before any check
+        try:
+            return await preprocess_data(block_fn, inputs, state, explicit_call)
+        except gr.Error:
+            raise
+        except InvalidPathError:
+            raise refuse(f"image: {IMAGE_REFUSED}") from None
+        except Exception as exc:  # noqa: BLE001 - a value gradio could not even parse
+            if "ImageData" in str(getattr(exc, "title", "")):
+                raise refuse('image must be null, a file object from the upload route or {"url": "data:image/'
+                             '...;base64,..."}') from None
+            raise refuse(f"a value of this request has the wrong shape ({exc.__class__.__name__}): "
+                         "see /gradio_api/info for what each input accepts") from None
+
+    blocks.validate_inputs = validate_inputs
+    blocks.preprocess_data = checked_preprocess_data
 
 
 @dataclass
@@ -96,15 +309,25 @@ class KnobSpec:
         return gr.Textbox(value=str(self.default), label=label, info=info)
 
     def coerce(self, value: Any) -> Any:
+        """The client's value as the knob's type (None: the default). Raises ValueError saying what the
+        knob accepts; ranges are the policy's to check."""
         if value is None:
             return self.default
         if isinstance(self.default, bool):
-            return bool(value)
+            if isinstance(value, bool):
+                return value
+            raise ValueError("true or false")
         if isinstance(self.default, int):
-            return int(round(float(value)))
+            if _is_number(value) and float(value).is_integer() and abs(value) < 2**53:
+                return int(value)
+            raise ValueError("a whole number")
         if isinstance(self.default, float):
-            return float(value)
-        return str(value)
+            if _is_number(value):
+                return float(value)
+            raise ValueError("a finite number")
+        if isinstance(value, str) and len(value) <= 100:
+            return value
+        raise ValueError("text of at most 100 characters")
 
 
 def knob_specs(described: list[dict[str, Any]], methods: list[str]) -> list[KnobSpec]:
@@ -128,40 +351,64 @@ def collect_knobs(specs: list[KnobSpec], values: dict[str, Any], methods: list[s
             continue
         try:
             value = spec.coerce(values[spec.key])
-        except (TypeError, ValueError):
-            raise gr.Error(f"{spec.method} knob {spec.knob}: {values[spec.key]!r} is not a valid value") from None
+        except (TypeError, ValueError) as exc:
+            raise refuse(f"{spec.key} must be {exc}, got {_short(values[spec.key])}") from None
         if value != spec.default:
             knobs.setdefault(spec.method, {})[spec.knob] = value
     return knobs
 
 
-def check_request(prompt: Any, methods: Any, budget: Any, max_new_tokens: Any, limit: int) -> tuple[str, list[str], float, int]:
-    """UI-level checks with messages a user can act on (the engine re-checks everything)."""
+def check_request(prompt: Any, methods: Any, budget: Any, max_new_tokens: Any, limit: int,
+                  max_chars: int = MAX_PROMPT_CHARS) -> tuple[str, list[str], float, int]:
+    """Types and ranges of a Compare request, with messages a user can act on (the engine re-checks;
+    token limits are checked once the model's tokenizer is at hand)."""
     if isinstance(prompt, (list, tuple)):
-        raise gr.Error("one prompt at a time, please")
-    prompt = prompt if isinstance(prompt, str) else ""
+        raise refuse("prompt: one prompt at a time, please")
+    if prompt is not None and not isinstance(prompt, str):
+        raise refuse(f"prompt must be text, got {_short(prompt)}")
+    prompt = prompt or ""
     if not prompt.strip():
-        raise gr.Error("the prompt is empty: type a question or instruction")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise gr.Error(f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+        raise refuse("the prompt is empty: type a question or instruction")
+    if len(prompt) > max_chars:
+        raise refuse(f"the prompt is {len(prompt)} characters; the limit is {max_chars}")
+    if methods is None:
+        raise refuse("no method selected: methods must be a list of method names, e.g. [\"full\", \"prefixkv\"]")
     if isinstance(methods, str):
         methods = [m.strip() for m in methods.split(",") if m.strip()]
-    methods = list(methods or [])
+    if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
+        raise refuse(f"methods must be a list of method names, got {_short(methods)}")
+    methods = list(methods)
     if not methods:
-        raise gr.Error("no method selected: tick at least one method")
-    try:
-        budget = float(budget)
-    except (TypeError, ValueError):
-        raise gr.Error(f"budget must be a number in (0, 1], got {budget!r}") from None
+        raise refuse("no method selected: tick at least one method")
+    if not _is_number(budget):
+        raise refuse(f"budget must be a number in (0, 1], got {_short(budget)}")
+    budget = float(budget)
     if not (0.0 < budget <= 1.0):
-        raise gr.Error(f"budget must be a kept fraction in (0, 1], got {budget:g}")
-    try:
-        max_new = int(max_new_tokens)
-    except (TypeError, ValueError):
-        raise gr.Error(f"max new tokens must be a whole number, got {max_new_tokens!r}") from None
+        raise refuse(f"budget must be a kept fraction in (0, 1], got {budget:g}")
+    if not _is_number(max_new_tokens):
+        raise refuse(f"max new tokens (max_new_tokens) must be a whole number from 1 to {limit}, "
+                     f"got {_short(max_new_tokens)}")
+    max_new = int(max_new_tokens)
     if not (1 <= max_new <= limit):
-        raise gr.Error(f"max new tokens must be between 1 and {limit}, got {max_new}")
+        raise refuse(f"max new tokens (max_new_tokens) must be between 1 and {limit}, got {max_new}")
     return prompt, methods, budget, max_new
+
+
+def check_sampling(do_sample: Any, temperature: Any, top_p: Any, seed: Any) -> tuple[bool, float, float, int]:
+    """Sampling settings of a request; None takes the default."""
+    do_sample = False if do_sample is None else do_sample
+    if not isinstance(do_sample, bool):
+        raise refuse(f"do_sample must be true or false, got {_short(do_sample)}")
+    out = []
+    for name, value, default in (("temperature", temperature, 0.7), ("top_p", top_p, 0.9)):
+        value = default if value is None else value
+        if not _is_number(value) or not (0 < value <= (2.0 if name == "temperature" else 1.0)):
+            raise refuse(f"{name} must be a number in (0, {2 if name == 'temperature' else 1}], got {_short(value)}")
+        out.append(float(value))
+    seed = 0 if seed is None else seed
+    if not _is_number(seed) or not float(seed).is_integer() or not (0 <= seed <= MAX_SEED):
+        raise refuse(f"seed must be a whole number from 0 to {MAX_SEED}, got {_short(seed)}")
+    return do_sample, out[0], out[1], int(seed)
 
 
 def example_images(folder: Path) -> list[str]:

@@ -1,0 +1,320 @@
+"""Limits for serving the engine to clients that may be hostile: text counted in tokens as well as
+characters, image files confined to known folders and bounded in bytes and pixels, and the memory KV
+caches take.
+
+No gradio here. The app (ui/) turns a `LimitError` into a message for the user; the CLI and library
+callers may use the same checks.
+
+    limits = Limits()
+    tokens = check_prompt(limits, loaded, "Describe the image.", with_image=True, max_new_tokens=48)
+    image = open_image_file(path, roots=[upload_dir], max_bytes=limits.max_image_bytes,
+                            max_pixels=limits.max_image_pixels)
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+MB = 2**20
+
+# Decoders PIL may use (JPEG covers multi-picture JPEGs too). Everything else is never tried on client
+# data: EPS, for one, runs Ghostscript.
+Image.init()
+IMAGE_FORMATS = tuple(f for f in ("PNG", "JPEG", "WEBP", "BMP", "GIF") if f in Image.OPEN)
+ACCEPTED_IMAGES = "PNG, JPEG, WebP, BMP or GIF"
+
+# The one answer for an image the server will not use: outside the allowed folders, missing, a folder, a
+# device, unreadable or not an image all read the same, so the answer says nothing about the disk.
+IMAGE_REFUSED = f"not a readable image: send the image itself ({ACCEPTED_IMAGES}) as an upload or a data URL"
+
+
+class LimitError(ValueError):
+    """An input over a limit, or a server at capacity; the message names the limit and the value."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every bound a server applies. The first five bound one request; the last four bound what all
+    conversations together may hold (the app's session registry enforces them)."""
+
+    max_prompt_chars: int = 2000
+    max_prompt_tokens: int = 1024  # the user's text of one turn, without the chat template or the image
+    max_run_tokens: int = 3072  # a whole conversation: template, image tokens, every turn and answer
+    max_image_bytes: int = 10 * MB  # uploads, data URLs and files named in API calls alike
+    max_image_pixels: int = 40_000_000  # checked before decoding (a small PNG can decode to gigabytes)
+    max_sessions: int = 6  # conversations that keep their KV caches for follow-ups
+    idle_s: float = 600.0  # caches of a conversation untouched this long are dropped
+    cache_limit_bytes: int | None = None  # KV caches of all conversations + the next run; None: no limit
+    memory_limit_bytes: int | None = None  # resident memory of the process; None: no limit
+
+    def __post_init__(self):
+        for name in ("max_prompt_chars", "max_prompt_tokens", "max_run_tokens", "max_image_bytes",
+                     "max_image_pixels", "max_sessions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if not (isinstance(self.idle_s, (int, float)) and math.isfinite(self.idle_s) and self.idle_s > 0):
+            raise ValueError(f"idle_s must be a positive number of seconds, got {self.idle_s!r}")
+        for name in ("cache_limit_bytes", "memory_limit_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive number of bytes or None, got {value!r}")
+
+    @property
+    def image_limit_text(self) -> str:
+        return f"{self.max_image_bytes / MB:g} MB and {self.max_image_pixels / 1e6:g} megapixels"
+
+
+# -- tokens ------------------------------------------------------------------------------------------------
+
+def text_tokens(loaded, text: str) -> int:
+    """Tokens of `text` alone (no special tokens, no template)."""
+    return len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_tokens(loaded, prompt: str, with_image: bool) -> int:
+    """Tokens of a first turn as the engine feeds it: chat template, the image's tokens, the prompt."""
+    from .models import format_prompt
+
+    n = len(loaded.tokenizer(format_prompt(loaded, prompt, with_image=with_image), add_special_tokens=False)
+            ["input_ids"])
+    return n - 1 + int(loaded.image_seq_length) if with_image else n  # one <image> expands to the patches
+
+
+def followup_tokens(loaded, question: str) -> int:
+    """Tokens a follow-up turn adds before the answer (+1: the previous answer's last token is fed then)."""
+    from .models import format_followup
+
+    return len(loaded.tokenizer(format_followup(loaded, question), add_special_tokens=False)["input_ids"]) + 1
+
+
+def run_token_limit(limits: Limits, loaded) -> int:
+    return min(int(limits.max_run_tokens), int(loaded.max_context))
+
+
+def check_text(limits: Limits, loaded, text: str, what: str = "the prompt") -> int:
+    """Characters first (cheap, bounds the tokenizer's work), then tokens. Returns the token count."""
+    if len(text) > limits.max_prompt_chars:
+        raise LimitError(f"{what} is {len(text)} characters; the limit is {limits.max_prompt_chars}")
+    n = text_tokens(loaded, text)
+    if n > limits.max_prompt_tokens:
+        raise LimitError(f"{what} is {n} tokens ({len(text)} characters); the limit is {limits.max_prompt_tokens} "
+                         "tokens: shorten it (unusual characters take several tokens each)")
+    return n
+
+
+def check_prompt(limits: Limits, loaded, prompt: str, *, with_image: bool, max_new_tokens: int) -> int:
+    """A first turn within the limits; returns the tokens the run may reach (prompt + new tokens)."""
+    check_text(limits, loaded, prompt)
+    total = prompt_tokens(loaded, prompt, with_image) + int(max_new_tokens)
+    limit = run_token_limit(limits, loaded)
+    if total > limit:
+        image = f", {loaded.image_seq_length} of them for the image," if with_image else ""
+        raise LimitError(f"this run would reach {total} tokens (prompt{image} + {int(max_new_tokens)} new tokens); "
+                         f"the limit is {limit}: shorten the prompt or lower max new tokens")
+    return total
+
+
+def check_followup(limits: Limits, loaded, question: str, *, conversation_tokens: int, max_new_tokens: int) -> int:
+    """A follow-up within the limits; returns the tokens it adds (question + new tokens)."""
+    check_text(limits, loaded, question, what="the question")
+    added = followup_tokens(loaded, question) + int(max_new_tokens)
+    limit = run_token_limit(limits, loaded)
+    if conversation_tokens + added > limit:
+        raise LimitError(f"the conversation would reach {conversation_tokens + added} tokens; the limit is {limit}: "
+                         "run Compare again to start a new one")
+    return added
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+def kv_bytes_per_token(loaded) -> int:
+    """Bytes one uncompressed token takes in one method's cache: keys and values of every layer and KV
+    head, plus the bookkeeping kept per entry (position, image flag, score)."""
+    import torch
+
+    element = torch.tensor([], dtype=loaded.dtype).element_size()
+    per_head = 2 * int(loaded.head_dim) * element + 8 + 1 + 4
+    return int(loaded.num_layers) * int(loaded.num_kv_heads) * per_head
+
+
+def estimate_run_bytes(loaded, tokens: int, n_methods: int, budget: float) -> int:
+    """A generous estimate of the cache memory one comparison reaches: the shared prefill cache, one
+    uncompressed copy being compressed, and every method's share of the budget (at least a quarter, as
+    quantised or merging methods keep more than r)."""
+    full = kv_bytes_per_token(loaded) * max(int(tokens), 1)
+    share = max(float(budget), 0.25)
+    return int(full * min(n_methods + 1, 2 + n_methods * share))
+
+
+def process_memory_bytes() -> int | None:
+    """Resident memory of this process (None where it cannot be read)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - psutil missing or the platform refuses; fall back to /proc
+        pass
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def return_free_memory() -> None:
+    """Hand memory freed by dropped caches back to the system (glibc keeps freed heap pages otherwise, so
+    the process's resident size, which the memory ceiling reads, would not come down). No-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def machine_memory_bytes() -> int | None:
+    """Memory this process may use: physical memory, or the container's cgroup limit when lower."""
+    candidates = []
+    try:
+        candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" or a huge number: no limit
+            candidates.append(int(text))
+    return min(candidates) if candidates else None
+
+
+def default_memory_limit() -> int | None:
+    """90 % of what the machine (or container) allows: refuse a run before the kernel kills the server."""
+    total = machine_memory_bytes()
+    return int(total * 0.9) if total else None
+
+
+def default_cache_limit(loaded) -> int:
+    """KV-cache memory for all conversations together: half the GPU memory left after loading the model,
+    or a quarter of the machine's memory on CPU (4 GB when that cannot be read)."""
+    import torch
+
+    device = getattr(loaded, "device", None)
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return max(int(free * 0.5), 256 * MB)
+    total = machine_memory_bytes()
+    return max(int(total * 0.25), 256 * MB) if total else 4096 * MB
+
+
+def server_limits(loaded, **overrides) -> Limits:
+    """Limits for a server of `loaded`: the defaults, both memory ceilings set from the machine (see
+    default_cache_limit / default_memory_limit), then `overrides`."""
+    values = {"cache_limit_bytes": default_cache_limit(loaded), "memory_limit_bytes": default_memory_limit()}
+    values.update(overrides)
+    return Limits(**values)
+
+
+# -- images ------------------------------------------------------------------------------------------------
+
+def is_inside(path: str | os.PathLike, roots: Iterable[str | os.PathLike]) -> bool:
+    """True when `path`, with every symlink resolved, lies in one of `roots` (also resolved)."""
+    try:
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        return False
+    for root in roots:
+        try:
+            if real.is_relative_to(Path(os.path.realpath(root))):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def _too_big(size: int, max_bytes: int) -> LimitError:
+    return LimitError(f"the image is {size / MB:.1f} MB; the limit is {max_bytes / MB:g} MB")
+
+
+def decode_image_bytes(data: bytes, *, max_pixels: int) -> Image.Image:
+    """Bytes of a PNG/JPEG/WebP/BMP/GIF -> RGB image (EXIF rotation applied). The pixel count is checked
+    from the header, before anything is decoded. Raises LimitError."""
+    try:
+        im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        w, h = im.size
+        if w * h > max_pixels:
+            raise LimitError(f"the image is {w}×{h} pixels ({w * h / 1e6:.1f} megapixels); "
+                             f"the limit is {max_pixels / 1e6:g} megapixels")
+        im.load()
+        im = ImageOps.exif_transpose(im) or im
+        return im.convert("RGB")
+    except LimitError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError,
+            TypeError, IndexError, KeyError, ZeroDivisionError):
+        raise LimitError(IMAGE_REFUSED) from None
+
+
+def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> Image.Image:
+    """A base64 `data:` URL -> RGB image. The size is checked on the encoded text, before decoding."""
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:") or ";base64" not in header:
+        raise LimitError(IMAGE_REFUSED)
+    encoded = "".join(payload.split())
+    size = len(encoded) * 3 // 4 - encoded[-2:].count("=")
+    if size > max_bytes:
+        raise _too_big(size, max_bytes)
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise LimitError(IMAGE_REFUSED) from None
+    return decode_image_bytes(data, max_pixels=max_pixels)
+
+
+def read_image_file(path: str | os.PathLike, roots: Iterable[str | os.PathLike] | None, *, max_bytes: int | None,
+                    max_pixels: int | None) -> Image.Image:
+    """A file -> RGB image.
+
+    With `roots` (a server): the file must resolve inside one of them and be a regular file, else
+    LimitError(IMAGE_REFUSED) — the same answer whatever the reason. Only then is its size reported when
+    over `max_bytes`. Without `roots` (a local user's own path): any readable file, and errors say why."""
+    confined = roots is not None
+    if not isinstance(path, (str, os.PathLike)) or "\x00" in os.fspath(path):
+        raise LimitError(IMAGE_REFUSED)
+    if confined and not is_inside(path, roots):
+        raise LimitError(IMAGE_REFUSED)
+    real = os.path.realpath(path) if confined else os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if confined else 0)
+    try:
+        fd = os.open(real, flags)  # non-blocking: a FIFO must not hang the server
+    except OSError as exc:
+        raise LimitError(IMAGE_REFUSED if confined else f"cannot open {Path(real).name}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LimitError(IMAGE_REFUSED if confined else f"{Path(real).name} is not a regular file")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise _too_big(info.st_size, max_bytes)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(max_bytes + 1 if max_bytes is not None else -1)
+    finally:
+        os.close(fd)
+    if max_bytes is not None and len(data) > max_bytes:  # grew after the check
+        raise _too_big(len(data), max_bytes)
+    try:
+        return decode_image_bytes(data, max_pixels=max_pixels if max_pixels is not None else 2**62)
+    except LimitError as exc:
+        if confined or str(exc) != IMAGE_REFUSED:
+            raise
+        raise LimitError(f"{Path(real).name} is not a readable image ({ACCEPTED_IMAGES})") from None
