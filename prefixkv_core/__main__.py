@@ -41,7 +41,8 @@ def cmd_compare(args) -> int:
     engine = Engine(loaded)
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _knobs(args.knob))
+    session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _knobs(args.knob),
+                                 budget_mode="equal_memory" if args.equal_memory else "published")
     names = list(session.states)
     bar = tqdm(total=len(names) * args.max_new_tokens, desc="decoding", disable=args.quiet)
     for event in session.run():
@@ -55,6 +56,7 @@ def cmd_compare(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=1)
     if not args.quiet:
+        print(f"budget r = {args.budget:g}, {payload['budget_mode'].replace('_', ' ')} mode")
         for name, r in results.items():
             ratio = r["kv_bytes"] / r["full_kv_bytes"] if r["full_kv_bytes"] else 1.0
             rl = "" if r["rouge_l_vs_full"] is None else f"  ROUGE-L {r['rouge_l_vs_full']:.3f}"
@@ -117,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the user's question or instruction")
     p.add_argument("--methods", default="all", help="'all' or a comma-separated list (see the 'methods' command)")
     p.add_argument("--budget", type=float, default=0.3, help="kept fraction of the KV cache, in (0, 1]")
+    p.add_argument("--equal-memory", action="store_true",
+                   help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
+                        "every budgeted method holds the same memory (default: each as published)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per method")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")

@@ -24,7 +24,7 @@ from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
 from .events import KeptImageMap, MethodEvent, PrefillInfo
 from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, strip_layout, vision_inputs
-from .policies import Policy, PolicyError, PolicyState, ResolveContext, make_policy, resolve_methods
+from .policies import BUDGET_MODES, Policy, PolicyError, PolicyState, ResolveContext, make_policy, resolve_methods
 from .policies.base import check_budget
 from .record import ComparisonRecord
 
@@ -123,10 +123,15 @@ class Engine:
 
     def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
                     generation: GenerationSettings | None = None,
-                    knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True) -> "Session":
+                    knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
+                    budget_mode: str = "published") -> "Session":
         """`chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
         text, no turn markup): a document whose continuation is measured, as in language modelling. Such a
-        session takes no image and has no follow-up turns."""
+        session takes no image and has no follow-up turns.
+
+        `budget_mode`: "published" runs every method as its paper does (prompt-only methods let the cache grow
+        while decoding); "equal_memory" also holds the prompt-only ones at r·N_t, so every budgeted method
+        holds the same memory at every step."""
         if isinstance(prompt, (list, tuple)):
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -138,6 +143,8 @@ class Engine:
             names = resolve_methods(methods)
         except PolicyError as exc:
             raise EngineError(str(exc)) from None
+        if budget_mode not in BUDGET_MODES:
+            raise EngineError(f"budget_mode must be one of {', '.join(BUDGET_MODES)}, got {budget_mode!r}")
         generation = generation or GenerationSettings()
         generation.validate()
         knobs = knobs or {}
@@ -146,11 +153,11 @@ class Engine:
         policies = {}
         for name in names:
             try:
-                policies[name] = make_policy(name, budget, **dict(knobs.get(name, {}))).resolve(context)
+                policies[name] = make_policy(name, budget, budget_mode, **dict(knobs.get(name, {}))).resolve(context)
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
         return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs,
-                       chat_template=chat_template)
+                       chat_template=chat_template, budget_mode=budget_mode)
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
@@ -183,8 +190,9 @@ class Session:
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
                  budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
-                 chat_template: bool = True):
+                 chat_template: bool = True, budget_mode: str = "published"):
         self.engine = engine
+        self.budget_mode = budget_mode  # one of BUDGET_MODES, for every method of this session
         self.chat_template = chat_template  # False: the prompt is plain text, fed without turn markup
         self.image = image
         self.prompt = prompt
@@ -203,7 +211,7 @@ class Session:
         # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
         self.record = ComparisonRecord(
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
-            knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)})
+            knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode)
 
     def _recorded(self, events: Iterator[PrefillInfo | MethodEvent]) -> Iterator[PrefillInfo | MethodEvent]:
         self.record.active = True
@@ -351,6 +359,7 @@ class Session:
         self._first_logits = logits
         self.bytes_per_token = shared.cache.nbytes() / n
         importance = torch.stack([shared.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
+        curves = {}  # method -> the importance its per-layer allocation used (its Lorenz curves)
 
         for i, state in enumerate(self.states.values()):
             state.prompt_len = state.true_len = n
@@ -360,6 +369,9 @@ class Session:
                 state.cache = shared.cache if i == len(self.states) - 1 else shared.cache.clone()
                 stats = runner.policy_stats(state.policy, shared.stats, n)
                 state.policy_state = runner.compress_prefill(state.policy, state.cache, stats, n, self.budget)
+                used = state.policy.allocation_importance(state.policy_state)
+                if used is not None:
+                    curves[state.name] = used.float().cpu().numpy()
                 state.ttft_s = shared.seconds + (runner.now(loaded.device) - t1)
                 state.pending = self._sample(state, logits)
                 state.turn_ids = [state.pending]
@@ -371,7 +383,7 @@ class Session:
             prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
             importance=importance.float().cpu().numpy(), is_image=is_image[0].cpu().numpy(),
             image_grid=(first.rows, first.cols) if first is not None else None, image_offset=self.image_offset,
-            prefill_s=shared.seconds, image_layout=self.image_layout)
+            prefill_s=shared.seconds, image_layout=self.image_layout, curves=curves)
         return self.prefill
 
     def _layout(self, n_image: int) -> ImageLayout | None:

@@ -25,6 +25,9 @@ class PrefillInfo:
     image_offset: int | None  # index of the first image token in the prompt
     prefill_s: float  # model forward time of the prefill (vision tower and statistics included)
     image_layout: ImageLayout | None = None  # every view of the image (anyres: base view + tiles), if any
+    # method -> [L, N'] the per-layer importance whose Lorenz curves its allocation used (online PrefixKV: by
+    # its scorer, N' = N - 1 when the sink is left out of the curves)
+    curves: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass

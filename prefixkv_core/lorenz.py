@@ -62,10 +62,14 @@ class BisectionResult:
     converged: bool  # the search itself got within one token per layer of the target
 
 
-def bisect_threshold(curves: torch.Tensor, budget: float, min_keep: int = 1, max_iter: int = 60) -> BisectionResult:
-    """Find p in [0, 1] with Σ_l R_l(p)·N ≈ r·N·L, then make the counts sum exactly to round(r·N·L)."""
+def bisect_threshold(curves: torch.Tensor, budget: float, min_keep: int = 1, max_iter: int = 60,
+                     total: int | None = None) -> BisectionResult:
+    """Find p in [0, 1] with Σ_l R_l(p)·N ≈ r·N·L, then make the counts sum exactly to round(r·N·L).
+
+    `total` replaces round(r·N·L) as the number of entries to share out (e.g. when the curves leave out tokens
+    that are kept anyway)."""
     n_layers, n = curves.shape[0], curves.shape[-1] - 1
-    target_total = int(round(budget * n * n_layers))
+    target_total = int(round(budget * n * n_layers)) if total is None else int(total)
     lo, hi = 0.0, 1.0
     best = counts_for_threshold(curves, hi)
     converged = False

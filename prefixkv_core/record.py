@@ -64,9 +64,10 @@ class ComparisonRecord:
 
     def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
                  settings: dict[str, Any] | None = None, knobs: dict[str, dict[str, Any]] | None = None,
-                 model: dict[str, Any] | None = None):
+                 model: dict[str, Any] | None = None, budget_mode: str = "published"):
         self.methods = list(methods)
         self.budget = float(budget)
+        self.budget_mode = budget_mode  # "published" or "equal_memory" (prompt-only methods held at r·N_t)
         self.settings = dict(settings or {})
         self.knobs = {m: dict(k) for m, k in (knobs or {}).items()}
         self.model = dict(model or {})
@@ -172,6 +173,14 @@ class ComparisonRecord:
             return None
         return t.last.extras.get("threshold")
 
+    def curve_importance(self, method: str = "prefixkv") -> np.ndarray | None:
+        """[L, N'] the importance whose Lorenz curves `method` used in this run (online PrefixKV: by its
+        scorer, without the sink when it leaves it out), or the prefill's column sums when it reported none."""
+        if self.prefill is None:
+            return None
+        used = self.prefill.curves.get(method) if self.prefill.curves else None
+        return used if used is not None else self.prefill.importance
+
     def method_summary(self, method: str) -> dict[str, Any]:
         t = self.tracks[method]
         ev, cur = t.last, t.turn
@@ -203,6 +212,7 @@ class ComparisonRecord:
             "model": self.model.get("name"),
             "device": self.model.get("device"),
             "budget": self.budget,
+            "budget_mode": self.budget_mode,
             "settings": jsonable(self.settings),
             "knobs": jsonable(self.knobs),
             "prompts": list(self.prompts),

@@ -284,12 +284,17 @@ def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[
     window = policy.prefill_stats(prompt_len).window
     plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window))
     apply_plans(cache, plans)
+    # equal-memory mode: a prompt-only method starts at r·N too (LOOK-M's text may exceed it)
+    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, prompt_len, prompt_len, 0), state))
     return state
 
 
 def compress_decode(policy: Policy, state: PolicyState, cache: TrackedCache, true_len: int, prompt_len: int,
                     step: int, attention: dict[int, torch.Tensor] | None) -> None:
-    """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress."""
+    """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress (and,
+    in equal-memory mode, hold a prompt-only method at r·N_t)."""
     if attention is not None:
         cache.add_scores(attention)
-    apply_plans(cache, policy.decode(DecodeView(cache, true_len, prompt_len, step, attention), state))
+    view = DecodeView(cache, true_len, prompt_len, step, attention)
+    apply_plans(cache, policy.decode(view, state))
+    apply_plans(cache, policy.equal_memory_plans(view, state))

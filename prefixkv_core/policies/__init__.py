@@ -6,13 +6,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .base import (DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, Quantise,
-                   ResolveContext, check_budget)
+from .base import (BUDGET_MODES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
+                   PrefillView, Quantise, ResolveContext, check_budget)
 from .elastic import ElasticPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
 from .full import FullPolicy
 from .h2o import H2OPolicy
-from .knobs import KnobInfo, knob
+from .knobs import KnobInfo, knob, knob_attributes, knob_value
 from .local import LocalPolicy
 from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
@@ -108,17 +108,18 @@ def resolve_methods(names) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def make_policy(name: str, budget: float, **knobs: Any) -> Policy:
-    """Build a validated policy. Unknown knobs and values out of range raise PolicyError with what is accepted."""
+def make_policy(name: str, budget: float, budget_mode: str = "published", **knobs: Any) -> Policy:
+    """Build a validated policy. Unknown knobs and values out of range raise PolicyError with what is accepted.
+    `budget_mode`: one of BUDGET_MODES, how the comparison treats memory (not a knob of the method)."""
     cls = REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown method {name!r}; accepted: {', '.join(METHODS)}")
     check_budget(budget)
-    allowed = cls.knobs()
+    allowed = knob_attributes(cls)
     bad = [k for k in knobs if k not in allowed]
     if bad:
         raise PolicyError(f"{name} has no knob(s) {', '.join(bad)}; its knobs: {', '.join(allowed) or 'none'}")
-    return cls(budget=budget, **knobs)
+    return cls(budget=budget, budget_mode=budget_mode, **{allowed[k]: v for k, v in knobs.items()})
 
 
 def parse_knobs(items) -> dict[str, dict[str, Any]]:
@@ -159,7 +160,7 @@ def describe() -> list[dict[str, Any]]:
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy", "PolicyError",
-           "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView", "DecodeView",
-           "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "make_policy", "resolve_methods",
-           "describe"]
+__all__ = ["BUDGET_MODES", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
+           "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
+           "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
+           "make_policy", "resolve_methods", "describe"]

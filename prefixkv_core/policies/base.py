@@ -5,8 +5,9 @@ with `knob(...)`, validated when the policy is built). Two functions over tensor
 `prefill(view)` returns one `LayerPlan` per layer after the prompt together with the run's state (what
 this run found: capacities, thresholds, anchors, notes); `decode(view, state)` may return plans after each
 generated token (or after a follow-up turn's tokens). `facts(state)` says, typed, what to show about the
-run. Policies never touch the model; the engine applies plans to the `TrackedCache` (gather, merge,
-quantise), so all bookkeeping lives in one place.
+run. How many entries each layer keeps and which ones are small pieces shared by the methods
+(allocation.py, scoring.py). Policies never touch the model; the engine applies plans to the
+`TrackedCache` (gather, merge, quantise), so all bookkeeping lives in one place.
 """
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ import torch
 
 from ..attention import StatRequest
 from ..cache import TrackedCache, TrackedLayer
+from . import scoring
 from .facts import Fact, facts_to_extras, note
 from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
-__all__ = ["PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
+__all__ = ["BUDGET_MODES", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "check_budget",
-           "budget_count", "protected_mask", "top_k_keep", "drop_range_keep", "fixed_point_decode",
+           "budget_count", "protected_mask", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans"]
+
+# How budgeted methods are compared. "published": each as its paper runs it (prompt-only methods compress the
+# prompt once and then let the cache grow). "equal_memory": the prompt-only ones are also held at about r·N_t
+# while decoding (see equal_memory.py), so every budgeted method holds the same memory at every step.
+BUDGET_MODES = ("published", "equal_memory")
 
 
 @dataclass
@@ -94,6 +101,8 @@ class PolicyState:
     own typed fields; `notes` are sentences worth showing (fallbacks, clamped knobs, budget overruns)."""
 
     notes: list[str] = field(default_factory=list)
+    # equal-memory mode: each layer's share of N_t to hold while decoding (set at the first hold)
+    held_shares: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -128,10 +137,14 @@ class Policy:
     sink_tokens: ClassVar[int] = 1
 
     budget: float = 0.3
+    # one of BUDGET_MODES: how the comparison this policy runs in treats memory (a run setting, not a knob)
+    budget_mode: str = "published"
 
     def __post_init__(self):
         check_budget(self.budget)
         object.__setattr__(self, "budget", float(self.budget))
+        if self.budget_mode not in BUDGET_MODES:
+            raise PolicyError(f"budget mode must be one of {', '.join(BUDGET_MODES)}, got {self.budget_mode!r}")
         validate_knobs(self)
         self.check()
 
@@ -161,9 +174,38 @@ class Policy:
     def decode(self, view: DecodeView, state: PolicyState) -> list[LayerPlan | None] | None:
         return None
 
+    def keeps_budget_while_decoding(self) -> bool:
+        """Whether this run itself holds the cache at about its budget after every token ("every step");
+        prompt-only methods compress once and let the cache grow."""
+        return self.schedule == "every step"
+
+    def held_to_equal_memory(self) -> bool:
+        """Whether the runner holds this run at about r·N_t after its own plans (equal-memory mode, for a
+        budgeted method that does not hold its budget itself)."""
+        return self.budget_mode == "equal_memory" and self.uses_budget and not self.keeps_budget_while_decoding()
+
+    def equal_memory_plans(self, view: DecodeView, state: PolicyState) -> list[LayerPlan | None] | None:
+        """Plans that bring every layer back to its share of r·N_t (None when not held). The runner calls
+        this after the prefill's plans and after every decoding step's; override to evict by another rule."""
+        if not self.held_to_equal_memory():
+            return None
+        from .equal_memory import hold_plans, layer_shares
+
+        if not state.held_shares:  # first call, right after the prompt was compressed
+            state.held_shares = layer_shares(view.cache, view.prompt_len, self.budget)
+        return hold_plans(view, state.held_shares)
+
+    def allocation_importance(self, state: PolicyState) -> torch.Tensor | None:
+        """[L, N'] the per-layer importance this run divided its budget by (its Lorenz curves), if any."""
+        return None
+
     def facts(self, state: PolicyState) -> list[Fact]:
         """What to show next to this method's panel about this run (override to add typed facts)."""
-        return [note(n) for n in state.notes]
+        out = [note(n) for n in state.notes]
+        if self.held_to_equal_memory():
+            out.append(note("equal memory: held at r·N_t while decoding (the oldest generated entries go first, "
+                            "then the prompt's least attended)"))
+        return out
 
     def extras(self, state: PolicyState | None) -> dict[str, Any]:
         """The facts of this run in JSON-able form (events, exports); empty before the prefill."""
@@ -220,6 +262,20 @@ def top_k_keep(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None)
     return idx.sort(dim=-1).values
 
 
+def tiered_keep(scores: torch.Tensor, k: int, tier: torch.Tensor) -> torch.Tensor:
+    """Indices (ascending) of the k best entries along the last axis by a two-key sort: lower `tier` first
+    (an integer per entry, broadcastable to scores), then higher score; ties keep the lower index.
+
+    scores [B, H, T]. E.g. tier 0 for the sink, 1 for text, 2 for image tokens ranks text first within the
+    count instead of forcing all of it in."""
+    s = scores.float()
+    order = torch.argsort(s, dim=-1, descending=True, stable=True)
+    tiers = tier.expand_as(s).gather(-1, order)
+    order = order.gather(-1, torch.argsort(tiers, dim=-1, stable=True))
+    k = max(0, min(k, s.shape[-1]))
+    return order[..., :k].sort(dim=-1).values
+
+
 def drop_range_keep(length: int, start: int, count: int, device) -> torch.Tensor:
     """Indices [1, 1, length - count] of every entry except [start, start + count)."""
     idx = torch.arange(length, device=device)
@@ -253,11 +309,9 @@ def layer_importance(view: PrefillView, i: int, normalised: bool = False) -> tor
 
     `normalised` divides by the number of prompt queries that can see each token (N - j), removing the
     bias towards early tokens; the papers' default is the plain column sum."""
-    imp = view.stats[i]["colsum"].mean(dim=1, keepdim=True)
     if normalised:
-        pos = view.layer(i).positions[:, :1].float()
-        imp = imp / (view.prompt_len - pos).clamp_min(1.0)
-    return imp
+        return scoring.normalised_colsum(view.stats[i]["colsum"], view.layer(i).positions, view.prompt_len)
+    return scoring.colsum(view.stats[i]["colsum"])
 
 
 def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled | None) -> None:

@@ -1,5 +1,7 @@
 """Elastic Cache: keep the most important tokens as anchors and merge every other token into its nearest
-anchor; while decoding, delete at a fixed point so the older part stays frozen and the rest is a FIFO."""
+anchor; while decoding, delete at a fixed point so the older part stays frozen and the rest is a FIFO.
+
+Preset: uniform allocation, column-sum scoring (optionally normalised), plus its own merge and decode."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import StatRequest
-from .base import (DecodeView, LayerPlan, Merge, Policy, PolicyState, Prefilled, PrefillView, budget_count,
-                   fixed_point_decode, knob, layer_importance, protected_mask, top_k_keep)
+from . import allocation
+from .base import (DecodeView, LayerPlan, Merge, Policy, PolicyState, Prefilled, PrefillView, fixed_point_decode,
+                   knob, layer_importance, protected_mask, top_k_keep)
 
 
 def nearest_anchor(anchors: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
@@ -68,9 +71,9 @@ class ElasticPolicy(Policy):
         return StatRequest(colsum=True)
 
     def prefill(self, view: PrefillView) -> Prefilled:
-        k = budget_count(self.budget, view.prompt_len, min_keep=2)
+        counts = allocation.uniform(self.budget, view.prompt_len, view.num_layers, min_keep=2)
         plans = []
-        for i in range(view.num_layers):
+        for i, k in enumerate(counts):
             layer = view.layer(i)
             if view.cache.layers[i].positions.shape[0] != 1:
                 raise ValueError("Elastic Cache merging runs with batch size 1 only")
@@ -79,8 +82,8 @@ class ElasticPolicy(Policy):
             keep = top_k_keep(imp, k, protected)
             merge = merge_into_nearest(keep, layer.length, protected[0, 0]) if k < layer.length else None
             plans.append(LayerPlan(keep=keep, merge=merge))
-        return Prefilled(plans, ElasticState(anchors=[k] * view.num_layers))
+        return Prefilled(plans, ElasticState(anchors=counts))
 
     def decode(self, view: DecodeView, state: ElasticState):
-        targets = [budget_count(self.budget, view.true_len, min_keep=2)] * view.num_layers
+        targets = allocation.uniform(self.budget, view.true_len, view.num_layers, min_keep=2)
         return fixed_point_decode(view, targets, state.anchors)

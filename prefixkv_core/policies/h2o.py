@@ -1,11 +1,14 @@
-"""H2O (Heavy-Hitter Oracle): keep the tokens with the largest accumulated attention, plus a recent window."""
+"""H2O (Heavy-Hitter Oracle): keep the tokens with the largest accumulated attention, plus a recent window.
+
+Preset: uniform allocation, accumulated column sums (prefill + every decoding query), a recent window."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..attention import StatRequest
-from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, budget_count, knob, \
-    protected_mask, top_k_keep
+from . import allocation, scoring
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, protected_mask, \
+    top_k_keep
 
 
 @dataclass(frozen=True)
@@ -26,17 +29,16 @@ class H2OPolicy(Policy):
         return True
 
     def _plans(self, cache, true_len: int, prompt_len: int) -> list[LayerPlan | None]:
-        target = budget_count(self.budget, true_len, min_keep=2)
-        recent = max(1, int(round(self.recent_fraction * target)))
+        targets = allocation.uniform(self.budget, true_len, len(cache.layers), min_keep=2)
         plans: list[LayerPlan | None] = []
-        for layer in cache.layers:
+        for layer, target in zip(cache.layers, targets):
             if layer.length <= target:
                 plans.append(None)
                 continue
-            scores = layer.scores.mean(dim=1, keepdim=True)  # layer-wise: mean over KV heads, [B, 1, T]
+            recent = max(1, int(round(self.recent_fraction * target)))
             forced = protected_mask(layer, prompt_len)[:, :1].clone()
             forced[..., -recent:] = True
-            plans.append(LayerPlan(keep=top_k_keep(scores, target, forced)))
+            plans.append(LayerPlan(keep=top_k_keep(scoring.accumulated(layer.scores), target, forced)))
         return plans
 
     def prefill(self, view: PrefillView) -> Prefilled:

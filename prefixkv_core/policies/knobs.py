@@ -35,6 +35,9 @@ class KnobInfo:
     sequence: bool = False  # a list of numbers (each within the bounds), e.g. calibrated per-layer ratios
     editable: bool = True  # offered as a widget in the app (False: set by code, e.g. by `resolve`)
     label: str | None = None  # display name; the field name when None
+    # the knob's name for users (CLI, app, API, docs) when the field needs another one (a field may not share
+    # the name of a policy method, e.g. PrefixKV's `decode` knob lives in the field `decode_rule`)
+    name: str | None = None
 
     def accepted(self) -> str:
         """What the knob accepts, in words (used in error messages, the CLI and the app)."""
@@ -67,17 +70,28 @@ def _num(x: float) -> str:
 
 def knob(default: Any, *, help: str, choices: Sequence[Any] | None = None, low: float | None = None,
          high: float | None = None, low_open: bool = False, high_open: bool = False, integer: bool = False,
-         sequence: bool = False, editable: bool = True, label: str | None = None) -> Any:
+         sequence: bool = False, editable: bool = True, label: str | None = None, name: str | None = None) -> Any:
     """A policy field that is a user-facing knob (default, help text, accepted values)."""
     info = KnobInfo(help=help, choices=tuple(choices) if choices is not None else None, low=low, high=high,
                     low_open=low_open, high_open=high_open, integer=integer, sequence=sequence,
-                    editable=editable, label=label)
+                    editable=editable, label=label, name=name)
     return dataclasses.field(default=default, metadata={KNOB: info})
 
 
 def knob_fields(cls) -> list[tuple[str, Any, KnobInfo]]:
-    """(name, default, info) of every knob of a policy class, in declaration order."""
-    return [(f.name, f.default, f.metadata[KNOB]) for f in dataclasses.fields(cls) if KNOB in f.metadata]
+    """(name, default, info) of every knob of a policy class, in declaration order (the names users type)."""
+    return [(f.metadata[KNOB].name or f.name, f.default, f.metadata[KNOB]) for f in dataclasses.fields(cls)
+            if KNOB in f.metadata]
+
+
+def knob_attributes(cls) -> dict[str, str]:
+    """Knob name -> the dataclass field that holds it (the same, unless the knob declares its own name)."""
+    return {f.metadata[KNOB].name or f.name: f.name for f in dataclasses.fields(cls) if KNOB in f.metadata}
+
+
+def knob_value(policy, name: str) -> Any:
+    """The value of knob `name` of a policy."""
+    return getattr(policy, knob_attributes(type(policy))[name])
 
 
 def check_value(method: str, name: str, default: Any, info: KnobInfo, value: Any) -> Any:
@@ -132,6 +146,8 @@ def _expected(default: Any, info: KnobInfo) -> str:
 
 def validate_knobs(policy) -> None:
     """Check every knob of a (frozen) policy and store the normalised values."""
+    attributes = knob_attributes(type(policy))
     for name, default, info in knob_fields(type(policy)):
-        value = check_value(policy.label or policy.name, name, default, info, getattr(policy, name))
-        object.__setattr__(policy, name, value)  # frozen: normalising during construction only
+        attr = attributes[name]
+        value = check_value(policy.label or policy.name, name, default, info, getattr(policy, attr))
+        object.__setattr__(policy, attr, value)  # frozen: normalising during construction only

@@ -1,10 +1,12 @@
-"""Local (StreamingLLM): keep the attention-sink token(s) and the most recent tokens."""
+"""Local (StreamingLLM): keep the attention-sink token(s) and the most recent tokens.
+
+Preset: uniform allocation, recency scoring, the first `sinks` positions always kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, budget_count, \
-    drop_range_keep, knob
+from . import allocation, scoring
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, top_k_keep
 
 
 @dataclass(frozen=True)
@@ -17,16 +19,14 @@ class LocalPolicy(Policy):
     sinks: int = knob(1, help="attention-sink tokens always kept", low=1, high=64, integer=True)
 
     def _plans(self, cache, true_len: int) -> list[LayerPlan | None]:
-        target = budget_count(self.budget, true_len, min_keep=self.sinks + 1)
+        targets = allocation.uniform(self.budget, true_len, len(cache.layers), min_keep=self.sinks + 1)
         plans: list[LayerPlan | None] = []
-        for layer in cache.layers:
-            excess = layer.length - target
-            # entries are in position order, so the oldest non-sink ones sit right after the sinks
-            plans.append(
-                LayerPlan(keep=drop_range_keep(layer.length, self.sinks, excess, layer.positions.device))
-                if excess > 0
-                else None
-            )
+        for layer, target in zip(cache.layers, targets):
+            if layer.length <= target:
+                plans.append(None)
+                continue
+            positions = layer.positions[:, :1]
+            plans.append(LayerPlan(keep=top_k_keep(scoring.recency(positions), target, positions < self.sinks)))
         return plans
 
     def prefill(self, view: PrefillView) -> Prefilled:

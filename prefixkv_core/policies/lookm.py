@@ -1,5 +1,8 @@
 """LOOK-M: text-prior selection (every text token, a recent window, the top image tokens) per KV head,
-then each evicted token is merged into the kept token whose key is most similar."""
+then each evicted token is merged into the kept token whose key is most similar.
+
+Preset: its own allocation (r/2 heavy hitters + r/2 recent), column sums per KV head with text first, plus
+its merge. `text_prior = rank` ranks text first inside the budget instead of keeping all of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,9 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import StatRequest
-from .base import LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob, top_k_keep
+from . import scoring
+from .base import (LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob,
+                   tiered_keep, top_k_keep)
 
 MERGE_MODES = ("pivotal", "average", "weighted")
+TEXT_PRIORS = ("keep_all", "rank")
 
 
 def lookm_keep(scores: torch.Tensor, is_image: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
@@ -25,6 +31,19 @@ def lookm_keep(scores: torch.Tensor, is_image: torch.Tensor, heavy: int, recent:
     n_text = int(text[0, 0].sum()) if pool > 0 else 0
     k = min(pool, max(heavy, n_text))
     chosen = top_k_keep(scores[..., :pool], k, forced=text)
+    tail = torch.arange(pool, n, device=scores.device).view(1, 1, -1).expand(scores.shape[0], scores.shape[1], -1)
+    return torch.cat([chosen, tail], dim=-1)
+
+
+def lookm_rank_keep(scores: torch.Tensor, is_image: torch.Tensor, positions: torch.Tensor, heavy: int,
+                    recent: int) -> torch.Tensor:
+    """Like `lookm_keep`, but within the budget: the last `recent` entries, then exactly `heavy` more ranked
+    sink first, then text, then image, each by score. -> [B, H, min(n, heavy + recent)] ascending."""
+    n = scores.shape[-1]
+    recent = min(recent, n)
+    pool = n - recent
+    tier = torch.where(positions[..., :pool] < 1, 0, torch.where(is_image[..., :pool], 2, 1))
+    chosen = tiered_keep(scores[..., :pool], min(heavy, pool), tier)
     tail = torch.arange(pool, n, device=scores.device).view(1, 1, -1).expand(scores.shape[0], scores.shape[1], -1)
     return torch.cat([chosen, tail], dim=-1)
 
@@ -68,19 +87,29 @@ class LookMPolicy(Policy):
 
     merge: str = knob("pivotal", help="how evicted tokens are merged into the most similar kept ones",
                       choices=MERGE_MODES)
+    text_prior: str = knob("keep_all", help="keep_all: every text token stays, even past the budget (the "
+                                            "paper); rank: text ranked first inside the budget",
+                           choices=TEXT_PRIORS, label="text prior")
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(colsum=True)
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
-        heavy = int(round(0.5 * self.budget * n))
         recent = max(1, int(round(0.5 * self.budget * n)))
+        if self.text_prior == "rank":  # exactly the budget: what the recent window leaves goes to the ranking
+            heavy = max(0, budget_count(self.budget, n) - recent)
+        else:
+            heavy = int(round(0.5 * self.budget * n))
         plans = []
         over = 0
         for i in range(view.num_layers):
             layer = view.layer(i)
-            keep = lookm_keep(view.stats[i]["colsum"], layer.is_image, heavy, recent)
+            scores = scoring.colsum(view.stats[i]["colsum"], per_head=True)
+            if self.text_prior == "rank":
+                keep = lookm_rank_keep(scores, layer.is_image, layer.positions, heavy, recent)
+            else:
+                keep = lookm_keep(scores, layer.is_image, heavy, recent)
             over = max(over, keep.shape[-1] - int(round(self.budget * n)))
             plans.append(LayerPlan(keep=keep, merge=similarity_merge(layer.keys, keep, self.merge)))
         state = PolicyState()

@@ -1,6 +1,9 @@
 """PrefixKV: one global information-retention threshold p, found by bisection, gives every layer the
 smallest prefix of its importance-sorted tokens that retains p of its attention. Layers whose importance
-is concentrated keep few tokens; layers whose importance is spread keep many."""
+is concentrated keep few tokens; layers whose importance is spread keep many.
+
+Preset: Lorenz-bisection allocation (online) or calibrated per-layer ratios (offline), column-sum scoring
+(the paper; `scorer` picks another), Elastic Cache's fixed-point elimination while decoding."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +13,14 @@ from pathlib import Path
 import torch
 
 from ..attention import StatRequest
-from ..lorenz import bisect_threshold, distribute, retention_curves
+from . import allocation, scoring
 from .base import (DecodeView, Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView,
-                   ResolveContext, budget_count, fixed_point_decode, knob, layer_importance, note, protected_mask,
-                   top_k_keep)
+                   ResolveContext, budget_count, fixed_point_decode, knob, note, protected_mask, top_k_keep)
+from .snapkv import clamp_window
 
 MODES = ("online", "offline")
+DECODES = ("fixed_point", "grow")
+SCORER_WORDS = {"colsum": "column sums", "normalised": "normalised column sums", "window": "observation-window votes"}
 
 
 @dataclass
@@ -26,6 +31,8 @@ class PrefixKVState(PolicyState):
     converged: bool = True
     anchors: list[int] = field(default_factory=list)  # entries kept per layer after the prompt (K_l)
     layer_ratios: list[float] = field(default_factory=list)  # kept share per layer (R_l)
+    # [L, N'] the importance whose Lorenz curves the bisection used (online; sink left out unless counted)
+    curve_importance: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,21 @@ class PrefixKVPolicy(Policy):
     ratios: tuple[float, ...] | None = knob(None, help="offline per-layer kept ratios (filled from the calibrated "
                                                        "file when not given)", low=0.0, high=1.0, sequence=True,
                                             editable=False)
-    normalised_importance: bool = knob(False, help="divide column sums by how many queries see each token")
+    scorer: str = knob("colsum", help="what ranks the tokens and draws the Lorenz curves: colsum = column sums of "
+                                      "the prefill attention (the paper); normalised = divided by how many queries "
+                                      "see each token; window = SnapKV's observation-window votes, per KV head",
+                       choices=scoring.SCORERS)
+    window: int = knob(8, help="observation window of the window scorer: the last prompt queries that vote "
+                               "(shortened when the prompt is shorter)", low=1, high=4096, integer=True)
+    sink_in_curves: bool = knob(True, help="count the attention sink in the Lorenz curves (the paper); off: the sink "
+                                           "is kept and the threshold shares out the other entries",
+                                label="sink in curves")
+    min_keep: int = knob(2, help="fewest entries any layer keeps, the sink and the last prompt token included",
+                         low=2, high=65536, integer=True, label="min keep")
+    # the knob is called `decode`; its field may not shadow the `decode` method
+    decode_rule: str = knob("fixed_point", help="fixed_point: hold every layer at R_l·N_t by deleting at K_l - 25 "
+                                                "(the paper); grow: compress the prompt only, the cache then grows",
+                            choices=DECODES, name="decode")
     ratios_source: str | None = field(default=None, compare=False)  # where `resolve` found the ratios
 
     def resolve(self, context: ResolveContext) -> "PrefixKVPolicy":
@@ -63,22 +84,35 @@ class PrefixKVPolicy(Policy):
     def plans_rows_together(self) -> bool:
         return self.mode == "offline"  # the online search gives each prompt its own counts
 
-    def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(colsum=True)
+    def keeps_budget_while_decoding(self) -> bool:
+        return self.decode_rule == "fixed_point"
 
-    def _layer_counts(self, view: PrefillView, state: PrefixKVState) -> list[int]:
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        window = clamp_window(self.window, prompt_len)[0] if self.scorer == "window" else 0
+        return StatRequest(colsum=True, window=window)
+
+    def _scores(self, view: PrefillView, i: int) -> torch.Tensor:
+        """[B, 1|Hkv, N] the scores layer i ranks its tokens by."""
+        window = clamp_window(self.window, view.prompt_len)[0]
+        return scoring.prefill_scores(view.stats[i], view.layer(i).positions, view.prompt_len, self.scorer, window)
+
+    def _layer_counts(self, view: PrefillView, state: PrefixKVState, scores: list[torch.Tensor]) -> list[int]:
         n, n_layers = view.prompt_len, view.num_layers
         total = int(round(self.budget * n * n_layers))
+        floor = min(self.min_keep, n)
         if self.mode == "offline":
             if not self.ratios or len(self.ratios) != n_layers:
                 raise PolicyError(
                     f"offline PrefixKV needs {n_layers} calibrated layer ratios; run "
                     "`python -m prefixkv_core calibrate` for this model or use mode='online'"
                 )
-            return distribute(total, list(self.ratios), low=min(2, n), high=n)
-        importance = torch.cat([layer_importance(view, i, self.normalised_importance)[0] for i in range(n_layers)])
-        result = bisect_threshold(retention_curves(importance), self.budget, min_keep=min(2, n))
+            return allocation.from_ratios(self.ratios, total, low=floor, high=n)
+        # one curve per layer: the layer's ranking averaged over KV heads (head-wise scorers)
+        importance = torch.cat([s[0] if s.shape[1] == 1 else s[0].mean(dim=0, keepdim=True) for s in scores])
+        skip = 0 if self.sink_in_curves else self.sink_tokens
+        result = allocation.lorenz_bisection(importance, self.budget, min_keep=floor, skip_first=skip)
         state.threshold, state.iterations, state.converged = result.threshold, result.iterations, result.converged
+        state.curve_importance = importance[:, min(skip, n - 1):]
         if not result.converged:
             state.notes.append(f"bisection stopped after {result.iterations} iterations without converging")
         return result.counts
@@ -89,19 +123,31 @@ class PrefixKVPolicy(Policy):
             raise ValueError("online PrefixKV's per-layer search runs with batch size 1 only; "
                              "use mode='offline' (calibrated or fixed ratios) for batches")
         state = PrefixKVState(mode=self.mode)
-        counts = self._layer_counts(view, state)
+        if self.scorer == "window":
+            clamped = clamp_window(self.window, view.prompt_len)[1]
+            if clamped:
+                state.notes.append(clamped)
+        scores = [self._scores(view, i) for i in range(view.num_layers)]
+        counts = self._layer_counts(view, state, scores)
+        over = sum(counts) - int(round(self.budget * view.prompt_len * view.num_layers))
+        if over > 0:
+            state.notes.append(f"the per-layer floor (min keep {self.min_keep}) keeps {over} entries over r·N·L")
         state.anchors = counts
         state.layer_ratios = [c / view.prompt_len for c in counts]
         plans = []
         for i, k in enumerate(counts):
             layer = view.layer(i)
-            imp = layer_importance(view, i, self.normalised_importance)
-            plans.append(LayerPlan(keep=top_k_keep(imp, k, protected_mask(layer, view.prompt_len)[:, :1])))
+            plans.append(LayerPlan(keep=top_k_keep(scores[i], k, protected_mask(layer, view.prompt_len)[:, :1])))
         return Prefilled(plans, state)
 
     def decode(self, view: DecodeView, state: PrefixKVState):
-        targets = [budget_count(r, view.true_len, min_keep=2) for r in state.layer_ratios]
+        if self.decode_rule == "grow":
+            return None
+        targets = [budget_count(r, view.true_len, min_keep=self.min_keep) for r in state.layer_ratios]
         return fixed_point_decode(view, targets, state.anchors)
+
+    def allocation_importance(self, state: PrefixKVState) -> torch.Tensor | None:
+        return state.curve_importance
 
     def facts(self, state: PrefixKVState) -> list[Fact]:
         out = [Fact("mode", "mode", state.mode)]
@@ -110,6 +156,13 @@ class PrefixKVPolicy(Policy):
         if state.layer_ratios:
             out.append(Fact("layer_ratios", "kept share", [round(r, 4) for r in state.layer_ratios],
                             kind="per-layer", fmt=".0%"))
+        # settings that differ from the paper's, said where the numbers are read
+        if self.scorer != "colsum":
+            out.append(Fact("scorer", "ranked by", SCORER_WORDS[self.scorer]))
+        if not self.sink_in_curves and state.mode == "online":
+            out.append(note("the attention sink is left out of the Lorenz curves"))
+        if self.decode_rule == "grow":
+            out.append(note("decode = grow: the prompt is compressed once and the cache grows while decoding"))
         if state.mode == "offline":
             out.append(note(f"offline ratios calibrated for this model ({self.ratios_source})"
                             if self.ratios_source else "offline ratios given by the caller"))

@@ -1,37 +1,19 @@
-"""PyramidKV: SnapKV selection with per-layer capacities that shrink linearly with depth."""
+"""PyramidKV: SnapKV selection with per-layer capacities that shrink linearly with depth.
+
+Preset: pyramid allocation (uniform when the budget is too large, as published), SnapKV's window scorer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..attention import StatRequest
-from ..lorenz import distribute
+from . import allocation
 from .base import Fact, LayerPlan, Policy, Prefilled, PrefillView, knob
 from .snapkv import KERNEL_HELP, WINDOW_HELP, SnapState, check_kernel, clamp_window, snap_select
 
 
 def pyramid_capacities(n: int, num_layers: int, budget: float, window: int, beta: int = 20) -> list[int] | None:
-    """Per-layer capacities (window included), decreasing with depth, averaging r·N; None = uniform fallback.
-
-    Follows the published schedule: min = (M-W)//β, max = 2(M-W) - min, clipped at N-W; the published
-    method falls back to uniform SnapKV when N < 2(M-W). Integer rounding is spread so the mean is exact.
-    """
-    m = budget * n
-    avg = m - window
-    if n < 2 * avg or avg <= 0:
-        return None
-    lo = avg // beta
-    hi = 2 * avg - lo
-    if hi >= n - window:
-        hi = n - window
-        lo = 2 * avg - hi
-    if num_layers == 1:
-        continuous = [avg]
-    else:
-        continuous = [hi - l * (hi - lo) / (num_layers - 1) for l in range(num_layers)]
-    total = int(round(avg * num_layers))
-    counts = distribute(total, continuous, low=1, high=n - window)
-    counts.sort(reverse=True)  # rounding must not break the pyramid
-    return [c + window for c in counts]
+    """Per-layer capacities (window included) of PyramidKV's published schedule; see allocation.pyramid."""
+    return allocation.pyramid(n, num_layers, budget, window, beta)
 
 
 @dataclass
@@ -68,7 +50,7 @@ class PyramidKVPolicy(Policy):
         if caps is None:
             state.uniform = True
             state.notes.append("budget too large for a pyramid (N < 2(M-W)): uniform SnapKV capacities, as published")
-            caps = [max(w + 1, int(round(self.budget * n)))] * n_layers
+            caps = allocation.uniform(self.budget, n, n_layers, min_keep=w + 1)
         state.capacities = caps
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], caps[i], w, self.kernel))
                  for i in range(n_layers)]

@@ -1,13 +1,15 @@
-"""SnapKV: an observation window of the last prompt queries votes, per KV head, for the tokens to keep."""
+"""SnapKV: an observation window of the last prompt queries votes, per KV head, for the tokens to keep.
+
+Preset: uniform allocation, the window scorer (per KV head), the window itself and the sink always kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import StatRequest
-from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
+from . import allocation, scoring
+from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob
 
 
 def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
@@ -19,9 +21,7 @@ def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel:
     b, h, n = window_scores.shape
     w = min(window, n)
     capacity = max(min(capacity, n), w + 1 if n > w else n)
-    prefix = window_scores[..., : n - w].float()
-    if kernel > 1 and prefix.shape[-1] > 0:
-        prefix = F.max_pool1d(prefix.reshape(b * h, 1, -1), kernel, stride=1, padding=kernel // 2).view(b, h, -1)
+    prefix = scoring.snap_window(window_scores, w, kernel)[..., : n - w]
     if prefix.shape[-1] > 0:
         prefix = prefix.clone()
         prefix[..., 0] = float("inf")  # the sink
@@ -74,7 +74,7 @@ class SnapKVPolicy(Policy):
 
     def prefill(self, view: PrefillView) -> Prefilled:
         w, clamped = clamp_window(self.window, view.prompt_len)
-        capacity = budget_count(self.budget, view.prompt_len, min_keep=w + 1)
+        capacities = allocation.uniform(self.budget, view.prompt_len, view.num_layers, min_keep=w + 1)
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
-                 for i in range(view.num_layers)]
+                 for i, capacity in enumerate(capacities)]
         return Prefilled(plans, SnapState(notes=[clamped] if clamped else [], window=w))
