@@ -83,6 +83,14 @@ def _budget_info(described: list[dict[str, Any]]) -> str:
     return f"not used by {', '.join(free)}: see their own knobs under Advanced"
 
 
+def _equal_memory_info(described: list[dict[str, Any]]) -> str:
+    """One line under the switch: which offered methods it changes."""
+    grow = [d["label"] for d in described if d["uses_budget"] and d["schedule"] == "prompt only"]
+    held = ", ".join(grow) if grow else "prompt-only methods"
+    return (f"on: {held} are also held at r·N_t while decoding, so every budgeted method uses the same memory; "
+            "off: each as published (they compress the prompt once, then the cache grows)")
+
+
 def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any = "all",
               default_methods: Any = None, max_new_tokens_limit: int = 256, examples_dir: Path | str | None = None,
               title: str = TITLE, limits: Limits | None = None, queue_size: int = QUEUE_SIZE) -> gr.Blocks:
@@ -124,6 +132,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                 budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
                                    label="KV budget r: kept share of the cache, applied to every method",
                                    info=_budget_info(described))
+                equal_memory = gr.Checkbox(False, label="Equal memory", elem_id="equal-memory",
+                                           info=_equal_memory_info(described))
                 max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
                                     elem_id="max-new")
                 with gr.Accordion("Sampling", open=False):
@@ -209,7 +219,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
         for field, component in [("prompt", prompt), ("methods", method_box), ("budget", budget),
                                  ("max_new_tokens", max_new), ("do_sample", do_sample), ("temperature", temperature),
                                  ("top_p", top_p), ("seed", seed), ("question", followup), ("formats", formats),
-                                 ("layer", overlay_layer), ("layers", lorenz_layers), *knob_widgets.items()]:
+                                 ("layer", overlay_layer), ("layers", lorenz_layers), ("equal_memory", equal_memory),
+                                 *knob_widgets.items()]:
             guard_input(component, field)
         engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
                             show_progress_on=[status])
@@ -219,7 +230,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
         for trigger in (run_btn.click, prompt.submit):
             run_events.append(
                 trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
-                .then(ctl.compare, compare_inputs, outputs, inputs_kwargs=knob_widgets,
+                .then(ctl.compare, compare_inputs, outputs,
+                      inputs_kwargs={"equal_memory": equal_memory, **knob_widgets},
                       api_name="compare" if not run_events else False, **engine_queue))
         ask_events = []
         for trigger in (ask_btn.click, followup.submit):

@@ -146,14 +146,33 @@ def _thin(n_points: int, max_points: int) -> np.ndarray:
     return np.unique(np.linspace(0, n_points - 1, max_points).round().astype(int))
 
 
+def curve_source(prefixkv_knobs: Mapping[str, Any] | None, curves: Mapping[str, Any] | None) -> str | None:
+    """What PrefixKV's curves were drawn from, when its knobs made them differ from the prefill's column sums
+    with the sink counted (None otherwise, or when it reported no curves)."""
+    if not curves or curves.get("prefixkv") is None:
+        return None
+    from prefixkv_core.policies.prefixkv import SCORER_WORDS
+
+    knobs = dict(prefixkv_knobs or {})
+    parts = []
+    if knobs.get("scorer", "colsum") != "colsum":
+        parts.append(SCORER_WORDS.get(knobs["scorer"], str(knobs["scorer"])))
+    if knobs.get("sink_in_curves", True) is False:
+        parts.append("sink left out")
+    return "PrefixKV's curves: " + ", ".join(parts) if parts else None
+
+
 def lorenz_figure(importance: np.ndarray, layers: Sequence[int] | None = None, threshold: float | None = None,
                   budget: float | None = None, threshold_label: str = "PrefixKV threshold",
-                  max_points: int = 400) -> go.Figure:
+                  max_points: int = 400, source: str | None = None) -> go.Figure:
     """PrefixKV paper, Figure 2: per layer, the share of attention importance retained (y) when keeping the
     most important x share of tokens. The legend gives each layer's Gini coefficient. The diagonal is a
     perfectly uniform importance; the vertical line keeps the same ratio r in every layer (what uniform
-    methods do) and the horizontal line keeps the same importance p in every layer (PrefixKV)."""
-    title = "Importance retained vs tokens kept, per layer"
+    methods do) and the horizontal line keeps the same importance p in every layer (PrefixKV).
+
+    `importance` [L, N]: the importance PrefixKV ranked by in this run (its scorer, without the sink when it
+    leaves it out), else the prefill's column sums; `source` says which, in the title, when not the latter."""
+    title = "Importance retained vs tokens kept, per layer" + (f" ({source})" if source else "")
     imp = np.asarray(importance, dtype=np.float32)
     if imp.ndim != 2 or imp.shape[1] == 0:
         return placeholder(title)

@@ -24,7 +24,7 @@ from prefixkv_core.limits import (LimitError, Limits, check_followup, check_prom
 from . import charts, queue_probe
 from .export import ALL_FORMATS, export_all
 from .export_store import ExportStore
-from .inputs import (DEFAULT_LIMITS, KnobSpec, check_request, check_sampling, collect_knobs,
+from .inputs import (DEFAULT_LIMITS, KnobSpec, check_budget_mode, check_request, check_sampling, collect_knobs,
                      downscale, refuse, upload_folder)
 from .overlay import caption, crops_to_square, overlay
 from .panels import banner_markdown, chat_messages, header_html, status_line
@@ -148,17 +148,18 @@ class Controller:
         layers = box.lorenz_layers if box.lorenz_layers else charts.default_layers(comp.prefill.num_layers)
         budget = box.view_budget if box.view_budget is not None else comp.budget
         threshold, label = comp.threshold(), "PrefixKV threshold"
+        importance = comp.curve_importance("prefixkv")  # the curves PrefixKV's bisection used, if it ran
         if abs(budget - comp.budget) > 1e-9 or threshold is None:
             if "prefixkv" in comp.tracks and abs(budget - comp.budget) <= 1e-9 and comp.active:
                 threshold = None  # wait for the run's own threshold
             else:
                 try:
-                    threshold = charts.preview_threshold(comp.prefill.importance, budget)
+                    threshold = charts.preview_threshold(importance, budget)
                     label = "PrefixKV threshold (preview)"
                 except Exception:  # noqa: BLE001 - a preview is optional
                     threshold = None
-        return charts.lorenz_figure(comp.prefill.importance, layers, threshold=threshold, budget=budget,
-                                    threshold_label=label)
+        return charts.lorenz_figure(importance, layers, threshold=threshold, budget=budget, threshold_label=label,
+                                    source=charts.curve_source(comp.knobs.get("prefixkv"), comp.prefill.curves))
 
     def gallery(self, comp: Comparison | None) -> list[tuple[Any, str]]:
         if comp is None or comp.image is None or comp.overlay is None:
@@ -335,7 +336,8 @@ class Controller:
         return self._as_list({"status": "■ Stopped before it started.", "box": box})
 
     def compare(self, image, prompt, methods, budget, max_new_tokens, do_sample=False, temperature=0.7, top_p=0.9,
-                seed=0, box=None, request: gr.Request = None, **knob_values) -> Iterator[list[Any]]:
+                seed=0, box=None, request: gr.Request = None, equal_memory=False,
+                **knob_values) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
         owner = self._owner(box, request)
         if self._stopped_while_queued(box):
@@ -350,6 +352,7 @@ class Controller:
                              f"available: {', '.join(self.methods)}")
             methods = [m for m in self.methods if m in methods]
             do_sample, temperature, top_p, seed = check_sampling(do_sample, temperature, top_p, seed)
+            budget_mode = check_budget_mode(equal_memory)
             settings = GenerationSettings(max_new_tokens=max_new, do_sample=do_sample, temperature=temperature,
                                           top_p=top_p, seed=seed)
             knobs = collect_knobs(self.knob_specs, knob_values, methods)
@@ -357,7 +360,8 @@ class Controller:
                 image, allowed_roots=self.image_roots(), max_bytes=self.limits.max_image_bytes,
                 max_pixels=self.limits.max_image_pixels)) if image is not None else None
             tokens = check_prompt(self.limits, self.loaded, prompt, with_image=image is not None, max_new_tokens=max_new)
-            session = self.engine.new_session(image, prompt, methods, budget, settings, knobs)  # no caches yet
+            session = self.engine.new_session(image, prompt, methods, budget, settings, knobs,
+                                              budget_mode=budget_mode)  # no caches yet
             if box.run is not None and box.run.active:
                 box.run.cancel.set()  # its caches are dropped next: the engine must let go of them first
             self.registry.reserve(owner, estimate_run_bytes(self.loaded, tokens, len(methods), budget))
@@ -375,7 +379,7 @@ class Controller:
                           {"max_new_tokens": max_new, "do_sample": settings.do_sample, "temperature": settings.temperature,
                            "top_p": settings.top_p, "seed": settings.seed}, knobs,
                           image=downscale(image, OVERLAY_DISPLAY_SIDE) if image is not None else None,
-                          model=self.model_info())
+                          model=self.model_info(), budget_mode=budget_mode)
         comp.session = session
         self.registry.add(owner, session, stop=lambda: comp.cancel.set())
         box.view_budget = budget

@@ -394,6 +394,15 @@ def check_request(prompt: Any, methods: Any, budget: Any, max_new_tokens: Any, l
     return prompt, methods, budget, max_new
 
 
+def check_budget_mode(equal_memory: Any) -> str:
+    """The equal-memory switch -> the engine's budget mode ("equal_memory" or "published")."""
+    if equal_memory is None:
+        return "published"
+    if not isinstance(equal_memory, bool):
+        raise refuse(f"equal_memory must be true or false, got {_short(equal_memory)}")
+    return "equal_memory" if equal_memory else "published"
+
+
 def check_sampling(do_sample: Any, temperature: Any, top_p: Any, seed: Any) -> tuple[bool, float, float, int]:
     """Sampling settings of a request; None takes the default."""
     do_sample = False if do_sample is None else do_sample
