@@ -156,18 +156,20 @@ class StockRun:
     mode = "transformers' DynamicCache"
 
 
-def new_run(sm: LoadedModel, method: str, budget: float, knobs: dict[str, Any] | None):
+def new_run(sm: LoadedModel, method: str, budget: float, knobs: dict[str, Any] | None,
+            budget_mode: str = "published"):
     if method == STOCK:
         return StockRun(sm)
-    return MethodRun(sm, make_policy(method, budget, **(knobs or {})), budget)
+    return MethodRun(sm, make_policy(method, budget, budget_mode, **(knobs or {})), budget)
 
 
 @torch.inference_mode()
 def run_timed(sm: LoadedModel, method: str, budget: float, knobs: dict | None, ids, is_image, pixels,
-              gen_len: int) -> dict[str, Any]:
+              gen_len: int, budget_mode: str = "published") -> dict[str, Any]:
     """Prefill (timed: TTFT = forward + compression), then gen_len - 1 decode steps, each synchronised and
-    timed (forward + the policy's compression). Rows of `ids` run as one batch."""
-    run = new_run(sm, method, budget, knobs)
+    timed (forward + the policy's compression). Rows of `ids` run as one batch. `budget_mode`: see
+    prefixkv_core.policies.BUDGET_MODES."""
+    run = new_run(sm, method, budget, knobs, budget_mode)
     ctx = tracked_attention_enabled(sm.model) if method != STOCK else _null()
     with ctx:
         sync(sm.device)

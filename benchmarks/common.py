@@ -23,6 +23,16 @@ from prefixkv_core.policies import parse_knobs as parse_knob_items
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 
+# How budgeted methods were compared (prefixkv_core.policies.BUDGET_MODES): every table and figure says which.
+MODE_TITLES = {"published": "published budgets", "equal_memory": "equal memory"}
+MODE_NOTES = {
+    "published": "Budgets as published: SnapKV, PyramidKV and LOOK-M compress the prompt once and their cache grows "
+                 "while decoding; the other budgeted methods hold about r·N_t at every step.",
+    "equal_memory": "Equal memory: every budgeted method holds about r·N_t at every step (SnapKV, PyramidKV and "
+                    "LOOK-M held while decoding: the oldest generated entries go first, then the prompt's least "
+                    "attended).",
+}
+
 
 # -- run facts ---------------------------------------------------------------------------------------------
 

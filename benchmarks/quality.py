@@ -20,6 +20,10 @@ budget; Full's output is the ROUGE reference. Records are appended to <out>/reco
 same --out. Outputs in <out>: ppl / rouge_l / kv_kept tables (.md, .csv, .tex), results.json (every raw
 number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at every budget?), quality.html
 (+ quality.png when Chromium is installed).
+
+`--equal-memory` also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so
+every budgeted method is compared at the same memory; the tables, the figure and results.json say which mode
+produced them, and its records go to their own folder.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, RecordStore, Table, parse_float_list, parse_knobs, run_info, save_figure  # noqa: E402
+from benchmarks.common import (MODE_NOTES, MODE_TITLES, REPO_ROOT, RecordStore, Table, parse_float_list,  # noqa: E402
+                               parse_knobs, run_info, save_figure)
 from benchmarks.data import (DataError, LongText, Sample, cut_text_pairs, dataset_spec, load_dataset,  # noqa: E402
                              load_long_text, resolve_image)
 
@@ -90,10 +95,12 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
 
     gen = GenerationSettings(max_new_tokens=settings["max_new_tokens"])
     session_budget = 1.0 if budget is None else budget
+    budget_mode = settings.get("budget_mode", "published")
     out = {m: {"sample": sample.id, "method": m, "budget": budget, "text": "", "nll": None, "n_tokens": None,
                "error": None} for m in methods}
     try:
-        session = engine.new_session(image, sample.question, methods, session_budget, gen, knobs)
+        session = engine.new_session(image, sample.question, methods, session_budget, gen, knobs,
+                                     budget_mode=budget_mode)
         for ev in session.run():
             if steps_bar is not None and isinstance(ev, MethodEvent) and ev.kind in ("token", "done"):
                 steps_bar.update(1)
@@ -103,7 +110,8 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
                           kept_ratio=sum(ratios) / len(ratios) if ratios else None, full_len=res["full_len"],
                           prompt_tokens=session.prefill.prompt_tokens if session.prefill else None,
                           error=res["error"], extras=_small_extras(res.get("extras") or {}))
-        scorer = engine.new_session(image, sample.question, methods, session_budget, gen, knobs)
+        scorer = engine.new_session(image, sample.question, methods, session_budget, gen, knobs,
+                                    budget_mode=budget_mode)
         for m, (nll, n) in scorer.score_answer(answer).items():
             out[m].update(nll=nll, n_tokens=n)
             if steps_bar is not None:
@@ -201,7 +209,8 @@ def aggregate(records: list[dict[str, Any]], sample_ids: list[str], methods: lis
     return {"ppl": ppl, "rouge_l": rouge, "kv_kept_pct": kept, "counts": counts}
 
 
-def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], note: str) -> dict[str, Table]:
+def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], note: str,
+                budget_mode: str = "published") -> dict[str, Table]:
     cols = [budget_key(b) for b in budgets]
     specs = {
         "ppl": ("PPL of the reference answers (teacher forcing through the compressed cache; lower is better)",
@@ -212,8 +221,9 @@ def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], n
     source = {"ppl": agg["ppl"], "rouge_l": agg["rouge_l"], "kv_kept": agg["kv_kept_pct"]}
     tables = {}
     for name, (title, best, digits) in specs.items():
-        t = Table(title=title, row_header="method \\ budget", rows=list(methods), columns=cols, digits=digits,
-                  best=best, exclude_from_best=("full",), notes=[note])
+        t = Table(title=f"{title} [{MODE_TITLES[budget_mode]}]", row_header="method \\ budget",
+                  rows=list(methods), columns=cols, digits=digits, best=best, exclude_from_best=("full",),
+                  notes=[note, MODE_NOTES[budget_mode]])
         for m in methods:
             for c in cols:
                 t.values[(m, c)] = source[name][m].get(c)
@@ -372,8 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "online = search on each prompt; auto = offline when this model is calibrated (default)")
     p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
                    help="a method's own setting, repeatable (e.g. snapkv.window=16, zipvl.tau=0.95)")
-    p.add_argument("--out", default=None, help="output folder (default out/benchmarks/quality-<model>[-quick]); "
-                                               "records there are resumed")
+    p.add_argument("--equal-memory", action="store_true",
+                   help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
+                        "every budgeted method is compared at the same memory (default: each as published)")
+    p.add_argument("--out", default=None, help="output folder (default out/benchmarks/quality-<model>[-quick]"
+                                               "[-equal-memory]); records there are resumed")
     p.add_argument("--fresh", action="store_true", help="discard the records already in --out and start over")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads per process (default: cores / processes)")
@@ -387,6 +400,7 @@ def resolve_settings(args) -> dict[str, Any]:
     limit = args.limit if args.limit is not None else base["limit"]
     return {
         "limit": limit,
+        "budget_mode": "equal_memory" if args.equal_memory else "published",
         "budgets": sorted(set(parse_float_list(args.budgets or base["budgets"], "budgets"))),
         "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else base["max_new_tokens"],
         "max_answer_tokens": (args.max_answer_tokens if args.max_answer_tokens is not None
@@ -489,8 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         knobs.setdefault("prefixkv", {}).setdefault("mode", mode)
         mode = knobs["prefixkv"]["mode"]
 
+    budget_mode = settings["budget_mode"]
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
-        f"quality-{loaded.slug}" + ("-quick" if args.quick else ""))
+        f"quality-{loaded.slug}" + ("-quick" if args.quick else "")
+        + ("-equal-memory" if budget_mode == "equal_memory" else ""))
     if long_text is not None and not args.out:  # text runs keep their own default folder
         out = out.with_name(out.name + "-text")
     fingerprint = {
@@ -498,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "vision_trained": loaded.vision_trained, "dtype": str(loaded.dtype).replace("torch.", ""),
         "device_type": loaded.device.type, "data": repo_relative(data_path), "data_sha": file_sha(data_path),
         "image_root": repo_relative(image_root), "max_new_tokens": settings["max_new_tokens"],
-        "max_answer_tokens": settings["max_answer_tokens"], "knobs": knobs,
+        "max_answer_tokens": settings["max_answer_tokens"], "knobs": knobs, "budget_mode": budget_mode,
     }
     if long_text is not None:  # the text (by digest), not the unused --data file, identifies the data
         fingerprint.update(data=f"text:{args.text}", data_sha=hashlib.sha256(long_text.text.encode()).hexdigest()[:12],
@@ -509,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every process checks (so none is left waiting at the barrier below); only the main one writes.
     if not args.fresh and cfg_path.is_file() and store.shards():
         old = json.loads(cfg_path.read_text())
+        old.setdefault("budget_mode", "published")  # records written before the mode was recorded
         if old != fingerprint:
             diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
             raise SystemExit(f"{out} holds records of a different configuration {diff}; use --fresh to discard "
@@ -557,10 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(loaded.device)
     note = (f"{loaded.name} ({loaded.slug}), {data_label}, "
             f"{settings['max_new_tokens']} new tokens, answers {'cut at ' + str(settings['max_answer_tokens']) + ' tokens' if settings['max_answer_tokens'] else 'whole'}, "
-            f"PrefixKV {mode}; {info['machine']}, {info['date']}, commit {info['commit']}.")
+            f"PrefixKV {mode}, {MODE_TITLES[budget_mode]}; {info['machine']}, {info['date']}, "
+            f"commit {info['commit']}.")
     if not loaded.vision_trained:
         note += " The vision tower is untrained: the numbers measure language-side behaviour."
-    tables = make_tables(agg, methods, settings["budgets"], note)
+    tables = make_tables(agg, methods, settings["budgets"], note, budget_mode)
     written = []
     for name, t in tables.items():
         written += t.write(out, name)
@@ -569,10 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     summary_md = "\n".join(Table(**{**vars(t), "notes": []}).to_markdown() for t in tables.values())
     summary_md += "\n" + note + "\n\n" + "\n".join(claims) + "\n"
     (out / "tables.md").write_text(summary_md)
-    fig = make_figure(agg, methods, settings["budgets"], f"Quality vs budget: {loaded.name}, {len(samples)} samples")
+    fig = make_figure(agg, methods, settings["budgets"], f"Quality vs budget: {loaded.name}, {len(samples)} samples, "
+                      f"{MODE_TITLES[budget_mode]}")
     fig_paths, png_msg = save_figure(fig, out / "quality", png=not args.no_png)
     payload = {
-        "run": info, "config": fingerprint, "settings": settings, "prefixkv_mode": mode, "processes": world,
+        "run": info, "config": fingerprint, "settings": settings, "prefixkv_mode": mode, "budget_mode": budget_mode,
+        "processes": world,
         "elapsed_s_per_process": elapsed_all, "new_records": sum(new_all),
         "resumed_records": len(records) - sum(new_all), "methods": methods, "budgets": settings["budgets"],
         "samples": sample_ids, "model_notes": loaded.notes, "vision_trained": loaded.vision_trained,

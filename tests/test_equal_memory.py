@@ -1,0 +1,331 @@
+"""Equal-memory mode: the prompt-only methods (SnapKV, PyramidKV, LOOK-M, PrefixKV with decode = grow) held at
+r·N_t while decoding, so every budgeted method holds the same memory at every step; the switch in the engine,
+the CLI, the app and the benchmarks, and the mode in what each of them writes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prefixkv_core import Engine, EngineError, GenerationSettings
+from prefixkv_core.cache import TrackedCache, TrackedLayer
+from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, make_policy
+from prefixkv_core.policies.base import DecodeView, apply_plans
+from prefixkv_core.policies.equal_memory import hold_plans, layer_shares
+
+PROMPT = "describe the picture in detail and name every object you can see in it"
+BUDGETED = [m for m in METHODS if REGISTRY[m].uses_budget]
+PROMPT_ONLY = [m for m in BUDGETED if REGISTRY[m].schedule == "prompt only"]
+
+
+# -- the rule, on synthetic tensors --------------------------------------------------------------------------
+def _held_layer(n_prompt_kept: int, generated: int, prompt_len: int, h: int = 2, seed: int = 0) -> TrackedLayer:
+    """A layer after a head-wise prompt compression (different prompt entries per head) and some decoding."""
+    g = torch.Generator().manual_seed(seed)
+    layer = TrackedLayer()
+    total = n_prompt_kept + generated
+    layer.update(torch.randn(1, h, total, 4, generator=g), torch.randn(1, h, total, 4, generator=g))
+    heads = []
+    for _ in range(h):
+        middle = torch.randperm(prompt_len - 2, generator=g)[: n_prompt_kept - 2] + 1
+        heads.append(torch.cat([torch.tensor([0]), middle.sort().values, torch.tensor([prompt_len - 1]),
+                                torch.arange(prompt_len, prompt_len + generated)]))
+    layer.positions = torch.stack(heads)[None]
+    layer.is_image = torch.zeros_like(layer.positions, dtype=torch.bool)
+    layer.scores = torch.rand(1, h, total, generator=g)
+    return layer
+
+
+def _naive_hold(positions: list[int], scores: list[float], prompt_len: int, target: int) -> list[int]:
+    """Oldest generated entries first (never the newest), then the prompt's lowest scores (never the sink or
+    the last prompt token). Returns the kept positions."""
+    entries = list(zip(positions, scores))
+    while len(entries) > target:
+        generated = [e for e in entries if e[0] >= prompt_len]
+        if len(generated) > 1:
+            entries.remove(min(generated))
+            continue
+        prompt = [e for e in entries if e[0] < prompt_len and e[0] not in (0, prompt_len - 1)]
+        entries.remove(min(prompt, key=lambda e: e[1]))
+    return [p for p, _ in entries]
+
+
+@pytest.mark.parametrize("kept,generated,true_len", [(12, 5, 45), (12, 1, 41), (20, 3, 43), (6, 9, 49)])
+def test_hold_plans_match_the_naive_rule(kept, generated, true_len):
+    prompt_len = 40
+    cache = TrackedCache(1)
+    cache.layers[0] = _held_layer(kept, generated, prompt_len, seed=kept + generated)
+    before = cache.layers[0].positions.clone(), cache.layers[0].scores.clone()
+    share = 0.25
+    target = max(3, round(share * true_len))
+    apply_plans(cache, hold_plans(DecodeView(cache, true_len, prompt_len, 1), [share]))
+    layer = cache.layers[0]
+    assert layer.length == min(target, kept + generated)
+    for h in range(2):
+        want = _naive_hold(before[0][0, h].tolist(), before[1][0, h].tolist(), prompt_len, target)
+        assert layer.positions[0, h].tolist() == want
+        assert layer.keys.shape[2] == layer.length
+
+
+def test_layer_shares_keep_the_profile_and_average_the_budget():
+    cache = TrackedCache(3)
+    for i, kept in enumerate((20, 10, 6)):
+        cache.layers[i] = _held_layer(kept, 0, 40, seed=i)
+    shares = layer_shares(cache, 40, 0.3)
+    assert sum(shares) / 3 == pytest.approx(0.3)
+    assert shares[0] / shares[1] == pytest.approx(2.0) and shares[1] > shares[2]
+
+
+def test_budget_mode_is_a_run_setting_not_a_knob():
+    assert make_policy("snapkv", 0.3, "equal_memory").held_to_equal_memory()
+    assert not make_policy("snapkv", 0.3).held_to_equal_memory()
+    for every_step in ("local", "h2o", "elastic", "prefixkv"):
+        assert not make_policy(every_step, 0.3, "equal_memory").held_to_equal_memory()  # they hold it themselves
+    for free in ("full", "zipvl"):
+        assert not make_policy(free, 0.3, "equal_memory").held_to_equal_memory()
+    assert all("budget_mode" not in REGISTRY[m].knobs() for m in METHODS)
+    with pytest.raises(PolicyError, match="budget mode must be one of published, equal_memory"):
+        make_policy("snapkv", 0.3, "equal")
+
+
+# -- through the engine ----------------------------------------------------------------------------------------
+def _kept_vs_budget(session, budget):
+    """Per method: the largest |mean kept per layer - r·N_t| over every event that reported the cache."""
+    worst = {}
+    for ev in session.run():
+        if getattr(ev, "kept_per_layer", None) and ev.method in BUDGETED:
+            gap = abs(sum(ev.kept_per_layer) / len(ev.kept_per_layer) - budget * ev.full_len)
+            worst[ev.method] = max(worst.get(ev.method, 0.0), gap)
+    for ev in session.follow_up("and what colour is the largest one"):
+        if ev.kept_per_layer and ev.method in BUDGETED:
+            gap = abs(sum(ev.kept_per_layer) / len(ev.kept_per_layer) - budget * ev.full_len)
+            worst[ev.method] = max(worst.get(ev.method, 0.0), gap)
+    return worst
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.5])
+def test_equal_memory_holds_every_budgeted_method_at_r_nt_every_step(tiny, noise_image, budget):
+    engine = Engine(tiny)
+    knobs = {"lookm": {"text_prior": "keep_all"}}  # the paper's LOOK-M: its text exceeds the budget at first
+    session = engine.new_session(noise_image, PROMPT, "all", budget, GenerationSettings(max_new_tokens=8), knobs,
+                                 budget_mode="equal_memory")
+    worst = _kept_vs_budget(session, budget)
+    assert set(worst) == set(BUDGETED)
+    assert all(gap <= 1.0 for gap in worst.values()), worst
+    for name in PROMPT_ONLY:  # held: the sink, the last prompt token and the newest entry survive in every head
+        state = session.states[name]
+        for layer in state.cache.layers:
+            pos = layer.positions[0]
+            assert (pos == 0).any(-1).all() and (pos == state.prompt_len - 1).any(-1).all(), name
+            assert (pos == state.true_len - 1).any(-1).all(), name
+    results = session.record.to_dict()
+    assert results["budget_mode"] == "equal_memory"
+    for name in PROMPT_ONLY:
+        notes = results["methods"][name]["extras"].get("notes", [])
+        assert any(n.startswith("equal memory: held at r·N_t") for n in notes), (name, notes)
+    assert not any(n.startswith("equal memory") for n in results["methods"]["local"]["extras"].get("notes", []))
+
+
+def test_published_mode_lets_prompt_only_methods_grow(tiny_llama, noise_image):
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, PROMPT, PROMPT_ONLY + ["local"], 0.3,
+                                 GenerationSettings(max_new_tokens=10, ignore_eos=True))
+    worst = _kept_vs_budget(session, 0.3)
+    assert all(worst[m] > 3 for m in PROMPT_ONLY), worst  # the generated tokens all stay
+    assert worst["local"] <= 1.0
+    assert session.record.to_dict()["budget_mode"] == "published"
+
+
+def test_prefixkv_decode_grow_is_held_in_equal_memory_mode(tiny_llama, noise_image):
+    engine = Engine(tiny_llama)
+    knobs = {"prefixkv": {"decode": "grow"}}
+    grown = engine.new_session(noise_image, PROMPT, ["prefixkv"], 0.3, GenerationSettings(max_new_tokens=8), knobs)
+    held = engine.new_session(noise_image, PROMPT, ["prefixkv"], 0.3, GenerationSettings(max_new_tokens=8), knobs,
+                              budget_mode="equal_memory")
+    assert _kept_vs_budget(grown, 0.3)["prefixkv"] > 3
+    assert _kept_vs_budget(held, 0.3)["prefixkv"] <= 1.0
+    # the per-layer profile PrefixKV chose survives the hold: layers keep their R_l
+    ratios = held.results()["prefixkv"]["extras"]["layer_ratios"]
+    kept = held.results()["prefixkv"]["kept_per_layer"]
+    full_len = held.results()["prefixkv"]["full_len"]
+    assert all(abs(k - r * full_len) <= 1 for k, r in zip(kept, ratios))
+
+
+def test_equal_memory_batched_equals_each_method_alone(tiny_qwen2, noise_image):
+    engine = Engine(tiny_qwen2)
+    methods = PROMPT_ONLY + ["h2o"]
+    knobs = {"lookm": {"text_prior": "rank"}}
+
+    def answers(names):
+        session = engine.new_session(noise_image, PROMPT, names, 0.3, GenerationSettings(max_new_tokens=6),
+                                     {k: v for k, v in knobs.items() if k in names}, budget_mode="equal_memory")
+        out = {}
+        for ev in session.run():
+            if getattr(ev, "kind", None) == "done":
+                out[ev.method] = (list(session.states[ev.method].turn_ids), ev.kept_per_layer, ev.kv_bytes)
+        return out
+
+    together = answers(methods)
+    for name in methods:
+        assert answers([name])[name] == together[name], name
+
+
+def test_engine_refuses_an_unknown_budget_mode(tiny_llama, noise_image):
+    with pytest.raises(EngineError, match="budget_mode must be one of published, equal_memory"):
+        Engine(tiny_llama).new_session(noise_image, PROMPT, ["snapkv"], 0.3, budget_mode="same")
+
+
+def test_lorenz_curves_used_by_prefixkv_reach_the_prefill_event(tiny_llama, noise_image):
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, PROMPT, ["full", "prefixkv"], 0.3,
+                                 GenerationSettings(max_new_tokens=2),
+                                 {"prefixkv": {"sink_in_curves": False, "scorer": "normalised"}})
+    list(session.run())
+    pre = session.prefill
+    curves = pre.curves["prefixkv"]
+    assert curves.shape == (tiny_llama.num_layers, pre.prompt_tokens - 1)
+    n = pre.prompt_tokens
+    expected = pre.importance[:, 1:] / (n - torch.arange(1, n).numpy())
+    assert curves == pytest.approx(expected, rel=1e-5)
+    assert session.record.curve_importance("prefixkv") is curves
+    assert session.record.curve_importance("snapkv") is pre.importance  # none reported: the column sums
+
+
+# -- CLI, app, benchmarks ----------------------------------------------------------------------------------------
+def test_cli_equal_memory_flag(tmp_path, noise_image, capsys):
+    from prefixkv_core.__main__ import main
+
+    image = tmp_path / "img.png"
+    noise_image.save(image)
+    out = tmp_path / "out.json"
+    args = ["compare", "--model", "tiny-llama", "--image", str(image), "--prompt", "Describe the image.",
+            "--methods", "snapkv,lookm", "--budget", "0.3", "--max-new-tokens", "4", "--json", str(out),
+            "--knob", "prefixkv.scorer=window"]
+    assert main(args + ["--equal-memory"]) == 0
+    assert "equal memory mode" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["budget_mode"] == "equal_memory"
+    for r in data["methods"].values():
+        assert abs(sum(r["kept_per_layer"]) / len(r["kept_per_layer"]) - 0.3 * r["full_len"]) <= 1.0
+    assert main(args + ["--quiet"]) == 0
+    assert json.loads(out.read_text())["budget_mode"] == "published"
+
+
+def test_cli_lists_the_new_knobs(capsys):
+    from prefixkv_core.__main__ import main
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for item in ("--knob prefixkv.scorer=colsum", "--knob prefixkv.window=8", "--knob prefixkv.sink_in_curves=true",
+                 "--knob prefixkv.min_keep=2", "--knob prefixkv.decode=fixed_point", "--knob lookm.text_prior=keep_all"):
+        assert item in out, item
+
+
+@pytest.fixture(scope="module")
+def app_controller(tiny_llama):
+    from ui.app_builder import build_app
+
+    return build_app(Engine(tiny_llama), max_new_tokens_limit=8).controller
+
+
+def test_app_offers_the_switch_and_the_knobs(app_controller, noise_image):
+    import gradio as gr
+
+    from ui.controller import SessionBox
+
+    ctl = app_controller
+    keys = {s.key: s for s in ctl.knob_specs}
+    for key in ("prefixkv__scorer", "prefixkv__window", "prefixkv__sink_in_curves", "prefixkv__min_keep",
+                "prefixkv__decode", "lookm__text_prior"):
+        assert key in keys, key
+    assert isinstance(keys["prefixkv__decode"].widget(), gr.Radio)
+    assert keys["prefixkv__decode"].widget().value == "fixed_point"
+
+    box = SessionBox()
+    outs = list(ctl.compare(noise_image, "Describe.", ["full", "snapkv", "pyramidkv"], 0.3, 6, box=box,
+                            equal_memory=True))
+    final = dict(zip(ctl.output_keys, outs[-1]))["results"]
+    assert final["budget_mode"] == "equal_memory"
+    for name in ("snapkv", "pyramidkv"):
+        r = final["methods"][name]
+        assert abs(sum(r["kept_per_layer"]) / len(r["kept_per_layer"]) - 0.3 * r["full_len"]) <= 1.0
+    with pytest.raises(gr.Error, match="equal_memory must be true or false"):
+        list(ctl.compare(noise_image, "Describe.", ["full"], 0.3, 2, box=SessionBox(), equal_memory="yes"))
+    plain = list(ctl.compare(noise_image, "Describe.", ["full"], 0.3, 2, box=SessionBox()))
+    assert dict(zip(ctl.output_keys, plain[-1]))["results"]["budget_mode"] == "published"
+
+
+def test_app_lorenz_chart_draws_the_curves_prefixkv_used(app_controller, noise_image):
+    from prefixkv_core.lorenz import retention_curves
+    from ui.controller import SessionBox
+
+    ctl = app_controller
+    box = SessionBox()
+    list(ctl.compare(noise_image, "Describe.", ["full", "prefixkv"], 0.3, 2, box=box,
+                     prefixkv__sink_in_curves=False, prefixkv__scorer="window"))
+    comp = box.run
+    used = comp.prefill.curves["prefixkv"]
+    assert used.shape[1] == comp.prefill.prompt_tokens - 1
+    fig = ctl.lorenz(comp, box)
+    assert "PrefixKV's curves: observation-window votes, sink left out" in fig.layout.title.text
+    layer_trace = next(t for t in fig.data if (t.name or "").startswith("layer 0 "))
+    want = retention_curves(torch.as_tensor(used))[0].numpy()
+    assert len(layer_trace.y) == used.shape[1] + 1 and layer_trace.y == pytest.approx(want, abs=1e-6)
+
+    box2 = SessionBox()  # default knobs: the curves are the prefill's column sums, no note in the title
+    list(ctl.compare(noise_image, "Describe.", ["full", "prefixkv"], 0.3, 2, box=box2))
+    fig2 = ctl.lorenz(box2.run, box2)
+    assert "PrefixKV's curves" not in fig2.layout.title.text
+    assert box2.run.prefill.curves["prefixkv"] == pytest.approx(box2.run.prefill.importance)
+
+
+@pytest.fixture
+def threads_restored():
+    """The benchmarks set torch's thread count (--threads 1); put it back for the other tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_quality_benchmark_equal_memory_says_so(tmp_path, threads_restored):
+    from benchmarks import quality
+
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"id": "a", "image": "scene:2000000", "question": "What shapes are there?",
+                                "answer": "a red square"}) + "\n")
+    args = ["--model", "tiny-llama", "--data", str(data), "--methods", "snapkv,lookm", "--budgets", "0.3",
+            "--max-new-tokens", "3", "--threads", "1", "--no-png", "--quiet"]
+    out = tmp_path / "eq"
+    assert quality.main(args + ["--equal-memory", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["budget_mode"] == "equal_memory" and res["settings"]["budget_mode"] == "equal_memory"
+    assert res["config"]["budget_mode"] == "equal_memory"
+    md = (out / "kv_kept.md").read_text()
+    assert "[equal memory]" in md and "Equal memory: every budgeted method holds" in md
+    kept = res["tables"]["kv_kept_pct"]
+    assert all(abs(kept[m]["0.30"] - 30) < 6 for m in ("snapkv", "lookm")), kept
+    # the same folder refuses the other mode's records
+    with pytest.raises(SystemExit, match="different configuration"):
+        quality.main(args + ["--out", str(out)])
+    pub = tmp_path / "pub"
+    assert quality.main(args + ["--out", str(pub)]) == 0
+    res_pub = json.loads((pub / "results.json").read_text())
+    assert res_pub["budget_mode"] == "published" and "[published budgets]" in (pub / "ppl.md").read_text()
+    assert res_pub["tables"]["kv_kept_pct"]["lookm"]["0.30"] > kept["lookm"]["0.30"]
+
+
+def test_speed_benchmark_equal_memory_says_so(tmp_path, threads_restored):
+    from benchmarks import speed
+
+    args = ["--model", "tiny-llama", "--settings", "40x6", "--budgets", "0.2", "--warmup-steps", "0", "--threads",
+            "1", "--no-png", "--quiet", "--no-stock", "--methods", "full,snapkv,lookm", "--out", str(tmp_path)]
+    assert speed.main(args + ["--equal-memory"]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["budget_mode"] == "equal_memory"
+    md = (tmp_path / "speed.md").read_text()
+    assert "[equal memory]" in md and "Budget mode: equal memory" in md
+    rows = {r["method"]: r for r in res["results"]}
+    n_t = 40 + 6 - 1
+    for m in ("snapkv", "lookm"):
+        assert abs(sum(rows[m]["kept_per_layer"]) / len(rows[m]["kept_per_layer"]) - 0.2 * n_t) <= 1.0, rows[m]
