@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -308,7 +309,7 @@ def test_not_a_number_and_short_requests(server):
     kind, message = _raw(server, "compare", None, body=body.replace("0.5", "Infinity"))
     assert kind == "error" and "h2o__recent_fraction must be a number" in message and "got inf" in message
     kind, message = _raw(server, "compare", [None, "hi", ["full"], 0.3, 2])
-    assert kind == "error" and message.startswith("/compare takes 28 values, got 5")
+    assert kind == "error" and re.match(r"/compare takes \d+ values, got 5: send every input", message)
 
 
 def test_methods_as_a_string_is_read_as_a_list(server):
