@@ -172,14 +172,8 @@ class Engine:
     def forward(self, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe,
                 image_flags: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
         """Feed `ids` [1, T] at true positions start..start+T-1; returns the last position's logits [V]."""
-        t = ids.shape[1]
-        positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0)
-        flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
-        cache.set_pending(positions, flags)
-        with torch.inference_mode():
-            out = self.loaded.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1, kv_probe=probe, **runner.vision_kwargs(pixel_values))
-        return out.logits[0, -1]
+        logits, _ = runner.forward_group(self.loaded.model, cache, ids, start, probe, image_flags, pixel_values)
+        return logits[0]
 
 
 class Session:

@@ -174,17 +174,19 @@ def vision_kwargs(vision_inputs) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, request: StatRequest,
+def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe | StatRequest,
                   image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None
                   ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
     """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
-    plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for.
+    plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for
+    (`probe`: what to record, and any key masks; a bare StatRequest when there are none).
     `vision_inputs`: see `vision_kwargs` (prefill only)."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
     cache.set_pending(positions, flags)
-    probe = AttentionProbe(request)
+    if isinstance(probe, StatRequest):
+        probe = AttentionProbe(probe)
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
                 kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
