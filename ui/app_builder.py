@@ -37,9 +37,9 @@ DEFAULT_PROMPT = "Describe this image in detail."
 
 HELP = """
 **Panels.** Every method answers the same prompt from the same prefill, each on its own compressed KV
-cache, one token per method in turn. Badges: KV-cache size (MB, and % of an uncompressed cache of the same
-length), decode throughput (tokens/s of model + policy time), time to first token (shared prefill +
-compression + first step) and, once both answers are complete, ROUGE-L F1 against the Full answer.
+cache; all methods decode together, one batched forward per token. Badges: KV-cache size (MB, and % of an
+uncompressed cache of the same length), decode throughput (tokens/s of model + policy time; the batch
+shares each step's forward), time to first token (shared prefill + compression + first step) and, once both answers are complete, ROUGE-L F1 against the Full answer.
 
 **Retained KV entries per layer.** One small chart per method: bar height = entries kept in that layer /
 entries an uncompressed cache would hold; the solid part is image tokens, the hatched part text tokens.
