@@ -431,6 +431,7 @@ def test_export_folders_are_removed(tiny_llama, noise_image):
     assert len(ctl.exports.folders()) == 2  # bounded: the oldest went first
     ctl.disconnected(SimpleNamespace(session_hash="u3"))
     assert len(ctl.exports.folders()) == 1
+    assert other_box.run.session is None and other_box.run.image is None  # a closed connection keeps neither
     assert sorted(os.listdir(ctl.exports.root)) == sorted(Path(f).name for f in ctl.exports.folders())
     ctl.exports.close()
     assert not Path(ctl.exports.root).exists()
@@ -478,6 +479,7 @@ def test_idle_caches_are_released(tiny_llama, noise_image):
     assert box.run.to_dict()["methods"]["snapkv"]["kv_bytes"] > 0  # the run held caches
     assert _wait(lambda: ctl.registry.count() == 0 and session.released, timeout=10)
     assert session.cache_bytes() == 0
+    assert box.run.session is None and box.run.image is not None  # the session (and its image copy) let go
     with pytest.raises(Exception, match="idle for 0.3 seconds and its caches were released; run Compare again"):
         list(ctl.follow_up("And?", box))
     ctl.registry.close()
@@ -554,3 +556,57 @@ def test_registry_keeps_at_most_max_sessions_and_releases_on_disconnect():
     assert not registry.release_owner("nobody")
     registry.close()
     assert sessions[2].released and registry.held_bytes() == 0
+
+
+# -- the settings ------------------------------------------------------------------------------------------
+
+LIMIT_VARS = ("PREFIXKV_MAX_PROMPT_CHARS", "PREFIXKV_MAX_PROMPT_TOKENS", "PREFIXKV_MAX_RUN_TOKENS",
+              "PREFIXKV_MAX_IMAGE_MB", "PREFIXKV_MAX_IMAGE_MEGAPIXELS", "PREFIXKV_MAX_SESSIONS",
+              "PREFIXKV_SESSION_IDLE_MINUTES", "PREFIXKV_CACHE_LIMIT_MB", "PREFIXKV_MEMORY_LIMIT_MB",
+              "PREFIXKV_QUEUE_SIZE")
+
+
+def test_limits_come_from_flags_and_environment(tiny_llama, monkeypatch):
+    import app
+
+    from prefixkv_core.limits import default_cache_limit, default_memory_limit
+
+    for name in LIMIT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    limits = app.build_limits(app.parse_args([]), tiny_llama)
+    assert (limits.max_prompt_chars, limits.max_prompt_tokens, limits.max_run_tokens, limits.max_image_bytes,
+            limits.max_image_pixels, limits.max_sessions, limits.idle_s) == (2000, 1024, 3072, 10 * MB, 40_000_000,
+                                                                              6, 600)
+    assert limits.cache_limit_bytes == default_cache_limit(tiny_llama) > 0
+    assert limits.memory_limit_bytes == default_memory_limit()
+
+    monkeypatch.setenv("PREFIXKV_MAX_SESSIONS", "2")
+    monkeypatch.setenv("PREFIXKV_CACHE_LIMIT_MB", "off")
+    monkeypatch.setenv("PREFIXKV_MEMORY_LIMIT_MB", "512")
+    args = app.parse_args(["--max-image-mb", "2.5", "--session-idle-minutes", "0.5", "--queue-size", "8"])
+    limits = app.build_limits(args, tiny_llama)
+    assert (limits.max_sessions, limits.cache_limit_bytes, limits.memory_limit_bytes) == (2, None, 512 * MB)
+    assert (limits.max_image_bytes, limits.idle_s, args.queue_size) == (int(2.5 * MB), 30.0, 8)
+    for bad in (["--max-sessions", "0"], ["--cache-limit-mb", "lots"], ["--max-prompt-tokens", "-5"]):
+        with pytest.raises(SystemExit):
+            app.parse_args(bad)
+
+
+def test_main_launches_with_the_limits(monkeypatch):
+    import gradio as gr
+
+    import app
+
+    for name in LIMIT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs, blocks=self))
+    assert app.main(["--model", "tiny-llama", "--max-image-mb", "2", "--max-sessions", "3", "--queue-size", "5",
+                     "--memory-limit-mb", "off"]) == 0
+    demo = seen["blocks"]
+    assert seen["max_file_size"] == "2mb" and demo.limits.max_image_bytes == 2 * MB
+    assert demo.controller.registry.limits.max_sessions == 3 and demo.limits.memory_limit_bytes is None
+    assert demo._queue.max_size == 5
+    (middleware,) = seen["app_kwargs"]["middleware"]
+    assert middleware.kwargs["max_bytes"] == 2 * MB * 4 // 3 + 1 + MB  # one image as base64 text, and the rest
+    demo.controller.registry.close()

@@ -381,9 +381,19 @@ class Controller:
                           image=downscale(image, OVERLAY_DISPLAY_SIDE) if image is not None else None,
                           model=self.model_info(), budget_mode=budget_mode)
         comp.session = session
-        self.registry.add(owner, session, stop=lambda: comp.cancel.set())
+        self.registry.add(owner, session, stop=lambda: comp.cancel.set(),
+                          forget=lambda reason: self._let_go(comp, reason))
         box.view_budget = budget
         yield from self._stream(box, comp, lambda cancel: session.run(cancel), first_turn=True)
+
+    @staticmethod
+    def _let_go(comp: Comparison, reason: str | None) -> None:
+        """The registry dropped this comparison's caches: keep its answers and charts, let go of the engine
+        session (and its copy of the image); a closed connection's display image goes too (Gradio keeps a
+        closed session's state for an hour)."""
+        comp.session = None
+        if reason == "closed":
+            comp.image = None
 
     def _conversation_tokens(self, comp: Comparison) -> int:
         """Tokens the longest method's conversation holds so far (uncompressed length)."""
@@ -400,6 +410,10 @@ class Controller:
             if self._stopped_while_queued(box):
                 yield self._not_started(box)
                 return
+            if comp is not None and comp.prefill is not None and (
+                    comp.session is None or getattr(comp.session, "released", False)):
+                reason = self.registry.released_reason(owner) or "this comparison's caches were released"
+                raise refuse(f"{reason}; run Compare again to continue")
             if comp is None or comp.session is None or comp.prefill is None:
                 raise refuse("run a comparison first: a follow-up continues every method's own compressed cache")
             if comp.active:
@@ -407,9 +421,6 @@ class Controller:
             if not isinstance(question, str) or not question.strip():
                 raise refuse("the follow-up question is empty" if question is None or isinstance(question, str)
                              else f"question must be text, got {type(question).__name__}")
-            if getattr(comp.session, "released", False):
-                reason = self.registry.released_reason(owner) or "this comparison's caches were released"
-                raise refuse(f"{reason}; run Compare again to continue")
             added = check_followup(self.limits, self.loaded, question,
                                    conversation_tokens=self._conversation_tokens(comp),
                                    max_new_tokens=int(comp.settings.get("max_new_tokens", self.limit)))

@@ -45,6 +45,11 @@ class _Entry:
     last_used: float
     busy: bool = False
     stop: Callable[[], None] | None = None  # cancels the owner's run, if one is going
+    forget: Callable[[str | None], None] | None = None  # lets go of what the owner keeps beside (the reason)
+
+    def dropped(self, reason: str | None) -> None:
+        if self.forget is not None:
+            self.forget(reason)
 
 
 def _cache_bytes(session: Any) -> int:
@@ -141,12 +146,14 @@ class SessionRegistry:
             raise LimitError(f"the server is low on memory ({used / MB:.0f} MB in use, the limit is "
                              f"{ceiling / MB:.0f} MB): try again in a minute")
 
-    def add(self, owner: str, session: Any, stop: Callable[[], None] | None = None) -> None:
+    def add(self, owner: str, session: Any, stop: Callable[[], None] | None = None,
+            forget: Callable[[str | None], None] | None = None) -> None:
         """Register `owner`'s new comparison (its previous one is dropped), then enforce max_sessions.
-        `stop` cancels its run (called when the owner disconnects mid-run)."""
+        `stop` cancels its run (called when the owner disconnects mid-run); `forget(reason)` is called when
+        the registry drops it, so the owner lets go of the session too (its image, its record of the turn)."""
         with self._lock:
             previous = self._entries.pop(owner, None)
-            self._entries[owner] = _Entry(owner, session, self.clock(), busy=True, stop=stop)
+            self._entries[owner] = _Entry(owner, session, self.clock(), busy=True, stop=stop, forget=forget)
             self._reasons.pop(owner, None)
         if previous is not None and previous.session is not session:
             self._schedule(previous.session)
@@ -183,6 +190,7 @@ class SessionRegistry:
             return False
         if entry.stop is not None:
             entry.stop()  # a run still going stops within a token; then the release gets the engine
+        entry.dropped(reason)
         self._schedule(entry.session)
         return True
 
@@ -195,6 +203,7 @@ class SessionRegistry:
                 del self._entries[e.owner]
                 self._remember(e.owner, "idle")
         for e in stale:
+            e.dropped("idle")
             self._schedule(e.session)
         if stale:
             log.info("released the caches of %d idle comparison(s)", len(stale))
@@ -223,6 +232,7 @@ class SessionRegistry:
             del self._entries[victim.owner]
             self._remember(victim.owner, reason)
         log.info("released the caches of a comparison (%s)", reason)
+        victim.dropped(reason)
         if wait:
             self._release_now(victim.session)
         else:
