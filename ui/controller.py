@@ -384,7 +384,17 @@ class Controller:
         self.registry.add(owner, session, stop=lambda: comp.cancel.set(),
                           forget=lambda reason: self._let_go(comp, reason))
         box.view_budget = budget
-        yield from self._stream(box, comp, lambda cancel: session.run(cancel), first_turn=True)
+        yield from self._stream(box, comp, lambda cancel: self._tidy(session, session.run(cancel)), first_turn=True)
+
+    @staticmethod
+    def _tidy(session, events: Iterator[Any]) -> Iterator[Any]:
+        """The engine's events, then: if the registry released this session while its run still waited for
+        the model (a client that left before its turn came), drop what the run built since."""
+        try:
+            yield from events
+        finally:
+            if getattr(session, "released", False) and session.cache_bytes():
+                session.release()
 
     @staticmethod
     def _let_go(comp: Comparison, reason: str | None) -> None:
@@ -434,7 +444,8 @@ class Controller:
             raise
         comp.begin_turn(question)
         session = comp.session
-        yield from self._stream(box, comp, lambda cancel: session.follow_up(question, cancel), first_turn=False)
+        yield from self._stream(box, comp, lambda cancel: self._tidy(session, session.follow_up(question, cancel)),
+                                first_turn=False)
 
     def stop(self, box, request: gr.Request = None):
         if not isinstance(box, SessionBox):
