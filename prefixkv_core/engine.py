@@ -223,6 +223,8 @@ class Session:
         if self.turn >= 0:
             raise EngineError("this session already ran its first turn; use follow_up()")
         with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
+            if self.released:  # released while waiting for the model
+                raise EngineError("this comparison's caches were released to free memory; run Compare again")
             self.turn = 0
             yield from self._recorded(self._first_turn(cancel))
 
@@ -275,11 +277,15 @@ class Session:
         with self.engine.lock:
             for state in self.states.values():
                 state.cache = None
+            self.image = None
+            self._buffers = None
             self.released = True
 
     def cache_bytes(self) -> int:
-        """Bytes held by this session's caches right now (0 once released)."""
-        return sum(s.cache.nbytes() for s in self.states.values() if s.cache is not None)
+        """Bytes held by this session's caches right now, the batched step's padded tensors included while a
+        turn runs (0 once released)."""
+        held = sum(s.cache.nbytes() for s in self.states.values() if s.cache is not None)
+        return held + (self._buffers.nbytes() if self._buffers is not None else 0)
 
     def results(self) -> dict[str, dict[str, Any]]:
         """Per-method figures of the current turn, from the result record (see `record.to_dict()` for all)."""

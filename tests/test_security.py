@@ -379,14 +379,15 @@ def test_a_client_that_leaves_mid_run_frees_the_model_and_its_caches(server, mon
     assert "closed" in ctl.registry.released_reason(client.session_hash)
 
 
-def test_a_run_that_gets_the_model_after_its_release_drops_what_it_built(tiny_llama):
-    from prefixkv_core import GenerationSettings
+def test_a_run_that_gets_the_model_after_its_release_builds_nothing(tiny_llama):
+    from prefixkv_core import EngineError, GenerationSettings
     from ui.controller import Controller
 
     session = Engine(tiny_llama).new_session(None, "hi", ["full", "h2o"], 0.3, GenerationSettings(max_new_tokens=3))
     session.release()  # its client left while the run waited for the model
-    events = list(Controller._tidy(session, session.run()))
-    assert events and session.released and session.cache_bytes() == 0
+    with pytest.raises(EngineError, match="released"):
+        list(Controller._tidy(session, session.run()))
+    assert session.released and session.cache_bytes() == 0
 
 
 def test_expected_rejections_log_one_line_and_no_traceback(server, secret, capfd, caplog, monkeypatch):
