@@ -227,8 +227,12 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
         return StepOutput(logits, [last_query(stats) if want_attention[0] else None])
     step = _StepCache(caches, lengths, positions, probe, buffers if buffers is not None else StepBuffers())
     old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
-    out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
-                kv_probe=probe)
+    try:
+        out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
+                    kv_probe=probe)
+    finally:
+        step.layers, step.caches = [], []  # the step and its layers point at each other: free the rows now, not
+        # whenever the garbage collector next runs
     attention: list[dict[int, torch.Tensor] | None] = [None] * b
     for k, r in enumerate(wanted):
         attention[r] = _row_attention(probe.stats, r, k, old_lengths, lengths[r], q)
