@@ -81,13 +81,20 @@ def text_tokens(loaded, text: str) -> int:
     return len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def prompt_tokens(loaded, prompt: str, with_image: bool) -> int:
+def image_tokens(loaded, image_size: tuple[int, int] | None) -> int:
+    """Tokens one image takes: counted for its size (anyres families tile by size), else the most it can take."""
+    if image_size is None:
+        return int(loaded.image_seq_length)
+    return int(loaded.image_tokens(*image_size))
+
+
+def prompt_tokens(loaded, prompt: str, with_image: bool, image_size: tuple[int, int] | None = None) -> int:
     """Tokens of a first turn as the engine feeds it: chat template, the image's tokens, the prompt."""
     from .models import format_prompt
 
-    n = len(loaded.tokenizer(format_prompt(loaded, prompt, with_image=with_image), add_special_tokens=False)
-            ["input_ids"])
-    return n - 1 + int(loaded.image_seq_length) if with_image else n  # one <image> expands to the patches
+    # special tokens as the processor adds them (BOS for Llama-style tokenizers)
+    n = len(loaded.tokenizer(format_prompt(loaded, prompt, with_image=with_image))["input_ids"])
+    return n - 1 + image_tokens(loaded, image_size) if with_image else n  # one <image> expands to the patches
 
 
 def followup_tokens(loaded, question: str) -> int:
@@ -112,13 +119,15 @@ def check_text(limits: Limits, loaded, text: str, what: str = "the prompt") -> i
     return n
 
 
-def check_prompt(limits: Limits, loaded, prompt: str, *, with_image: bool, max_new_tokens: int) -> int:
-    """A first turn within the limits; returns the tokens the run may reach (prompt + new tokens)."""
+def check_prompt(limits: Limits, loaded, prompt: str, *, with_image: bool, max_new_tokens: int,
+                 image_size: tuple[int, int] | None = None) -> int:
+    """A first turn within the limits; returns the tokens the run may reach (prompt + new tokens).
+    `image_size` (width, height) counts the image's own tokens (anyres families: they depend on its size)."""
     check_text(limits, loaded, prompt)
-    total = prompt_tokens(loaded, prompt, with_image) + int(max_new_tokens)
+    total = prompt_tokens(loaded, prompt, with_image, image_size) + int(max_new_tokens)
     limit = run_token_limit(limits, loaded)
     if total > limit:
-        image = f", {loaded.image_seq_length} of them for the image," if with_image else ""
+        image = f", {image_tokens(loaded, image_size)} of them for the image," if with_image else ""
         raise LimitError(f"this run would reach {total} tokens (prompt{image} + {int(max_new_tokens)} new tokens); "
                          f"the limit is {limit}: shorten the prompt or lower max new tokens")
     return total

@@ -119,6 +119,17 @@ def test_layout_counts_the_processors_image_tokens(lm, size):
         assert len(layout.views) == 1 and layout.n_tokens == 16
 
 
+@pytest.mark.parametrize("size", [(80, 48), (333, 257)])
+def test_run_limit_counts_the_image_at_its_size(lm, size):
+    """The app's token limit counts what the processor will really feed for this image (anyres: by size)."""
+    from prefixkv_core.limits import prompt_tokens
+
+    image = Image.new("RGB", size, (90, 30, 200))
+    fed = M.encode(lm, image, M.format_prompt(lm, "Hi", True))["input_ids"].shape[1]
+    assert prompt_tokens(lm, "Hi", True, image.size) == fed
+    assert prompt_tokens(lm, "Hi", True) >= fed  # without a size: the most an image can take
+
+
 def test_unsupported_model_type_names_the_families(tmp_path):
     from transformers import BertConfig
 

@@ -359,7 +359,8 @@ class Controller:
             image = downscale(self.engine.load_image(
                 image, allowed_roots=self.image_roots(), max_bytes=self.limits.max_image_bytes,
                 max_pixels=self.limits.max_image_pixels)) if image is not None else None
-            tokens = check_prompt(self.limits, self.loaded, prompt, with_image=image is not None, max_new_tokens=max_new)
+            tokens = check_prompt(self.limits, self.loaded, prompt, with_image=image is not None, max_new_tokens=max_new,
+                                  image_size=image.size if image is not None else None)
             session = self.engine.new_session(image, prompt, methods, budget, settings, knobs,
                                               budget_mode=budget_mode)  # no caches yet
             if box.run is not None and box.run.active:
