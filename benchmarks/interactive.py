@@ -69,8 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; medians are reported")
     ap.add_argument("--no-sequential", action="store_true", help="skip the one-after-another reference run")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
