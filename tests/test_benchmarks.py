@@ -25,13 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QBUDGETS = ["0.10", "0.50"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one torch thread avoids OpenMP spin-waiting (10x faster)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def read_csv(path: Path) -> list[list[str]]:

@@ -18,12 +18,7 @@ from prefixkv_core.policies import METHODS, REGISTRY
 BUDGETS = ["0.10", "0.50"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
