@@ -215,3 +215,15 @@ def save_tiny_family(path, family: str, seed: int = 0) -> str:
             with open(file, "w") as fh:
                 json.dump(data, fh, indent=2)
     return path
+
+
+def kept_entry_masks(compressed, prompt_len: int) -> dict:
+    """Key masks over an uncompressed cache of `prompt_len` entries (+ the next token) that allow exactly the
+    entries `compressed` still holds, per layer and KV head: the reference of the eviction == masking tests."""
+    masks = {}
+    for layer_idx, layer in enumerate(compressed.layers):
+        kept = torch.zeros(1, layer.n_kv, prompt_len + 1, dtype=torch.bool)
+        kept.scatter_(2, layer.positions, True)  # the next token (position prompt_len) is appended by then
+        masks[layer_idx] = kept
+    return masks
+

@@ -13,6 +13,7 @@ from prefixkv_core.models import encode, format_prompt
 from prefixkv_core import runner
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
+from prefixkv_core.testing import kept_entry_masks
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 BUDGETS = (0.1, 0.3, 0.5, 0.9)
@@ -117,11 +118,7 @@ def test_eviction_equals_masking(tiny, noise_image, method, budget):
     token = torch.tensor([[5]])
     with tracked_attention_enabled(tiny.model):
         logits_compressed = engine.forward(compressed, token, n, AttentionProbe())
-        masks = {}
-        for l, layer in enumerate(compressed.layers):
-            kept = torch.zeros(1, layer.n_kv, n + 1, dtype=torch.bool)
-            kept.scatter_(2, layer.positions, True)  # new token included (position n)
-            masks[l] = kept
+        masks = kept_entry_masks(compressed, n)
         logits_masked = engine.forward(cache.clone(), token, n, AttentionProbe(key_masks=masks))
     torch.testing.assert_close(logits_compressed, logits_masked, atol=1e-4, rtol=1e-4)
 

@@ -13,7 +13,7 @@ from prefixkv_core.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.zipvl import probe_queries
-from prefixkv_core.testing import FAMILIES, save_tiny_family
+from prefixkv_core.testing import FAMILIES, kept_entry_masks, save_tiny_family
 
 PROMPT = "describe the picture in detail"
 WIDE = (80, 48)  # not square: anyres pads and unpads it, CLIP centre-crops it
@@ -196,11 +196,7 @@ def test_eviction_equals_masking(lm, picture, method):
     token = torch.tensor([[7]])
     with tracked_attention_enabled(lm.model):
         evicted = engine.forward(compressed, token, n, AttentionProbe())
-        masks = {}
-        for layer_idx, layer in enumerate(compressed.layers):
-            kept = torch.zeros(1, layer.n_kv, n + 1, dtype=torch.bool)
-            kept.scatter_(2, layer.positions, True)
-            masks[layer_idx] = kept
+        masks = kept_entry_masks(compressed, n)
         masked = engine.forward(shared.cache.clone(), token, n, AttentionProbe(key_masks=masks))
     assert min(layer.length for layer in compressed.layers) < n  # something was evicted
     torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
