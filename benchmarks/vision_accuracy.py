@@ -9,7 +9,13 @@ few new tokens. An answer is correct when its normalised text (lowercase, punctu
 the reference or starts with it as whole words. --describe N also asks N scenes for a description and
 reports which share of their objects ("red circle") it names. Writes <out>.json and <out>.md, plus
 <out>.html/.png (accuracy vs budget per method) when budgets are given. Full is asked once per
-question (it keeps everything whatever the budget) and reported as full@1.
+question (it keeps everything whatever the budget) and reported as full@1. --equal-memory holds the
+prompt-only methods at r·N_t while decoding (the engine's "equal_memory" budget mode).
+
+--controls N adds two checks with the full cache: the same colour and shape questions over a blank grey
+image (a model that reads the image stays at chance there), and N freeform images (scenes.freeform: one
+turned shape of any size, anywhere, on a background colour outside the generator's palette) asked for
+the shape's colour in phrasings the model was never trained on (scenes.phrasings.HELD_OUT).
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from tqdm import tqdm
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.models import load_model
 from scenes import QTYPES, render_scene, split_seeds
+from scenes.freeform import render_freeform
+from scenes.phrasings import HELD_OUT
 
 DESCRIBE_PROMPT = "Describe the image."
 
@@ -45,15 +53,17 @@ def named_share(description: str, scene) -> float:
     return sum(f"{o.colour} {o.shape}" in text for o in scene.objects) / len(scene.objects)
 
 
-def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int) -> dict[str, str]:
-    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new))
+def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
+        budget_mode: str = "published") -> dict[str, str]:
+    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new),
+                                 budget_mode=budget_mode)
     for _ in session.run():
         pass
     return {m: (r["error"] and f"ERROR {r['error']}") or r["text"] for m, r in session.results().items()}
 
 
 def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
-             describe: int, split: str) -> dict:
+             describe: int, split: str, budget_mode: str = "published") -> dict:
     records = []
     descriptions = []
     # Full keeps everything whatever the budget: ask it once, with the first budget, as full@1.
@@ -64,13 +74,13 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
         scene = render_scene(seed)
         for budget, ms in runs:
             for qa in scene.qa:
-                outs = ask(engine, scene.image, qa.question, ms, budget, max_new)
+                outs = ask(engine, scene.image, qa.question, ms, budget, max_new, budget_mode)
                 for m, text in outs.items():
                     records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
                                     "qtype": qa.qtype, "method": m, "budget": 1.0 if m == "full" else budget,
                                     "output": text, "correct": is_correct(text, qa.answer)})
             if i < describe:
-                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96)
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode)
                 for m, text in outs.items():
                     descriptions.append({"seed": seed, "method": m, "budget": 1.0 if m == "full" else budget,
                                          "output": text, "reference": scene.description,
@@ -78,6 +88,50 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
             bar.update()
     bar.close()
     return {"records": records, "descriptions": descriptions}
+
+
+BLANK_GREY = (128, 128, 128)
+DEFAULT_OUT = "benchmarks/results/vision_accuracy"
+
+
+def controls(engine: Engine, seeds: list[int], freeform: int, max_new: int) -> dict:
+    """Full-cache answers that must come from the image: colour/shape questions over a blank image (chance
+    expected) and colour questions about freeform images in held-out phrasings."""
+    from PIL import Image
+
+    blank = Image.new("RGB", (384, 384), BLANK_GREY)
+    records = []
+    for seed in tqdm(seeds, desc="blank control", file=sys.stderr, mininterval=5):
+        for qa in render_scene(seed).qa:
+            if qa.qtype in ("colour", "shape"):
+                text = ask(engine, blank, qa.question, ["full"], 1.0, max_new)["full"]
+                records.append({"set": "blank", "seed": seed, "question": qa.question, "answer": qa.answer,
+                                "qtype": qa.qtype, "output": text, "correct": is_correct(text, qa.answer)})
+    for k, seed in enumerate(tqdm(split_seeds("test", freeform), desc="freeform", file=sys.stderr, mininterval=5)):
+        img = render_freeform(seed)
+        phrasing = HELD_OUT["colour"][k % len(HELD_OUT["colour"])]
+        question = phrasing.format(shape=img.shape)
+        text = ask(engine, img.image, question, ["full"], 1.0, max_new)["full"]
+        records.append({"set": "freeform", "seed": seed, "question": question, "answer": img.colour,
+                        "qtype": "colour", "size": round(img.radius, 3), "output": text,
+                        "correct": is_correct(text, img.colour)})
+    summary: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for r in records:
+        summary[r["set"]][r["qtype"]][0] += r["correct"]
+        summary[r["set"]][r["qtype"]][1] += 1
+    return {"records": records,
+            "summary": {k: {t: {"correct": c, "n": n, "accuracy": c / n} for t, (c, n) in v.items()}
+                        for k, v in summary.items()}}
+
+
+def controls_markdown(ctrl: dict) -> str:
+    names = {"blank": f"blank grey image {BLANK_GREY} (chance: colour 1/8, shape 1/6)",
+             "freeform": "freeform images, held-out phrasings"}
+    lines = ["| control | question type | accuracy |", "|---|---|---|"]
+    for k, per in ctrl["summary"].items():
+        for t, v in per.items():
+            lines.append(f"| {names[k]} | {t} | {v['accuracy']:.1%} (n={v['n']}) |")
+    return "\n".join(lines) + "\n"
 
 
 def summarise(res: dict) -> dict:
@@ -119,7 +173,7 @@ def pivot(summary: dict, qtype: str = "all") -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(summary: dict, stem: Path) -> str:
+def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
     """Accuracy vs budget per method (Full as a horizontal line); HTML always, PNG when Chromium is there."""
     import plotly.graph_objects as go
 
@@ -136,7 +190,8 @@ def figure(summary: dict, stem: Path) -> str:
         fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m))
     if full is not None:
         fig.add_hline(y=full, line_dash="dash", annotation_text=f"full cache {full:.0%}")
-    fig.update_layout(title="Scene QA accuracy vs KV budget (held-out test scenes)",
+    mode = "equal memory" if budget_mode == "equal_memory" else "budgets as published"
+    fig.update_layout(title=f"Scene QA accuracy vs KV budget (held-out test scenes) [{mode}]",
                       xaxis_title="KV budget (share of the cache kept)",
                       yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], width=900, height=480)
     _, message = save_figure(fig, stem)
@@ -152,8 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="", help="comma-separated KV budgets (default: 1.0 only)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--describe", type=int, default=0, help="also ask this many scenes for a description")
+    ap.add_argument("--equal-memory", action="store_true",
+                    help="hold the prompt-only methods at r·N_t while decoding (budget mode equal_memory)")
+    ap.add_argument("--controls", type=int, default=0, metavar="N",
+                    help="also run the blank-image control and N freeform images (full cache)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default="benchmarks/results/vision_accuracy")
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -161,26 +220,34 @@ def main(argv=None) -> int:
     t0 = time.time()
     loaded = load_model(args.model, device=args.device)
     engine = Engine(loaded)
+    budget_mode = "equal_memory" if args.equal_memory else "published"
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
-                   args.describe, args.split)
+                   args.describe, args.split, budget_mode)
+    ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
+        if args.controls else None
     summary = summarise(res)
     full = summary.get("full@1")
-    out = Path(args.out)
+    out = Path(args.out + ("-equal-memory" if budget_mode == "equal_memory" and args.out == DEFAULT_OUT else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "model": args.model, "vision_trained": loaded.vision_trained, "split": args.split, "scenes": args.scenes,
-        "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens,
+        "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens, "budget_mode": budget_mode,
+        "controls": ctrl["summary"] if ctrl else None,
         "accuracy": {t: v["accuracy"] for t, v in full.items()} if full else None,
         "n": {t: v["n"] for t, v in full.items()} if full else None,
         "summary": summary, "seconds": round(time.time() - t0, 1), **res,
+        "control_records": ctrl["records"] if ctrl else [],
     }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     md = markdown(summary)
     if len(budgets) > 1 or budgets != [1.0]:
         md = "All question types pooled:\n\n" + pivot(summary) + "\nPer question type:\n\n" + md
-        print(figure(summary, out), file=sys.stderr)
+        print(figure(summary, out, budget_mode), file=sys.stderr)
+    if ctrl:
+        md += "\nControls (full cache):\n\n" + controls_markdown(ctrl)
+    mode = "equal memory" if budget_mode == "equal_memory" else "budgets as published"
     out.with_suffix(".md").write_text(f"Scene QA accuracy, {args.split} split, {args.scenes} scenes, "
-                                      f"model {args.model}\n\n" + md)
+                                      f"model {args.model}, {mode}\n\n" + md)
     print(md)
     return 0
 

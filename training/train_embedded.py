@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from prefixkv_core.models import EMBEDDED_VISION_DIR, load_model
 from scenes import SHAPES, SPLITS, all_qa
+from scenes.phrasings import casual_qa
 
 from . import data
 
@@ -284,8 +285,9 @@ def train_stage(args) -> None:
                 with_desc = stage == "B" or rng.random() < args.desc_prob
                 pv = data.pixels(loaded, [scene.image])
                 if stage == "C" and args.tree:  # every question of the scene, one branch each
-                    branches = [(qa.question, qa.answer) for qa in all_qa(scene, rng)]
-                    rng.shuffle(branches)
+                    qas = all_qa(scene, rng) + (casual_qa(scene, rng) if args.casual else [])
+                    rng.shuffle(qas)
+                    branches = [(qa.question, qa.answer) for qa in qas[:args.max_branches]]
                     if with_desc:
                         branches.append((rng.choice(data.DESCRIBE_PROMPTS), scene.description))
                     ids, pos, mask, sup = data.tree_example(loaded, branches)
@@ -411,7 +413,7 @@ def export(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["A", "B", "C", "export"])
+    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "export"])
     ap.add_argument("--out", default="runs/embedded", help="checkpoint directory")
     ap.add_argument("--init", default=None, help="vision_*.pt to start from (default: previous stage in --out)")
     ap.add_argument("--steps", type=int, default=300)
@@ -437,12 +439,25 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--loose-share", type=float, default=0.2,
+                    help="stage W: share of looser scenes (any size, anywhere)")
+    ap.add_argument("--fill-weight", type=float, default=0.25, help="stage W: weight of the fill token's patches")
+    ap.add_argument("--noise", type=float, default=0.05, help="stage L: std of the noise on the word grid")
+    ap.add_argument("--max-branches", type=int, default=28, help="stages L/C: questions per scene at most")
+    ap.add_argument("--casual", action="store_true",
+                    help="stage C: also ask the scene's facts as people type them (scenes.phrasings.TRAIN)")
     ap.add_argument("--dest", default=None, help="export: directory (default assets/embedded_vision)")
     ap.add_argument("--eval-json", default=None, help="export: vision_accuracy JSON to record in info.json")
     ap.add_argument("--info-extra", default=None, help="export: JSON file with description/notes for info.json")
     args = ap.parse_args(argv)
     if args.stage == "export":
         export(args)
+    elif args.stage == "W":
+        from .grid_stages import train_words
+        train_words(args)
+    elif args.stage == "L":
+        from .grid_stages import train_reader
+        train_reader(args)
     else:
         train_stage(args)
 

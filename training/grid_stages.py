@@ -1,0 +1,290 @@
+"""Stages W and L of the embedded model's training (see word_grid.py for the layout they share).
+
+W: tower + projector emit, per image token, the language model's input embedding of its word-grid token.
+   Loss = cross-entropy over the grid vocabulary (cosine logits; the phrase tokens weigh more than the fill)
+   + the squared error to the target embedding relative to its norm. No language-model forward.
+L: a LoRA adapter on the language model answers questions from the ground-truth word grid placed where the
+   image tokens go (tree-packed: every question of a scene shares one prefix), with a little noise on the
+   grid so that the adapter tolerates a projector that is close but not exact. No vision forward.
+Both checkpoint every few minutes into --out and continue with --resume.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from prefixkv_core.models import load_model
+from scenes import SPLITS, all_qa, render_scene
+from scenes.phrasings import casual_qa
+
+from . import data, word_grid
+from .loose_scenes import render_loose
+
+STAGE_BASE = {"W": 700_000, "L": 800_000}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Checkpoint:
+    """stage<S>.ckpt (everything needed to resume) + the trained parts a later stage or export reads."""
+
+    def __init__(self, out: Path, stage: str):
+        self.out, self.stage = out, stage
+        self.path = out / f"stage{stage}.ckpt"
+
+    def load(self):
+        return torch.load(self.path, weights_only=False) if self.path.is_file() else None
+
+    def save(self, state: dict, parts: dict[str, object]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.path)
+        for name, obj in parts.items():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                save_file(obj, str(self.out / name))
+            elif name.endswith(".json"):
+                (self.out / name).write_text(json.dumps(obj))
+            else:
+                torch.save(obj, self.out / name)
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    from .train_embedded import lr_at
+    return lr_at(step, steps, warmup)
+
+
+def _scene(seed: int, loose_share: float) -> object:
+    rng = random.Random(seed * 13 + 5)
+    return render_loose(seed) if rng.random() < loose_share else render_scene(seed, data.RENDER_SIZE)
+
+
+# ----------------------------------------------------------------------------------------------- stage W
+def _w_batch_loss(model, loaded, scenes, vocab_ids, vocab_emb, fill_weight: float):
+    from .train_embedded import patch_features
+
+    pv = data.pixels(loaded, [s.image for s in scenes])
+    out = model.model.multi_modal_projector(patch_features(model, pv))  # [B, 144, D]
+    target_ids = torch.tensor([word_grid.grid_ids(loaded.tokenizer, s) for s in scenes])
+    cls = vocab_ids.index_of(target_ids)
+    target = vocab_emb[cls]
+    logits = F.normalize(out, dim=-1) @ F.normalize(vocab_emb, dim=-1).T / 0.05
+    weight = torch.where(cls == 0, fill_weight, 1.0)
+    ce = (F.cross_entropy(logits.flatten(0, 1), cls.flatten(), reduction="none") * weight.flatten()).sum() / weight.sum()
+    rel = ((out - target) ** 2).sum(-1) / (target ** 2).sum(-1)
+    mse = (rel * weight).sum() / weight.sum()
+    pred = logits.argmax(-1)
+    words = cls != 0
+    acc = {"acc_all": (pred == cls).float().mean().item(),
+           "acc_words": (pred[words] == cls[words]).float().mean().item() if words.any() else 1.0,
+           "rel_err": rel.mean().item()}
+    return ce + mse, acc
+
+
+class VocabIndex:
+    def __init__(self, ids: list[int]):
+        self.ids = torch.tensor(ids)
+        self.lookup = {t: i for i, t in enumerate(ids)}
+
+    def index_of(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[self.lookup[t] for t in row] for row in token_ids.tolist()])
+
+
+def train_words(args) -> None:
+    from .train_embedded import load_vision_state, vision_state
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model("embedded", device="cpu", dtype="float32")
+    model = loaded.model.train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if args.init:
+        load_vision_state(model, torch.load(args.init))
+        log(f"init vision/projector from {args.init}")
+    params = list(model.model.vision_tower.parameters()) + list(model.model.multi_modal_projector.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW([{"params": params, "lr": args.lr, "base_lr": args.lr}], weight_decay=args.wd,
+                            betas=(0.9, 0.98))
+    vocab = VocabIndex(word_grid.vocabulary(loaded.tokenizer))
+    vocab_emb = model.get_input_embeddings().weight[vocab.ids].detach()
+
+    ckpt = Checkpoint(out, "W")
+    start, history = 0, []
+    if args.resume and (ck := ckpt.load()) is not None:
+        load_vision_state(model, ck["vision"])
+        opt.load_state_dict(ck["opt"])
+        start, history = ck["step"], ck["history"]
+        log(f"resumed stage W at step {start}")
+
+    def save(step):
+        ckpt.save({"step": step, "vision": vision_state(model), "opt": opt.state_dict(), "history": history,
+                   "args": vars(args)}, {"vision_W.pt": vision_state(model), "history_W.json": history})
+
+    base = STAGE_BASE["W"] + 10_000 * args.seed
+    t0 = last = time.time()
+    step = start
+    for step in tqdm(range(start, args.steps), initial=start, total=args.steps, desc="stage W", mininterval=30,
+                     file=sys.stdout):
+        f = _lr_factor(step, args.steps, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * f
+        scenes = [_scene(base + step * args.batch + i, args.loose_share) for i in range(args.batch)]
+        loss, acc = _w_batch_loss(model, loaded, scenes, vocab, vocab_emb, args.fill_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        history.append({"step": step + 1, "loss": loss.item(), **acc, "elapsed_s": round(time.time() - t0, 1)})
+        if (step + 1) % args.log_every == 0:
+            recent = history[-args.log_every:]
+            mean = {k: sum(r[k] for r in recent) / len(recent) for k in ("loss", "acc_all", "acc_words", "rel_err")}
+            log(f"stage W step {step + 1}/{args.steps} " + " ".join(f"{k}={v:.4f}" for k, v in mean.items())
+                + f" {time.time() - t0:.0f}s")
+        if time.time() - last > args.ckpt_minutes * 60:
+            save(step + 1)
+            last = time.time()
+        if args.minutes and time.time() - t0 > args.minutes * 60:
+            log(f"time budget reached at step {step + 1}")
+            step += 1
+            break
+    else:
+        step = args.steps
+    save(step)
+    log(f"saved stage W at step {step}")
+
+
+# ----------------------------------------------------------------------------------------------- stage L
+def reader_branches(scene, rng: random.Random, desc_prob: float, max_branches: int) -> list[tuple[str, str]]:
+    """The template questions, the same facts asked as people type them, sometimes a description."""
+    qa = all_qa(scene, rng) + casual_qa(scene, rng)
+    rng.shuffle(qa)
+    branches = [(q.question, q.answer) for q in qa[:max_branches]]
+    if rng.random() < desc_prob:
+        branches.append((rng.choice(data.DESCRIBE_PROMPTS), scene.description))
+    return branches
+
+
+def grid_inputs(model, loaded, ids: torch.Tensor, scene, noise: float) -> torch.Tensor:
+    """Input embeddings of a packed example with the image tokens replaced by the scene's word grid."""
+    embed = model.get_input_embeddings()
+    x = embed(ids)
+    img = ids == loaded.image_token_id
+    grid = word_grid.grid_embeddings(embed, loaded.tokenizer, scene)
+    if noise > 0:
+        grid = grid + noise * torch.randn_like(grid)
+    x = x.clone()
+    x[img] = grid.to(x.dtype)
+    return x
+
+
+def reader_loss(model, loaded, scene, branches, noise: float):
+    ids, pos, mask, sup = data.tree_example(loaded, branches)
+    x = grid_inputs(model, loaded, ids, scene, noise)
+    hidden = model.model.language_model(inputs_embeds=x[None], attention_mask=mask[None, None],
+                                        position_ids=pos[None], use_cache=False).last_hidden_state[0]
+    at = torch.nonzero(sup[1:]).squeeze(1)
+    logits = model.lm_head(hidden[at])
+    target, turn = ids[at + 1], sup[at + 1]
+    w = 1.0 / torch.bincount(turn)[turn].float()
+    loss = (F.cross_entropy(logits.float(), target, reduction="none") * w).sum() / w.sum()
+    return loss, logits, target, turn
+
+
+@torch.no_grad()
+def reader_accuracy(model, loaded, seeds: list[int]) -> dict[str, float]:
+    """Teacher-forced answers (== greedy) from ground-truth grids on the scenes' own test-style questions."""
+    right: dict[str, list[bool]] = {}
+    for seed in seeds:
+        scene = render_scene(seed, data.RENDER_SIZE)
+        branches = [(qa.question, qa.answer) for qa in scene.qa]
+        _, logits, target, turn = reader_loss(model, loaded, scene, branches, 0.0)
+        hit = logits.argmax(-1) == target
+        for k, qa in enumerate(scene.qa, start=1):
+            right.setdefault(qa.qtype, []).append(bool(hit[turn == k][:-1].all()))
+    return {t: sum(v) / len(v) for t, v in right.items()}
+
+
+def train_reader(args) -> None:
+    from peft import set_peft_model_state_dict
+
+    from .train_embedded import add_lora, lora_state
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model("embedded", device="cpu", dtype="float32")
+    model = loaded.model.train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lora = add_lora(model, args.lora_rank)
+    params = [p for p in lora.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": params, "lr": args.lora_lr, "base_lr": args.lora_lr}], weight_decay=0.0)
+    ckpt = Checkpoint(out, "L")
+    start, history = 0, []
+    if args.resume and (ck := ckpt.load()) is not None:
+        set_peft_model_state_dict(lora, ck["lora"])
+        opt.load_state_dict(ck["opt"])
+        start, history = ck["step"], ck["history"]
+        log(f"resumed stage L at step {start}")
+
+    def save(step):
+        state = lora_state(lora)
+        ckpt.save({"step": step, "lora": state, "opt": opt.state_dict(), "history": history, "args": vars(args)},
+                  {"lora_L.safetensors": state, "history_L.json": history})
+
+    base = STAGE_BASE["L"] + 10_000 * args.seed
+    t0 = last = time.time()
+    step = start
+    for step in tqdm(range(start, args.steps), initial=start, total=args.steps, desc="stage L", mininterval=30,
+                     file=sys.stdout):
+        f = _lr_factor(step, args.steps, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * f
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(args.batch):
+            seed = base + step * args.batch + i
+            rng = random.Random(seed * 31 + args.seed)
+            scene = render_scene(seed, 64)  # the reader never sees pixels: a small render gives the facts
+            loss, *_ = reader_loss(model, loaded, scene, reader_branches(scene, rng, args.desc_prob,
+                                                                         args.max_branches), args.noise)
+            (loss / args.batch).backward()
+            total += loss.item() / args.batch
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        history.append({"step": step + 1, "loss": total, "elapsed_s": round(time.time() - t0, 1)})
+        if (step + 1) % args.log_every == 0:
+            recent = history[-args.log_every:]
+            log(f"stage L step {step + 1}/{args.steps} loss={sum(r['loss'] for r in recent) / len(recent):.4f} "
+                f"{time.time() - t0:.0f}s")
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            model.eval()
+            ev = reader_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]))
+            model.train()
+            history[-1]["val"] = ev
+            log("val answers from true grids: " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))
+        if time.time() - last > args.ckpt_minutes * 60:
+            save(step + 1)
+            last = time.time()
+        if args.minutes and time.time() - t0 > args.minutes * 60:
+            log(f"time budget reached at step {step + 1}")
+            step += 1
+            break
+    else:
+        step = args.steps
+    save(step)
+    log(f"saved stage L at step {step}")
