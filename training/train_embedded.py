@@ -351,7 +351,7 @@ def export(args) -> None:
 
     out = Path(args.out)
     src = Path(args.init) if args.init else next(
-        (out / f"vision_{s}.pt" for s in "CBA" if (out / f"vision_{s}.pt").is_file()), None)
+        (out / f"vision_{s}.pt" for s in "CWBA" if (out / f"vision_{s}.pt").is_file()), None)
     if src is None:
         raise SystemExit(f"no vision_*.pt in {out}")
     state = torch.load(src)
@@ -360,7 +360,7 @@ def export(args) -> None:
     save_fp16(state, dest / "vision.safetensors")
     # The language-model adapter of the same run (stage C with --lora-rank), fp16 like the vision file;
     # a stale adapter from an earlier export must not be merged into a model trained without it.
-    lora_src = src.parent / f"lora_{src.stem.split('_')[-1]}.safetensors"
+    lora_src = Path(args.lora) if args.lora else src.parent / f"lora_{src.stem.split('_')[-1]}.safetensors"
     lora_dest = dest / EMBEDDED_LORA_FILE.name
     lora = load_file(str(lora_src)) if lora_src.is_file() else None
     if lora is not None:
@@ -368,7 +368,7 @@ def export(args) -> None:
     elif lora_dest.is_file():
         lora_dest.unlink()
     hist = {}
-    for s in "ABC":
+    for s in "AWLBC":
         h = out / f"history_{s}.json"
         if h.is_file():
             recs = json.loads(h.read_text())
@@ -446,6 +446,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-branches", type=int, default=28, help="stages L/C: questions per scene at most")
     ap.add_argument("--casual", action="store_true",
                     help="stage C: also ask the scene's facts as people type them (scenes.phrasings.TRAIN)")
+    ap.add_argument("--lora", default=None,
+                    help="export: adapter safetensors (default: lora_<stage>.safetensors beside the vision file)")
     ap.add_argument("--dest", default=None, help="export: directory (default assets/embedded_vision)")
     ap.add_argument("--eval-json", default=None, help="export: vision_accuracy JSON to record in info.json")
     ap.add_argument("--info-extra", default=None, help="export: JSON file with description/notes for info.json")
