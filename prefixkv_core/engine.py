@@ -284,7 +284,7 @@ class Session:
     def cache_bytes(self) -> int:
         """Bytes held by this session's caches right now, the batched step's padded tensors included while a
         turn runs (0 once released)."""
-        held = sum(s.cache.nbytes() for s in self.states.values() if s.cache is not None)
+        held = sum(s.cache.stored_nbytes() for s in self.states.values() if s.cache is not None)
         return held + (self._buffers.nbytes() if self._buffers is not None else 0)
 
     def results(self) -> dict[str, dict[str, Any]]:

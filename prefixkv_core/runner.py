@@ -89,7 +89,9 @@ class _StepLayer(DynamicLayer):
         step = self.step
         b, h, q, _ = key_states.shape
         t_old = max(self.old_lengths)
-        uniform = step.uniform and len(set(self.old_lengths)) == 1
+        # rows whose heads keep different counts (empty slots) need a per-head mask over their own entries
+        slots = [c.layers[self.layer_idx].key_mask() for c in step.caches]
+        uniform = step.uniform and len(set(self.old_lengths)) == 1 and all(s is None for s in slots)
         keys, values = step.buffers.get(self.layer_idx, key_states, value_states, t_old + q)
         for r, (cache, meta) in enumerate(zip(step.caches, step.row_meta(h))):
             layer: TrackedLayer = cache.layers[self.layer_idx]
@@ -105,7 +107,13 @@ class _StepLayer(DynamicLayer):
             idx = torch.arange(t_old + q, device=key_states.device)
             n_old = torch.tensor(self.old_lengths, device=key_states.device)[:, None]
             first_new = t_old + q - step.chunk_tensor[:, None]
-            step.probe.key_masks[self.layer_idx] = ((idx < n_old) | (idx >= first_new)).unsqueeze(1)
+            mask = ((idx < n_old) | (idx >= first_new)).unsqueeze(1)
+            if any(s is not None for s in slots):
+                mask = mask.expand(b, h, -1).clone()
+                for r, s in enumerate(slots):
+                    if s is not None:
+                        mask[r, :, :s.shape[-1]] &= s[0]
+            step.probe.key_masks[self.layer_idx] = mask
         return keys, values
 
 
@@ -175,19 +183,24 @@ def vision_kwargs(vision_inputs) -> dict[str, torch.Tensor]:
 
 @torch.inference_mode()
 def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe | StatRequest,
-                  image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None
-                  ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+                  image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None,
+                  inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
     """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
     plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for
     (`probe`: what to record, and any key masks; a bare StatRequest when there are none).
-    `vision_inputs`: see `vision_kwargs` (prefill only)."""
+    `vision_inputs`: see `vision_kwargs` (prefill only). `inputs_embeds` [B, T, H]: the input embeddings of
+    `ids` already computed (a vision-side token reduction built them), fed instead of the ids."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
     cache.set_pending(positions, flags)
     if isinstance(probe, StatRequest):
         probe = AttentionProbe(probe)
-    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+    for layer, mask in cache.key_masks(t).items():  # heads that keep fewer entries: never attend to empty slots
+        given = probe.key_masks.get(layer)
+        probe.key_masks[layer] = mask if given is None else (mask & given)
+    inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": ids}
+    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
                 kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
 

@@ -162,7 +162,8 @@ def test_prompt_only_methods_match_their_plan(tiny, noise_image, budget):
         plans, state = policy.prefill(view(c))
         apply_plans(c, plans)
         lengths = c.lengths()
-        assert lengths == [p.keep.shape[-1] for p in plans], method
+        # entries kept per KV head on average (a head-wise count pads the shorter heads with empty slots)
+        assert lengths == [round(float((p.keep[0] >= 0).sum(-1).float().mean())) for p in plans], method
         for layer in c.layers:  # protected: sink and last prompt token
             assert (layer.positions[0] == 0).any(-1).all() and (layer.positions[0] == n - 1).any(-1).all(), method
         if method == "snapkv":
@@ -221,11 +222,12 @@ def test_metadata_stays_aligned_after_gathers(tiny_qwen2, noise_image, method):
         pytest.skip(f"{method} merges or quantises entries: they are not copies of prefill entries")
     apply_plans(c, plans)
     for full_layer, layer in zip(cache.layers, c.layers):
-        idx = layer.positions  # position == index in the full prefill cache
+        held = layer.positions >= 0  # empty slots (heads keeping fewer entries) hold nothing
+        idx = layer.positions.clamp_min(0)  # position == index in the full prefill cache
         expect = full_layer.keys.gather(2, idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
-        torch.testing.assert_close(layer.keys, expect)
-        assert torch.equal(layer.is_image, full_layer.is_image.gather(2, idx))
-        assert torch.equal(layer.scores, full_layer.scores.gather(2, idx))
+        torch.testing.assert_close(layer.keys[held], expect[held])
+        assert torch.equal(layer.is_image[held], full_layer.is_image.gather(2, idx)[held])
+        assert torch.equal(layer.scores[held], full_layer.scores.gather(2, idx)[held])
 
 
 def test_decode_positions_are_true_positions(tiny_llama, noise_image):
