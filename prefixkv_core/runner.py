@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from transformers import DynamicCache
@@ -259,8 +259,9 @@ class Prefill:
     cache: TrackedCache  # after the prompt, uncompressed, scores = prefill column sums
     stats: dict[int, dict[str, torch.Tensor]]  # layer -> every statistic recorded
     logits: torch.Tensor  # [B, V]: the last prompt position
-    prompt_len: int
+    prompt_len: int  # tokens the language model saw (fewer than the prompt's after a vision-side reduction)
     seconds: float
+    reduction: Any = None  # what a prefill token reduction did (own prefills), for the policy's plans and facts
 
 
 @torch.inference_mode()
@@ -278,10 +279,45 @@ def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: Vis
     return Prefill(cache, stats, logits, n, seconds)
 
 
+@torch.inference_mode()
+def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
+                num_layers: int, device: torch.device, image_token_id: int | None = None) -> Prefill:
+    """The prefill of a method that changes the prefill itself (stage "prefill token reduction"), run for it
+    alone: a vision-side reduction (`policy.vision_plan`, VisionZip) feeds the language model a shorter prompt,
+    and key masks decided during the forward (`policy.prefill_key_masks`, FastV) keep later layers from
+    attending to dropped tokens. Records what the policy asked for; `reduction` says what was done."""
+    from . import vision_tokens
+
+    t0 = now(device)
+    embeds, reduction = None, None
+    if vision_inputs is not None and image_token_id is not None and bool(is_image.any()):
+        reduced = vision_tokens.reduce_image(model, policy, ids, is_image, vision_inputs, image_token_id)
+        if reduced is not None:  # the language model sees the reduced image block instead
+            ids, is_image, embeds, reduction = reduced.ids, reduced.is_image, reduced.inputs_embeds, reduced.record
+            vision_inputs = None
+    n = ids.shape[1]
+    request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
+    probe = AttentionProbe(request, mask_rule=policy.prefill_key_masks(n, is_image, num_layers))
+    cache = TrackedCache(num_layers)
+    logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds)
+    seconds = now(device) - t0
+    cache.add_scores({l: s["colsum"] for l, s in stats.items()})
+    return Prefill(cache, stats, logits, n, seconds, reduction)
+
+
+def prefill_for(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
+                num_layers: int, device: torch.device, image_token_id: int | None = None) -> Prefill:
+    """The prefill `policy` compresses when it runs alone: its own (a prefill token reduction), else a plain one
+    recording the statistics it asks for."""
+    if policy.own_prefill():
+        return own_prefill(model, policy, ids, is_image, vision_inputs, num_layers, device, image_token_id)
+    return prefill(model, ids, is_image, vision_inputs, [policy], num_layers, device)
+
+
 def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prompt_len: int,
                  row: slice | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset"), cut to
-    `row` when the prefill ran several prompts at once."""
+    """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset",
+    "last_query"), cut to `row` when the prefill ran several prompts at once."""
     asked = policy.prefill_stats(prompt_len)
     out = {}
     for layer, s in stats.items():
@@ -290,6 +326,8 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
             mine["window"] = s[f"window:{asked.window}"]
         if asked.query_subset is not None:
             mine["subset"] = s["subset"]
+        if asked.last_query:
+            mine["last_query"] = s["last_query"]
         out[layer] = {k: v[row] for k, v in mine.items()} if row is not None else mine
     return out
 
@@ -297,23 +335,26 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
 # -- policy calls: the one place the runner talks to policies ------------------------------------------------
 
 def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[str, torch.Tensor]],
-                     prompt_len: int, budget: float) -> PolicyState:
+                     prompt_len: int, budget: float, reduction: Any = None, reduced_by: int = 0) -> PolicyState:
     """Let `policy` compress the prompt's cache in place; returns the policy's per-run state (what this run
-    found; `compress_decode` and `policy.facts` take it)."""
+    found; `compress_decode` and `policy.facts` take it). `reduction`, `reduced_by`: what an own prefill did
+    and how many prompt tokens it kept from the language model (`Prefill.reduction`, N - prompt_len)."""
     window = policy.prefill_stats(prompt_len).window
-    plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window))
+    plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window, reduction))
     apply_plans(cache, plans)
     # equal-memory mode: a prompt-only method starts at r·N too (LOOK-M's text may exceed it)
-    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, prompt_len, prompt_len, 0), state))
+    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, prompt_len, prompt_len, 0,
+                                                            reduced_by=reduced_by), state))
     return state
 
 
 def compress_decode(policy: Policy, state: PolicyState, cache: TrackedCache, true_len: int, prompt_len: int,
-                    step: int, attention: dict[int, torch.Tensor] | None) -> None:
+                    step: int, attention: dict[int, torch.Tensor] | None, reduced_by: int = 0) -> None:
     """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress (and,
-    in equal-memory mode, hold a prompt-only method at r·N_t)."""
+    in equal-memory mode, hold a prompt-only method at r·N_t, N_t counting the `reduced_by` tokens an own
+    prefill kept from the language model)."""
     if attention is not None:
         cache.add_scores(attention)
-    view = DecodeView(cache, true_len, prompt_len, step, attention)
+    view = DecodeView(cache, true_len, prompt_len, step, attention, reduced_by)
     apply_plans(cache, policy.decode(view, state))
     apply_plans(cache, policy.equal_memory_plans(view, state))

@@ -91,17 +91,18 @@ def test_budget_one_reproduces_full(tiny_qwen2, noise_image):
 
 # -- eviction == masking ------------------------------------------------------------------------------------
 def _planned(loaded, image, method, budget):
-    """The uncompressed prefill cache, and `method`'s plans for a copy of it (with the statistics it asked for)."""
+    """The uncompressed prefill cache, and `method`'s plans for a copy of it (with the statistics it asked for).
+    A prefill token reduction compresses its own prefill (FastV's later layers never saw the dropped tokens)."""
     inputs = encode(loaded, image, format_prompt(loaded, PROMPT, with_image=image is not None))
     ids = inputs["input_ids"]
-    n = ids.shape[1]
     policy = make_policy(method, budget)
     with tracked_attention_enabled(loaded.model):
-        shared = runner.prefill(loaded.model, ids, ids == loaded.image_token_id, inputs.get("pixel_values"), [policy],
-                                loaded.num_layers, loaded.device)
+        shared = runner.prefill_for(loaded.model, policy, ids, ids == loaded.image_token_id, inputs.get("pixel_values"),
+                                    loaded.num_layers, loaded.device, loaded.image_token_id)
+    n = shared.prompt_len
     compressed = shared.cache.clone()
     view = PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
-                       policy.prefill_stats(n).window)
+                       policy.prefill_stats(n).window, shared.reduction)
     plans, _ = policy.prefill(view)
     only_evicts = all(p is None or (p.merge is None and p.quantise is None) for p in plans)
     return shared.cache, compressed, plans, only_evicts, n
@@ -158,14 +159,19 @@ def test_prompt_only_methods_match_their_plan(tiny, noise_image, budget):
     view = lambda c: PrefillView(c, probe.stats, n, budget, 8)  # noqa: E731
     for method in [m for m in METHODS if REGISTRY[m].schedule == "prompt only"]:
         policy = make_policy(method, budget)
-        c = cache.clone()
-        plans, state = policy.prefill(view(c))
+        if policy.own_prefill():  # a prefill token reduction plans on its own prefill
+            _, c, plans, _, n_own = _planned(tiny, noise_image, method, budget)
+            state = None
+        else:
+            c, n_own = cache.clone(), n
+            plans, state = policy.prefill(view(c))
         apply_plans(c, plans)
         lengths = c.lengths()
         # entries kept per KV head on average (a head-wise count pads the shorter heads with empty slots)
-        assert lengths == [round(float((p.keep[0] >= 0).sum(-1).float().mean())) for p in plans], method
+        assert lengths == [n_own if p is None else round(float((p.keep[0] >= 0).sum(-1).float().mean()))
+                           for p in plans], method
         for layer in c.layers:  # protected: sink and last prompt token
-            assert (layer.positions[0] == 0).any(-1).all() and (layer.positions[0] == n - 1).any(-1).all(), method
+            assert (layer.positions[0] == 0).any(-1).all() and (layer.positions[0] == n_own - 1).any(-1).all(), method
         if method == "snapkv":
             assert set(lengths) == {max(9, round(budget * n))}
         if method == "pyramidkv":

@@ -223,7 +223,7 @@ def test_zipvl_quantised_layer_dequantises_within_bound():
 
 # -- registry -----------------------------------------------------------------------------------------------
 def test_registry_and_errors():
-    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 10
+    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 11
     assert resolve_methods("full, prefixkv") == ["full", "prefixkv"]
     with pytest.raises(PolicyError, match="no method"):
         resolve_methods([])
@@ -239,7 +239,7 @@ def test_registry_and_errors():
     assert {d["name"]: d["stage"] for d in describe()} == {
         "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
         "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
-        "prefixkv": "KV eviction"}
+        "fastv": "prefill token reduction", "prefixkv": "KV eviction"}
 
 
 def test_a_method_declares_a_known_stage():
@@ -397,7 +397,7 @@ def _synthetic_prefill(n=40, n_layers=3, h=2, seed=0):
     for i in range(n_layers):
         cache.layers[i] = _layer(n=n, h=h, d=8, seed=seed + i)
         cache.layers[i].is_image[..., 5:25] = True
-        stats[i] = {k: torch.rand(1, h, n, generator=g) for k in ("colsum", "window", "subset")}
+        stats[i] = {k: torch.rand(1, h, n, generator=g) for k in ("colsum", "window", "subset", "last_query")}
     return cache, stats
 
 

@@ -10,6 +10,7 @@ from .adakv import AdaKVPolicy
 from .base import (BUDGET_MODES, STAGES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
                    PrefillView, Quantise, ResolveContext, check_budget)
 from .elastic import ElasticPolicy
+from .fastv import FastVPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
 from .full import FullPolicy
 from .h2o import H2OPolicy
@@ -64,7 +65,7 @@ def unregister(name: str) -> None:
 
 
 _BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
-             LookMPolicy, ZipVLPolicy, PrefixKVPolicy)
+             LookMPolicy, ZipVLPolicy, FastVPolicy, PrefixKVPolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)

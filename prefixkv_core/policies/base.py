@@ -192,7 +192,7 @@ class Policy:
         the shared batch."""
         return self.stage == "prefill token reduction"
 
-    def prefill_key_masks(self, prompt_len: int, is_image: torch.Tensor):
+    def prefill_key_masks(self, prompt_len: int, is_image: torch.Tensor, num_layers: int):
         """For an own prefill: a rule `(layer, stats so far) -> key mask [B, 1|Hkv, N] or None` that the attention
         function asks before each layer, so later layers can stop attending to tokens chosen from what earlier
         layers recorded (FastV). None: every layer sees every token."""
