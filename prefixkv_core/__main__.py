@@ -87,8 +87,8 @@ def cmd_methods(args) -> int:
 
     for m in describe():
         budget = "uses the budget" if m["uses_budget"] else "ignores the budget"
-        print(f"{m['name']:10s} {m['label']}\n           {m['summary']}\n           schedule: {m['schedule']}; "
-              f"{budget}; colour {m['colour']}")
+        print(f"{m['name']:10s} {m['label']}\n           {m['summary']}\n           stage: {m['stage']}; "
+              f"schedule: {m['schedule']}; {budget}; colour {m['colour']}")
         if not m["knob_details"]:
             print("           knobs: none")
         for k in m["knob_details"]:

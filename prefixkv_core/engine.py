@@ -303,12 +303,18 @@ class Session:
             return None
         lay = state.cache.layers[layer]
         pos = lay.positions[0]  # [Hkv, T]
-        n_tokens = layout.n_tokens
+        # a vision-side reduction (VisionZip) fed other image tokens: each stands for some of the prompt's
+        sources = state.policy.image_token_sources(state.policy_state)
+        n_tokens = layout.n_tokens if sources is None else sources.tokens
         rel = pos - self.image_offset
         valid = (rel >= 0) & (rel < n_tokens) & lay.is_image[0]
         counts = torch.zeros(n_tokens)
         counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
-        return KeptImageMap(layout, (counts / pos.shape[0]).numpy())
+        share = (counts / pos.shape[0]).numpy()
+        if sources is None:
+            return KeptImageMap(layout, share)
+        kept, merged = sources.project(share)
+        return KeptImageMap(layout, kept, merged)
 
     def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
         """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
@@ -540,4 +546,5 @@ class Session:
             step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s,
             tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
             error=state.error, extras=state.policy.extras(state.policy_state), batch_size=batch_size,
+            stage=state.policy.stage,
         )

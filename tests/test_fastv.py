@@ -122,3 +122,22 @@ def test_layer_k_past_the_model_drops_nothing(tiny_llama, noise_image):
     assert session.states["fastv"].turn_ids == session.states["full"].turn_ids
     assert any("nothing is dropped" in n for n in session.states["fastv"].policy.extras(
         session.states["fastv"].policy_state)["notes"])
+
+
+def test_cli_lists_the_vlm_family_with_their_stages(capsys):
+    from prefixkv_core.__main__ import main
+
+    assert main(["methods"]) == 0
+    blocks = {}
+    for line in capsys.readouterr().out.splitlines():
+        if not line.startswith(" "):
+            name = line.split()[0]
+            blocks[name] = line
+        else:
+            blocks[name] += "\n" + line
+    expect = {"fastv": "prefill token reduction", "visionzip": "prefill token reduction", "adakv": "KV eviction",
+              "full": "none", "lookm": "KV merging", "zipvl": "quantisation"}
+    for name, stage in expect.items():
+        assert f"stage: {stage};" in blocks[name], blocks[name]
+    assert "--knob fastv.layer=2" in blocks["fastv"] and "--knob visionzip.budget_of=cache" in blocks["visionzip"]
+    assert "--knob adakv.floor_alpha=0.2" in blocks["adakv"]

@@ -223,7 +223,7 @@ def test_zipvl_quantised_layer_dequantises_within_bound():
 
 # -- registry -----------------------------------------------------------------------------------------------
 def test_registry_and_errors():
-    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 11
+    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 12
     assert resolve_methods("full, prefixkv") == ["full", "prefixkv"]
     with pytest.raises(PolicyError, match="no method"):
         resolve_methods([])
@@ -239,7 +239,7 @@ def test_registry_and_errors():
     assert {d["name"]: d["stage"] for d in describe()} == {
         "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
         "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
-        "fastv": "prefill token reduction", "prefixkv": "KV eviction"}
+        "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction"}
 
 
 def test_a_method_declares_a_known_stage():

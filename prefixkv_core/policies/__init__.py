@@ -20,6 +20,7 @@ from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
 from .pyramidkv import PyramidKVPolicy
 from .snapkv import SnapKVPolicy
+from .visionzip import VisionZipPolicy
 from .zipvl import ZipVLPolicy
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -65,7 +66,7 @@ def unregister(name: str) -> None:
 
 
 _BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
-             LookMPolicy, ZipVLPolicy, FastVPolicy, PrefixKVPolicy)
+             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)
