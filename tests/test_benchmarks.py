@@ -89,7 +89,7 @@ def full_greedy_words(engine, image, question: str, n: int) -> str:
     with engine.lock, tracked_attention_enabled(engine.loaded.model):
         session.turn = 0
         session._prefill_all()
-        logits = session._first_logits
+        logits = state.first_logits
         for step in range(n):
             ids.append(int(torch.where(safe, logits.float(), float("-inf")).argmax()))
             batch_logits, _, _ = session._advance([state], [[ids[-1]]], step=step + 1)

@@ -222,3 +222,12 @@ def test_without_a_vision_plan_the_image_is_the_models_own(family_models, pictur
     state = session.states["visionzip"]
     assert state.turn_ids == session.states["full"].turn_ids and state.reduced_by == 0
     assert state.policy_state.sources is None and "every image token is kept" in state.policy_state.notes[0]
+
+
+def test_a_budget_below_one_token_per_crop_is_said(family_models, picture):
+    lm = family_models["llava-next"]
+    session = Engine(lm).new_session(picture, PROMPT, ["visionzip"], 0.1, GenerationSettings(max_new_tokens=1))
+    list(session.run())
+    state = session.states["visionzip"]
+    assert state.policy_state.sources.tokens == 5  # one per crop: the base view and four tiles
+    assert any("at least one image token per crop: 5 fed" in n for n in state.policy_state.notes)

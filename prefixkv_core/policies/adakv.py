@@ -65,6 +65,9 @@ class AdaKVState(PolicyState):
 
 @dataclass(frozen=True)
 class AdaKVPolicy(Policy):
+    """AdaKV (Ada-SnapKV), Feng et al. 2024, https://arxiv.org/abs/2407.11550: head-wise budgets over SnapKV's
+    observation-window votes, the layer's total fixed."""
+
     name = "adakv"
     label = "AdaKV"
     summary = ("SnapKV's window votes ranked across all KV heads of a layer: each head keeps its own count, the "

@@ -74,6 +74,9 @@ class FastVState(PolicyState):
 
 @dataclass(frozen=True)
 class FastVPolicy(Policy):
+    """FastV, Chen et al., ECCV 2024, https://arxiv.org/abs/2403.06764: after layer K the image tokens the last
+    prompt token attends to least are dropped for every later layer."""
+
     name = "fastv"
     label = "FastV"
     summary = ("Prefill token reduction: after the first K layers, the image tokens the last prompt token attends to "

@@ -92,6 +92,9 @@ class VisionZipState(PolicyState):
 
 @dataclass(frozen=True)
 class VisionZipPolicy(Policy):
+    """VisionZip, Yang et al., CVPR 2025, https://arxiv.org/abs/2412.04467: dominant image tokens kept and the
+    rest merged into contextual tokens in the vision tower, so the language model sees fewer image tokens."""
+
     name = "visionzip"
     label = "VisionZip"
     summary = ("Prefill token reduction in the vision tower: per crop, the most attended tokens stay and the rest "
@@ -128,12 +131,12 @@ class VisionZipPolicy(Policy):
                                counts=dict(sources.counts) if sources else {})
         if sources is None and fed:
             state.notes.append("every image token is kept at this budget")
-        if sources is not None and self.budget_of == "cache":
-            text = view.prompt_len - sources.tokens
-            asked = int(round(self.budget * (text + sources.original_tokens)))
-            if asked < text + sources.crops:
-                state.notes.append(f"the text alone is {text / (text + sources.original_tokens):.0%} of the prompt: "
-                                   f"one image token per crop kept, over r = {self.budget:.0%}")
+        if sources is not None:
+            full_prompt = view.prompt_len - sources.tokens + sources.original_tokens
+            wanted = self.kept_image_tokens(full_prompt, sources.original_tokens)
+            if wanted < sources.tokens:  # the budget asked for less than one token per crop
+                state.notes.append(f"at least one image token per crop: {sources.tokens} fed where r = "
+                                   f"{self.budget:.0%} leaves room for {max(0, wanted)}")
         return Prefilled([None] * view.num_layers, state)
 
     def image_token_sources(self, state: PolicyState | None) -> ImageTokenSources | None:
