@@ -14,8 +14,10 @@ feeds each row its next tokens in ONE model call:
 Decoding on a CPU, or a large model at small batch on a GPU, is bound by reading the weights, so nine rows
 in one pass cost little more than one. A single row takes the plain path (no padding, no copies).
 
-The policy calls (`compress_prefill`, `compress_decode`) live here too, so the engine and the benchmarks
-run methods the same way.
+The prefills live here too: `prefill` is the one shared by the methods that compress its cache, `own_prefill`
+that of a method changing the prefill itself (a prefill token reduction: FastV's masked later layers,
+VisionZip's shorter prompt); its row then decodes in the same batch at its own true positions. So do the policy
+calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks run methods the same way.
 """
 from __future__ import annotations
 
