@@ -52,9 +52,19 @@ def feature_layer(config) -> tuple[int, int]:
     return vfl, hidden - 1
 
 
+def _probabilities(query, key, mask, scale) -> torch.Tensor:
+    """Softmax attention probabilities in fp32 for one crop ([1, H, T, D] each) under the tower's mask."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        mask = mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
 class _FeatureLayerProbe:
     """The vision config's attention function during one capture: counts the calls (one per encoder layer) and,
-    at the feature layer, records the attention probabilities and keys, averaged over heads, in fp32."""
+    at the feature layer, records the attention probabilities and keys, averaged over heads, in fp32 (one crop
+    at a time, so at most one crop's [heads, T, T] probabilities exist at once)."""
 
     def __init__(self, layer: int, implementation: str):
         self.layer, self.calls = layer, 0
@@ -65,20 +75,23 @@ class _FeatureLayerProbe:
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         index, self.calls = self.calls, self.calls + 1
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        probs = None
-        if index == self.layer or self.delegate is None:
-            scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
-            if attention_mask is not None:
-                mask = attention_mask[..., : key.shape[-2]]
-                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-            probs = torch.softmax(scores, dim=-1)
+        crops = range(query.shape[0])
+
+        def mask(c):
+            if attention_mask is None or attention_mask.shape[0] == 1:
+                return attention_mask
+            return attention_mask[c:c + 1]
+
         if index == self.layer:
-            self.attention = probs.mean(dim=1)  # [C, T, T]
+            self.attention = torch.cat([_probabilities(query[c:c + 1], key[c:c + 1], mask(c), scale).mean(dim=1)
+                                        for c in crops])  # [C, T, T]
             self.keys = key.float().mean(dim=1)  # [C, T, D]
         if self.delegate is not None:
             return self.delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        out = torch.matmul(probs.to(value.dtype), value)  # eager: the same arithmetic as the tower's own
-        return out.transpose(1, 2).contiguous(), probs
+        # eager towers: the same arithmetic as their own eager attention
+        out = torch.cat([torch.matmul(_probabilities(query[c:c + 1], key[c:c + 1], mask(c), scale).to(value.dtype),
+                                      value[c:c + 1]) for c in crops])
+        return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager

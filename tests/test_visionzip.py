@@ -231,3 +231,22 @@ def test_a_budget_below_one_token_per_crop_is_said(family_models, picture):
     state = session.states["visionzip"]
     assert state.policy_state.sources.tokens == 5  # one per crop: the base view and four tiles
     assert any("at least one image token per crop: 5 fed" in n for n in state.policy_state.notes)
+
+
+def test_an_eager_vision_tower_gives_the_same_reduction(family_models, picture):
+    """The capture delegates each output to the tower's own attention; an eager tower (no registered function to
+    delegate to) is computed the eager way, with the same result."""
+    lm = family_models["llava-1.5"]
+    inputs, ids, is_image = _inputs(lm, picture)
+    policy = make_policy("visionzip", 0.5, budget_of="image")
+    out = {}
+    for implementation in ("sdpa", "eager"):
+        lm.model.set_attn_implementation({"text_config": "sdpa", "vision_config": implementation})
+        try:
+            out[implementation] = reduce_image(lm.model, policy, ids, is_image, M.vision_inputs(inputs),
+                                               lm.image_token_id)
+        finally:
+            lm.model.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
+        assert lm.model.config.vision_config._attn_implementation == "sdpa"
+    assert out["eager"].record.kinds == out["sdpa"].record.kinds
+    torch.testing.assert_close(out["eager"].inputs_embeds, out["sdpa"].inputs_embeds, atol=1e-5, rtol=1e-5)

@@ -117,11 +117,12 @@ class VisionZipPolicy(Policy):
         if wanted >= crops.image_tokens:
             return None  # as many as the model's own path feeds: nothing to reduce
         counts = per_crop_counts(max(wanted, crops.num_crops), crops.num_crops, crops.tokens_per_crop)
+        attention, keys = crops.attention.float().cpu(), crops.keys.float().cpu()  # small: one [T, T] per crop
         merges = []
         for c, k in enumerate(counts):
             contextual = int(round(self.contextual * k)) if k > 1 else 0
             dominant = max(1, k - contextual)
-            merges.append(crop_merge(crops.attention[c], crops.keys[c], crops.has_cls, dominant, k - dominant))
+            merges.append(crop_merge(attention[c], keys[c], crops.has_cls, dominant, k - dominant))
         return VisionPlan(merges)
 
     def prefill(self, view: PrefillView) -> Prefilled:
