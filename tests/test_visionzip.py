@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from prefixkv_core import Engine, GenerationSettings, runner
+from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core import models as M
 from prefixkv_core.attention import tracked_attention_enabled
 from prefixkv_core.models.layout import crop_patches

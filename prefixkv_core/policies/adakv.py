@@ -87,6 +87,9 @@ class AdaKVPolicy(Policy):
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         return StatRequest(window=clamp_window(self.window, prompt_len)[0])
 
+    def plans_rows_together(self) -> bool:
+        return False  # each prompt's heads split the budget their own way: a cache per prompt
+
     def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
         w, clamped = clamp_window(self.window, n)
