@@ -60,6 +60,7 @@ class MethodRun:
         self.states: list[Any] = []
         self.prompt_len = 0
         self.true_len = 0
+        self.reduced_by = 0  # prompt tokens an own prefill kept from the language model (VisionZip)
         self.step_no = 0
         self.shared_plan = True
         self.buffers = runner.StepBuffers()  # padded step tensors, reused for the whole run
@@ -69,14 +70,18 @@ class MethodRun:
         return "one shared cache" if self.shared_plan else "a cache per prompt"
 
     def prefill(self, ids, is_image, pixel_values) -> torch.Tensor:
-        n = ids.shape[1]
         sm, policy = self.sm, self.policy
-        shared = runner.prefill(sm.model, ids, is_image, pixel_values, [policy], sm.num_layers, sm.device)
+        # a prefill token reduction (FastV, VisionZip) runs its own prefill; VisionZip's is shorter
+        shared = runner.prefill_for(sm.model, policy, ids, is_image, pixel_values, sm.num_layers, sm.device,
+                                    sm.image_token_id)
+        n = shared.prompt_len
+        self.reduced_by = ids.shape[1] - n
         self.shared_plan = ids.shape[0] == 1 or policy.plans_rows_together()
         rows = [shared.cache] if self.shared_plan else shared.cache.split_rows()
         for r, cache in enumerate(rows):  # one policy, a state per cache
             stats = runner.policy_stats(policy, shared.stats, n, None if self.shared_plan else slice(r, r + 1))
-            self.states.append(runner.compress_prefill(policy, cache, stats, n, self.budget))
+            self.states.append(runner.compress_prefill(policy, cache, stats, n, self.budget, shared.reduction,
+                                                       self.reduced_by))
         self.caches = rows
         self.prompt_len = self.true_len = n
         return shared.logits.argmax(dim=-1)
@@ -96,7 +101,8 @@ class MethodRun:
         self.true_len += 1
         self.step_no += 1
         for cache, state, att in zip(self.caches, self.states, attention):
-            runner.compress_decode(policy, state, cache, self.true_len, self.prompt_len, self.step_no, att)
+            runner.compress_decode(policy, state, cache, self.true_len, self.prompt_len, self.step_no, att,
+                                   self.reduced_by)
         return logits.argmax(dim=-1)
 
     def kv_bytes(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from prefixkv_core.policies import REGISTRY
 from prefixkv_core.policies import parse_knobs as parse_knob_items
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +26,13 @@ CHROMIUM = "/usr/bin/chromium"
 
 # How budgeted methods were compared (prefixkv_core.policies.BUDGET_MODES): every table and figure says which.
 MODE_TITLES = {"published": "published budgets", "equal_memory": "equal memory"}
+_labels = [c.label for c in REGISTRY.values() if c.uses_budget and c.schedule == "prompt only"]
+PROMPT_ONLY = ", ".join(_labels[:-1]) + " and " + _labels[-1] if len(_labels) > 1 else "".join(_labels)
 MODE_NOTES = {
-    "published": "Budgets as published: SnapKV, PyramidKV and LOOK-M compress the prompt once and their cache grows "
+    "published": f"Budgets as published: {PROMPT_ONLY} compress the prompt once and their cache grows "
                  "while decoding; the other budgeted methods hold about r·N_t at every step.",
-    "equal_memory": "Equal memory: every budgeted method holds about r·N_t at every step (SnapKV, PyramidKV and "
-                    "LOOK-M held while decoding: the oldest generated entries go first, then the prompt's least "
-                    "attended).",
+    "equal_memory": f"Equal memory: every budgeted method holds about r·N_t at every step ({PROMPT_ONLY} held "
+                    "while decoding: the oldest generated entries go first, then the prompt's least attended).",
 }
 
 

@@ -87,8 +87,8 @@ def cmd_methods(args) -> int:
 
     for m in describe():
         budget = "uses the budget" if m["uses_budget"] else "ignores the budget"
-        print(f"{m['name']:10s} {m['label']}\n           {m['summary']}\n           schedule: {m['schedule']}; "
-              f"{budget}; colour {m['colour']}")
+        print(f"{m['name']:10s} {m['label']}\n           {m['summary']}\n           stage: {m['stage']}; "
+              f"schedule: {m['schedule']}; {budget}; colour {m['colour']}")
         if not m["knob_details"]:
             print("           knobs: none")
         for k in m["knob_details"]:
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="all", help="'all' or a comma-separated list (see the 'methods' command)")
     p.add_argument("--budget", type=float, default=0.3, help="kept fraction of the KV cache, in (0, 1]")
     p.add_argument("--equal-memory", action="store_true",
-                   help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
+                   help="also hold the prompt-only methods (SnapKV, AdaKV, PyramidKV, LOOK-M, FastV, VisionZip) at "
+                        "r·N_t while decoding, so "
                         "every budgeted method holds the same memory (default: each as published)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per method")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

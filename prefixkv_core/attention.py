@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,17 @@ class AttentionProbe:
     # layer -> bool [B, 1 or Hkv, Tk], True = may attend. Used for batching/padding and by tests.
     key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # (layer, stats recorded so far) -> key mask or None, asked when `key_masks` has none for that layer: lets a
+    # later layer stop attending to tokens chosen from what earlier layers of the same forward recorded (FastV)
+    mask_rule: Callable[[int, dict[int, dict[str, torch.Tensor]]], torch.Tensor | None] | None = None
+
+    def key_mask(self, layer: int) -> torch.Tensor | None:
+        mask = self.key_masks.get(layer)
+        if mask is None and self.mask_rule is not None:
+            mask = self.mask_rule(layer, self.stats)
+            if mask is not None:
+                self.key_masks[layer] = mask
+        return mask
 
     def reset(self, request: StatRequest | None = None) -> None:
         self.request = request or StatRequest()
@@ -87,7 +99,7 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     bsz, n_heads, q_len, head_dim = query.shape
     n_kv, k_len = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else head_dim**-0.5
-    extra_mask = probe.key_masks.get(layer) if probe is not None else None
+    extra_mask = probe.key_mask(layer) if probe is not None else None
     request = probe.request if probe is not None else None
 
     if request is not None:

@@ -5,6 +5,11 @@ packed low-bit form (ZipVL).
 Layers may hold different numbers of entries. Every operation that reorders or drops entries goes
 through `TrackedLayer.gather`, so keys, values, positions, flags and scores can never fall out of step.
 Metadata is stored per KV head ([B, Hkv, T]) because head-wise methods keep different entries per head.
+
+A head-wise method may also keep a different *number* of entries per KV head (AdaKV). The layer stays one
+tensor, the shorter heads padded with empty slots at the front (true position -1, zero keys and values); the
+runner masks empty slots out of attention (`key_mask`), and `nbytes`/`lengths` count only the entries kept,
+as a per-head (flattened) cache would store them. `stored_nbytes` says what the padded tensors take.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class TrackedLayer(DynamicLayer):
         self.is_image: torch.Tensor | None = None  # bool [B, Hkv, T]
         self.scores: torch.Tensor | None = None  # float32 [B, Hkv, T]
         self._image_count: int | None = None  # cached image_count(); None = recount
+        self.has_empty_slots = False  # some KV head holds empty slots (position -1): mask them from attention
 
     # -- transformers' side -------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
@@ -97,18 +103,40 @@ class TrackedLayer(DynamicLayer):
     def full_values(self) -> torch.Tensor:
         return torch.cat([dequantize(s.values) for s in self.segments] + [self.values], dim=-2)
 
+    def key_mask(self) -> torch.Tensor | None:
+        """[B, Hkv, T] True where a KV head holds an entry (False on empty slots); None when no head has any."""
+        return self.positions >= 0 if self.has_empty_slots else None
+
+    def kept_per_head(self) -> float:
+        """Entries held, averaged over the KV heads (of the first batch row); the length when no slot is empty."""
+        if not self.has_empty_slots:
+            return float(self.length)
+        return float((self.positions[0] >= 0).sum(dim=-1).float().mean())
+
     # -- edits ----------------------------------------------------------------------------------------
-    def gather(self, index: torch.Tensor) -> None:
-        """Keep entries `index` ([B, 1 or Hkv, K], into the current order) in that order."""
+    def gather(self, index: torch.Tensor, empty_slots: bool = False) -> None:
+        """Keep entries `index` ([B, 1 or Hkv, K], into the current order) in that order. With `empty_slots`,
+        index -1 (EMPTY_SLOT) makes an empty slot: position -1, zero key and value, no image flag, no score."""
         if self.segments:
             raise RuntimeError("entries stored quantised cannot be evicted; this method does not evict")
         b, h, _, d = self.keys.shape
         idx = index.expand(b, h, -1)
+        empty = None
+        if empty_slots:
+            empty = idx < 0
+            idx = idx.clamp_min(0)
         self.keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
         self.values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         self.positions = self.positions.gather(2, idx)
         self.is_image = self.is_image.gather(2, idx)
         self.scores = self.scores.gather(2, idx)
+        if empty is not None:
+            self.keys = self.keys.masked_fill(empty[..., None], 0)
+            self.values = self.values.masked_fill(empty[..., None], 0)
+            self.positions = self.positions.masked_fill(empty, -1)
+            self.is_image = self.is_image & ~empty
+            self.scores = self.scores.masked_fill(empty, 0.0)
+            self.has_empty_slots = True
         self._image_count = None
 
     def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor):
@@ -162,11 +190,19 @@ class TrackedLayer(DynamicLayer):
         self.values = values[:, :, :0]
 
     # -- accounting -----------------------------------------------------------------------------------
-    def nbytes(self) -> int:
+    def stored_nbytes(self) -> int:
+        """Bytes of the tensors as allocated (empty slots included)."""
         fp = 0
         if self.keys is not None:
             fp = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return fp + sum(s.nbytes() for s in self.segments)
+
+    def nbytes(self) -> int:
+        """Bytes of the entries this layer keeps: packed segments as stored, empty slots not counted."""
+        if not self.has_empty_slots or self.keys is None:
+            return self.stored_nbytes()
+        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        return int((self.positions >= 0).sum()) * per_entry + sum(s.nbytes() for s in self.segments)
 
     def image_count(self) -> int:
         """Image entries, averaged over KV heads (head-wise methods keep different entries per head).
@@ -234,6 +270,7 @@ class TrackedCache(DynamicCache):
                 theirs.lazy_initialization(mine.keys, mine.values)
                 for name in ("keys", "values", "positions", "is_image", "scores"):
                     setattr(theirs, name, getattr(mine, name)[r:r + 1].clone())
+                theirs.has_empty_slots = mine.has_empty_slots
             rows.append(twin)
         return rows
 
@@ -241,9 +278,24 @@ class TrackedCache(DynamicCache):
     def batch_size(self) -> int:
         return self.layers[0].positions.shape[0]
 
+    def key_masks(self, new_tokens: int) -> dict[int, torch.Tensor]:
+        """Per layer with empty slots: the key mask of a forward that appends `new_tokens` entries
+        ([B, Hkv, T + new_tokens], True = may attend)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            mask = layer.key_mask()
+            if mask is not None:
+                out[i] = torch.cat([mask, mask.new_ones(*mask.shape[:2], new_tokens)], dim=-1)
+        return out
+
     # -- what the UI shows ---------------------------------------------------------------------------
     def lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]
+        """Entries each layer keeps (averaged over KV heads when heads keep different counts)."""
+        return [int(round(layer.kept_per_head())) for layer in self.layers]
+
+    def stored_nbytes(self) -> int:
+        """Bytes of the cache tensors as allocated (a head-wise cache's empty slots included)."""
+        return sum(layer.stored_nbytes() for layer in self.layers)
 
     def image_counts(self) -> list[int]:
         return [layer.image_count() for layer in self.layers]

@@ -56,8 +56,11 @@ class MethodState:
     name: str
     policy: Policy
     cache: TrackedCache | None = None
-    true_len: int = 0
+    true_len: int = 0  # tokens this method's language model has seen (its next true position)
     prompt_len: int = 0
+    reduced_by: int = 0  # prompt tokens its own prefill kept from the language model (VisionZip); full N_t is
+    # true_len + reduced_by
+    first_logits: torch.Tensor | None = None  # [V] after its prefill (its own, or the shared one)
     pending: int | None = None  # sampled token not yet fed to the model
     turn_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -284,7 +287,7 @@ class Session:
     def cache_bytes(self) -> int:
         """Bytes held by this session's caches right now, the batched step's padded tensors included while a
         turn runs (0 once released)."""
-        held = sum(s.cache.nbytes() for s in self.states.values() if s.cache is not None)
+        held = sum(s.cache.stored_nbytes() for s in self.states.values() if s.cache is not None)
         return held + (self._buffers.nbytes() if self._buffers is not None else 0)
 
     def results(self) -> dict[str, dict[str, Any]]:
@@ -300,12 +303,18 @@ class Session:
             return None
         lay = state.cache.layers[layer]
         pos = lay.positions[0]  # [Hkv, T]
-        n_tokens = layout.n_tokens
+        # a vision-side reduction (VisionZip) fed other image tokens: each stands for some of the prompt's
+        sources = state.policy.image_token_sources(state.policy_state)
+        n_tokens = layout.n_tokens if sources is None else sources.tokens
         rel = pos - self.image_offset
         valid = (rel >= 0) & (rel < n_tokens) & lay.is_image[0]
         counts = torch.zeros(n_tokens)
         counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
-        return KeptImageMap(layout, (counts / pos.shape[0]).numpy())
+        share = (counts / pos.shape[0]).numpy()
+        if sources is None:
+            return KeptImageMap(layout, share)
+        kept, merged = sources.project(share)
+        return KeptImageMap(layout, kept, merged)
 
     def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
         """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
@@ -322,7 +331,7 @@ class Session:
             self._prefill_all()
             live = [s for s in self.states.values() if s.error is None]
             nll = {s.name: 0.0 for s in live}
-            logits = {s.name: self._first_logits for s in live}
+            logits = {s.name: s.first_logits for s in live}
             for i, token in enumerate(answer_ids):
                 for s in live:
                     nll[s.name] -= float(torch.log_softmax(logits[s.name].float(), dim=-1)[token])
@@ -352,28 +361,38 @@ class Session:
         self.image_offset = int(is_image[0].nonzero()[0]) if n_image else None
         self.image_layout = self._layout(n_image)
 
-        policies = [s.policy for s in self.states.values()]
-        shared = runner.prefill(loaded.model, ids, is_image, vision_inputs(inputs), policies,
+        # one prefill shared by every method that compresses its cache (it also gives the importance charts);
+        # a method that changes the prefill itself (prefill token reduction) runs its own below
+        sharing = [s for s in self.states.values() if not s.policy.own_prefill()]
+        shared = runner.prefill(loaded.model, ids, is_image, vision_inputs(inputs), [s.policy for s in sharing],
                                 loaded.num_layers, loaded.device)
-        logits = shared.logits[0]
-        self._first_logits = logits
         self.bytes_per_token = shared.cache.nbytes() / n
         importance = torch.stack([shared.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
         curves = {}  # method -> the importance its per-layer allocation used (its Lorenz curves)
 
-        for i, state in enumerate(self.states.values()):
-            state.prompt_len = state.true_len = n
+        for state in self.states.values():
             state.generator = torch.Generator(device="cpu").manual_seed(self.generation.seed)
             try:
+                prefilled = shared
+                if state.policy.own_prefill():
+                    prefilled = runner.own_prefill(loaded.model, state.policy, ids, is_image, vision_inputs(inputs),
+                                                   loaded.num_layers, loaded.device, loaded.image_token_id)
+                    state.cache = prefilled.cache
+                else:  # the last method to share the prefill takes its cache, the others a copy
+                    state.cache = shared.cache if state is sharing[-1] else shared.cache.clone()
+                own_n = prefilled.prompt_len
+                state.prompt_len = state.true_len = own_n
+                state.reduced_by = n - own_n
+                state.first_logits = prefilled.logits[0]
                 t1 = runner.now(loaded.device)
-                state.cache = shared.cache if i == len(self.states) - 1 else shared.cache.clone()
-                stats = runner.policy_stats(state.policy, shared.stats, n)
-                state.policy_state = runner.compress_prefill(state.policy, state.cache, stats, n, self.budget)
+                stats = runner.policy_stats(state.policy, prefilled.stats, own_n)
+                state.policy_state = runner.compress_prefill(state.policy, state.cache, stats, own_n, self.budget,
+                                                             prefilled.reduction, state.reduced_by)
                 used = state.policy.allocation_importance(state.policy_state)
                 if used is not None:
                     curves[state.name] = used.float().cpu().numpy()
-                state.ttft_s = shared.seconds + (runner.now(loaded.device) - t1)
-                state.pending = self._sample(state, logits)
+                state.ttft_s = prefilled.seconds + (runner.now(loaded.device) - t1)
+                state.pending = self._sample(state, state.first_logits)
                 state.turn_ids = [state.pending]
                 state.text = self._detok(state.turn_ids)
             except Exception as exc:  # one method failing must not stop the others
@@ -447,7 +466,7 @@ class Session:
             t1 = runner.now(device)
             try:
                 runner.compress_decode(state.policy, state.policy_state, state.cache, state.true_len,
-                                       state.prompt_len, step, out.attention[r])
+                                       state.prompt_len, step, out.attention[r], state.reduced_by)
             except Exception as exc:  # one method failing must not stop the others
                 self._fail(state, exc)
             policy_s[state.name] = runner.now(device) - t1
@@ -521,10 +540,11 @@ class Session:
             step=len(state.turn_ids), text=state.text, delta=delta,
             kept_per_layer=cache.lengths() if cache is not None else [],
             kept_image_per_layer=cache.image_counts() if cache is not None else [],
-            full_len=state.true_len,
+            full_len=state.true_len + state.reduced_by,
             kv_bytes=cache.nbytes() if cache is not None else 0,
-            full_kv_bytes=int(round(self.bytes_per_token * state.true_len)),
+            full_kv_bytes=int(round(self.bytes_per_token * (state.true_len + state.reduced_by))),
             step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s,
             tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
             error=state.error, extras=state.policy.extras(state.policy_state), batch_size=batch_size,
+            stage=state.policy.stage,
         )

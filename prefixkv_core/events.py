@@ -37,6 +37,9 @@ class KeptImageMap:
 
     layout: ImageLayout
     token_share: np.ndarray  # [image tokens] in prompt order
+    # a vision-side reduction (VisionZip): [image tokens] the share of KV heads holding the contextual token each
+    # was merged into (0 where none); None when the language model saw the prompt's own image tokens
+    merged_share: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -44,6 +47,18 @@ class KeptImageMap:
 
     def kept_tokens(self) -> int:
         return int((self.token_share > 0).sum())
+
+    def merged_tokens(self) -> int:
+        """Image tokens not kept themselves but living on inside a contextual token that is held."""
+        if self.merged_share is None:
+            return 0
+        return int(((self.merged_share > 0) & (self.token_share <= 0)).sum())
+
+    def view_merged(self, view: int) -> np.ndarray | None:
+        """[rows, cols] merged share of the view's patch tokens (None without a vision-side reduction)."""
+        if self.merged_share is None:
+            return None
+        return KeptImageMap(self.layout, self.merged_share).view_share(view)
 
     def mean_share(self) -> float:
         return float(self.token_share.mean()) if self.token_share.size else 0.0
@@ -100,6 +115,7 @@ class MethodEvent:
     error: str | None = None
     batch_size: int = 1  # methods decoded together in this step's forward (its latency is shared by them)
     extras: dict[str, Any] = field(default_factory=dict)  # method specific facts (thresholds, notes)
+    stage: str = ""  # where the method saves memory (policies.STAGES), as its policy declares
 
     @property
     def kv_ratio(self) -> float:

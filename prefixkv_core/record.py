@@ -187,6 +187,7 @@ class ComparisonRecord:
         rouge = self.rouge(method)
         return {
             "label": t.label,
+            "stage": ev.stage if ev is not None and ev.stage else None,
             "status": cur.status if cur else "waiting",
             "text": cur.answer if cur else "",
             "answers": [x.answer for x in t.turns],

@@ -14,14 +14,16 @@ feeds each row its next tokens in ONE model call:
 Decoding on a CPU, or a large model at small batch on a GPU, is bound by reading the weights, so nine rows
 in one pass cost little more than one. A single row takes the plain path (no padding, no copies).
 
-The policy calls (`compress_prefill`, `compress_decode`) live here too, so the engine and the benchmarks
-run methods the same way.
+The prefills live here too: `prefill` is the one shared by the methods that compress its cache, `own_prefill`
+that of a method changing the prefill itself (a prefill token reduction: FastV's masked later layers,
+VisionZip's shorter prompt); its row then decodes in the same batch at its own true positions. So do the policy
+calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks run methods the same way.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from transformers import DynamicCache
@@ -89,7 +91,9 @@ class _StepLayer(DynamicLayer):
         step = self.step
         b, h, q, _ = key_states.shape
         t_old = max(self.old_lengths)
-        uniform = step.uniform and len(set(self.old_lengths)) == 1
+        # rows whose heads keep different counts (empty slots) need a per-head mask over their own entries
+        slots = [c.layers[self.layer_idx].key_mask() for c in step.caches]
+        uniform = step.uniform and len(set(self.old_lengths)) == 1 and all(s is None for s in slots)
         keys, values = step.buffers.get(self.layer_idx, key_states, value_states, t_old + q)
         for r, (cache, meta) in enumerate(zip(step.caches, step.row_meta(h))):
             layer: TrackedLayer = cache.layers[self.layer_idx]
@@ -105,7 +109,13 @@ class _StepLayer(DynamicLayer):
             idx = torch.arange(t_old + q, device=key_states.device)
             n_old = torch.tensor(self.old_lengths, device=key_states.device)[:, None]
             first_new = t_old + q - step.chunk_tensor[:, None]
-            step.probe.key_masks[self.layer_idx] = ((idx < n_old) | (idx >= first_new)).unsqueeze(1)
+            mask = ((idx < n_old) | (idx >= first_new)).unsqueeze(1)
+            if any(s is not None for s in slots):
+                mask = mask.expand(b, h, -1).clone()
+                for r, s in enumerate(slots):
+                    if s is not None:
+                        mask[r, :, :s.shape[-1]] &= s[0]
+            step.probe.key_masks[self.layer_idx] = mask
         return keys, values
 
 
@@ -175,19 +185,24 @@ def vision_kwargs(vision_inputs) -> dict[str, torch.Tensor]:
 
 @torch.inference_mode()
 def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe | StatRequest,
-                  image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None
-                  ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+                  image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None,
+                  inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
     """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
     plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for
     (`probe`: what to record, and any key masks; a bare StatRequest when there are none).
-    `vision_inputs`: see `vision_kwargs` (prefill only)."""
+    `vision_inputs`: see `vision_kwargs` (prefill only). `inputs_embeds` [B, T, H]: the input embeddings of
+    `ids` already computed (a vision-side token reduction built them), fed instead of the ids."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
     cache.set_pending(positions, flags)
     if isinstance(probe, StatRequest):
         probe = AttentionProbe(probe)
-    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+    for layer, mask in cache.key_masks(t).items():  # heads that keep fewer entries: never attend to empty slots
+        given = probe.key_masks.get(layer)
+        probe.key_masks[layer] = mask if given is None else (mask & given)
+    inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": ids}
+    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
                 kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
 
@@ -246,8 +261,9 @@ class Prefill:
     cache: TrackedCache  # after the prompt, uncompressed, scores = prefill column sums
     stats: dict[int, dict[str, torch.Tensor]]  # layer -> every statistic recorded
     logits: torch.Tensor  # [B, V]: the last prompt position
-    prompt_len: int
+    prompt_len: int  # tokens the language model saw (fewer than the prompt's after a vision-side reduction)
     seconds: float
+    reduction: Any = None  # what a prefill token reduction did (own prefills), for the policy's plans and facts
 
 
 @torch.inference_mode()
@@ -265,10 +281,45 @@ def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: Vis
     return Prefill(cache, stats, logits, n, seconds)
 
 
+@torch.inference_mode()
+def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
+                num_layers: int, device: torch.device, image_token_id: int | None = None) -> Prefill:
+    """The prefill of a method that changes the prefill itself (stage "prefill token reduction"), run for it
+    alone: a vision-side reduction (`policy.vision_plan`, VisionZip) feeds the language model a shorter prompt,
+    and key masks decided during the forward (`policy.prefill_key_masks`, FastV) keep later layers from
+    attending to dropped tokens. Records what the policy asked for; `reduction` says what was done."""
+    from . import vision_tokens
+
+    t0 = now(device)
+    embeds, reduction = None, None
+    if vision_inputs is not None and image_token_id is not None and bool(is_image.any()):
+        reduced = vision_tokens.reduce_image(model, policy, ids, is_image, vision_inputs, image_token_id)
+        if reduced is not None:  # the language model sees the reduced image block instead
+            ids, is_image, embeds, reduction = reduced.ids, reduced.is_image, reduced.inputs_embeds, reduced.record
+            vision_inputs = None
+    n = ids.shape[1]
+    request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
+    probe = AttentionProbe(request, mask_rule=policy.prefill_key_masks(n, is_image, num_layers))
+    cache = TrackedCache(num_layers)
+    logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds)
+    seconds = now(device) - t0
+    cache.add_scores({l: s["colsum"] for l, s in stats.items()})
+    return Prefill(cache, stats, logits, n, seconds, reduction)
+
+
+def prefill_for(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
+                num_layers: int, device: torch.device, image_token_id: int | None = None) -> Prefill:
+    """The prefill `policy` compresses when it runs alone: its own (a prefill token reduction), else a plain one
+    recording the statistics it asks for."""
+    if policy.own_prefill():
+        return own_prefill(model, policy, ids, is_image, vision_inputs, num_layers, device, image_token_id)
+    return prefill(model, ids, is_image, vision_inputs, [policy], num_layers, device)
+
+
 def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prompt_len: int,
                  row: slice | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset"), cut to
-    `row` when the prefill ran several prompts at once."""
+    """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset",
+    "last_query"), cut to `row` when the prefill ran several prompts at once."""
     asked = policy.prefill_stats(prompt_len)
     out = {}
     for layer, s in stats.items():
@@ -277,6 +328,8 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
             mine["window"] = s[f"window:{asked.window}"]
         if asked.query_subset is not None:
             mine["subset"] = s["subset"]
+        if asked.last_query:
+            mine["last_query"] = s["last_query"]
         out[layer] = {k: v[row] for k, v in mine.items()} if row is not None else mine
     return out
 
@@ -284,23 +337,26 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
 # -- policy calls: the one place the runner talks to policies ------------------------------------------------
 
 def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[str, torch.Tensor]],
-                     prompt_len: int, budget: float) -> PolicyState:
+                     prompt_len: int, budget: float, reduction: Any = None, reduced_by: int = 0) -> PolicyState:
     """Let `policy` compress the prompt's cache in place; returns the policy's per-run state (what this run
-    found; `compress_decode` and `policy.facts` take it)."""
+    found; `compress_decode` and `policy.facts` take it). `reduction`, `reduced_by`: what an own prefill did
+    and how many prompt tokens it kept from the language model (`Prefill.reduction`, N - prompt_len)."""
     window = policy.prefill_stats(prompt_len).window
-    plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window))
+    plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window, reduction))
     apply_plans(cache, plans)
     # equal-memory mode: a prompt-only method starts at r·N too (LOOK-M's text may exceed it)
-    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, prompt_len, prompt_len, 0), state))
+    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, prompt_len, prompt_len, 0,
+                                                            reduced_by=reduced_by), state))
     return state
 
 
 def compress_decode(policy: Policy, state: PolicyState, cache: TrackedCache, true_len: int, prompt_len: int,
-                    step: int, attention: dict[int, torch.Tensor] | None) -> None:
+                    step: int, attention: dict[int, torch.Tensor] | None, reduced_by: int = 0) -> None:
     """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress (and,
-    in equal-memory mode, hold a prompt-only method at r·N_t)."""
+    in equal-memory mode, hold a prompt-only method at r·N_t, N_t counting the `reduced_by` tokens an own
+    prefill kept from the language model)."""
     if attention is not None:
         cache.add_scores(attention)
-    view = DecodeView(cache, true_len, prompt_len, step, attention)
+    view = DecodeView(cache, true_len, prompt_len, step, attention, reduced_by)
     apply_plans(cache, policy.decode(view, state))
     apply_plans(cache, policy.equal_memory_plans(view, state))

@@ -222,8 +222,9 @@ def kept_entry_masks(compressed, prompt_len: int) -> dict:
     entries `compressed` still holds, per layer and KV head: the reference of the eviction == masking tests."""
     masks = {}
     for layer_idx, layer in enumerate(compressed.layers):
-        kept = torch.zeros(1, layer.n_kv, prompt_len + 1, dtype=torch.bool)
-        kept.scatter_(2, layer.positions, True)  # the next token (position prompt_len) is appended by then
-        masks[layer_idx] = kept
+        held = torch.zeros(1, layer.n_kv, prompt_len + 2, dtype=torch.long)
+        # the next token (position prompt_len) is appended by then; empty slots (position -1) hold nothing
+        held.scatter_add_(2, layer.positions.clamp_min(-1) + 1, torch.ones_like(layer.positions))
+        masks[layer_idx] = held[..., 1:] > 0
     return masks
 

@@ -148,3 +148,32 @@ def test_follow_up_overlay_lorenz_budget_export_clear(ctl, noise_image):
 
     cleared = ctl.clear(box)
     assert box.run is None and "Upload an image" in cleared[0]
+
+
+@pytest.mark.parametrize("equal_memory", [False, True])
+def test_token_reduction_and_head_wise_methods_fill_every_chart(ctl, noise_image, equal_memory):
+    """FastV, VisionZip and AdaKV beside Full in the app, in both budget modes: each panel names its stage, every
+    chart and the overlay are drawn, and the results carry the stage."""
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    methods = ["full", "fastv", "visionzip", "adakv"]
+    knobs = {"fastv__budget_of": "image", "visionzip__budget_of": "image", "adakv__window": 8}
+    outs, comp = _run(ctl, box, noise_image, methods, equal_memory=equal_memory, **knobs)
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert "Done" in final["status"], final["status"]
+    results = final["results"]["methods"]
+    assert {m: r["status"] for m, r in results.items()} == {m: "done" for m in methods}
+    assert {m: r["stage"] for m, r in results.items()} == {
+        "full": "none", "fastv": "prefill token reduction", "visionzip": "prefill token reduction",
+        "adakv": "KV eviction"}
+    assert "prefill token reduction · prompt only" in final["head:visionzip"]
+    assert "KV eviction · prompt only" in final["head:adakv"] and "no compression" in final["head:full"]
+    assert results["visionzip"]["kv_ratio"] < 1 and results["fastv"]["kv_ratio"] < 1
+    assert len(final["bars"].data) > 0 and len(final["lorenz"].data) > 0
+    captions = {cap.split(" · ")[0]: cap for _, cap in final["gallery"]}
+    assert set(captions) == {"Full", "FastV", "VisionZip", "AdaKV"}
+    assert "patches kept" in captions["VisionZip"]
+    if not equal_memory:  # (held at r·N_t, its prompt may lose the contextual tokens too)
+        assert "merged into contextual tokens" in captions["VisionZip"]  # the patches its language model sees
+    assert _wait_unlocked(ctl.engine)

@@ -89,7 +89,7 @@ def full_greedy_words(engine, image, question: str, n: int) -> str:
     with engine.lock, tracked_attention_enabled(engine.loaded.model):
         session.turn = 0
         session._prefill_all()
-        logits = session._first_logits
+        logits = state.first_logits
         for step in range(n):
             ids.append(int(torch.where(safe, logits.float(), float("-inf")).argmax()))
             batch_logits, _, _ = session._advance([state], [[ids[-1]]], step=step + 1)
@@ -235,7 +235,7 @@ def test_speed_batch2_every_method_batches(tmp_path):
     assert all(r["status"] == "ok" for r in rows.values()), {m: r.get("error") for m, r in rows.items()}
     # per-sample plans (and online PrefixKV: the tiny model has no calibration) keep a cache per prompt
     per_prompt = {m for m, r in rows.items() if r["mode"] == "batched x2, a cache per prompt"}
-    assert per_prompt == {"elastic", "zipvl", "prefixkv"}
+    assert per_prompt == {"adakv", "elastic", "zipvl", "prefixkv"}
     assert rows["full"]["mode"] == "batched x2, one shared cache" and rows[speed.STOCK]["mode"] == "batched x2"
     md = (tmp_path / "speed.md").read_text()
     assert "Every method decodes its 2 prompts in one forward per step" in md

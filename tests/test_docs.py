@@ -1,5 +1,5 @@
 """The documentation cannot drift from the code: every registered method has a section in docs/methods.md
-that names its schedule and holds its knob table exactly as the registry declares it today, and the README
+that names its stage and schedule and holds its knob table exactly as the registry declares it today, and the README
 links both documents.
 
 `python tests/test_docs.py` prints the knob table of every method, ready to paste into docs/methods.md.
@@ -72,6 +72,7 @@ def test_every_method_is_documented_with_its_current_knobs(name):
     table = knob_table(cls)
     assert table in body, f"the knob table of {name} in docs/methods.md is out of date; it should read:\n{table}"
     assert f"Schedule: **{cls.schedule}**" in body, f"the {name} section should say 'Schedule: **{cls.schedule}**'"
+    assert f"Stage: **{cls.stage}**" in body, f"the {name} section should say 'Stage: **{cls.stage}**'"
 
 
 def test_every_documented_method_is_registered():

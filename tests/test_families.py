@@ -179,17 +179,20 @@ def test_full_equals_generate_over_two_turns(lm, picture):
     assert session.states["full"].turn_ids == out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "prefixkv"])
-def test_eviction_equals_masking(lm, picture, method):
+@pytest.mark.parametrize("method,budget", [("h2o", 0.3), ("snapkv", 0.3), ("adakv", 0.3), ("pyramidkv", 0.3),
+                                           ("prefixkv", 0.3), ("fastv", 0.8)])
+def test_eviction_equals_masking(lm, picture, method, budget):
+    """A compressed cache gives the logits of its prefill's cache with the evicted entries masked (FastV: of its own
+    prefill, whose later layers never saw the dropped image tokens)."""
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
-    n = ids.shape[1]
-    policy = make_policy(method, 0.3)
+    policy = make_policy(method, budget, **({"window": 8} if method == "adakv" else {}))
     with tracked_attention_enabled(lm.model):
-        shared = runner.prefill(lm.model, ids, ids == lm.image_token_id, M.vision_inputs(inputs), [policy],
-                                lm.num_layers, lm.device)
+        shared = runner.prefill_for(lm.model, policy, ids, ids == lm.image_token_id, M.vision_inputs(inputs),
+                                    lm.num_layers, lm.device, lm.image_token_id)
+    n = shared.prompt_len
     compressed = shared.cache.clone()
-    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, 0.3,
+    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
                                           policy.prefill_stats(n).window))
     apply_plans(compressed, plans)
     engine = Engine(lm)

@@ -223,7 +223,7 @@ def test_zipvl_quantised_layer_dequantises_within_bound():
 
 # -- registry -----------------------------------------------------------------------------------------------
 def test_registry_and_errors():
-    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 9
+    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 12
     assert resolve_methods("full, prefixkv") == ["full", "prefixkv"]
     with pytest.raises(PolicyError, match="no method"):
         resolve_methods([])
@@ -236,6 +236,28 @@ def test_registry_and_errors():
     names = [d["name"] for d in describe()]
     assert names == list(METHODS)
     assert {d["name"] for d in describe() if not d["uses_budget"]} == {"full", "zipvl"}
+    assert {d["name"]: d["stage"] for d in describe()} == {
+        "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
+        "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
+        "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction"}
+
+
+def test_a_method_declares_a_known_stage():
+    from dataclasses import dataclass
+
+    from prefixkv_core.policies import STAGES, Policy, register
+
+    @dataclass(frozen=True)
+    class Elsewhere(Policy):
+        name = "elsewhere"
+        label = "Elsewhere"
+        summary = "Declares a stage the registry does not know."
+        colour = "#123456"
+        stage = "KV teleportation"
+
+    with pytest.raises(PolicyError, match="stage must be one of"):
+        register(Elsewhere)
+    assert "elsewhere" not in METHODS and "prefill token reduction" in STAGES
 
 
 def test_parse_knobs_types_and_errors():
@@ -375,7 +397,7 @@ def _synthetic_prefill(n=40, n_layers=3, h=2, seed=0):
     for i in range(n_layers):
         cache.layers[i] = _layer(n=n, h=h, d=8, seed=seed + i)
         cache.layers[i].is_image[..., 5:25] = True
-        stats[i] = {k: torch.rand(1, h, n, generator=g) for k in ("colsum", "window", "subset")}
+        stats[i] = {k: torch.rand(1, h, n, generator=g) for k in ("colsum", "window", "subset", "last_query")}
     return cache, stats
 
 

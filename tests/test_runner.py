@@ -77,8 +77,8 @@ def _turns(session):
 
 
 def test_all_methods_batched_equal_each_alone(tiny, noise_image):
-    """Greedy, fp32: the nine-method batch gives each method exactly its own tokens, per-layer counts and
-    bytes, over a first turn and a follow-up."""
+    """Greedy, fp32: the all-method batch (own prefills included) gives each method exactly its own tokens,
+    per-layer counts and bytes, over a first turn and a follow-up."""
     engine = Engine(tiny)
     settings = GenerationSettings(max_new_tokens=7)
     together = _turns(engine.new_session(noise_image, PROMPT, "all", 0.3, settings, KNOBS))

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prefixkv_core import Engine
+from prefixkv_core import METHODS, Engine
 from prefixkv_core.limits import IMAGE_REFUSED, MB, LimitError, Limits
 
 SECRET_RGB = (255, 0, 255)  # no tiny-model overlay or test image is pure magenta
@@ -183,7 +183,7 @@ def test_images_that_are_allowed_still_work_and_no_secret_pixel_comes_back(serve
         assert out[-1]["finished"] and out[-1]["prefill"]["image_tokens"] == 16
         outputs.append(out)
     for out in outputs:  # every overlay the gallery offered, fetched like a browser would
-        gallery = out[1 + 2 * 9 + 5]
+        gallery = out[1 + 2 * len(METHODS) + 5]  # status, a header and a chat per offered method, then the charts
         assert len(gallery) == 2
         for item in gallery:
             url = item["image"]["url"]

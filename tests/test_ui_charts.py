@@ -140,13 +140,13 @@ def _comparison():
     comp = Comparison(["full", "h2o"], {"full": "Full", "h2o": "H2O"}, "What is this?", 0.3,
                       {"max_new_tokens": 4}, {}, model={"name": "tiny", "device": "cpu"})
     comp.apply(PrefillInfo(10, 4, 2, _importance(2, 10), np.arange(10) < 4, (2, 2), 0, 0.1))
-    for method, label, kv in (("full", "Full", 400), ("h2o", "H2O", 120)):
-        comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv))
+    for method, label, kv, stage in (("full", "Full", 400, "none"), ("h2o", "H2O", 120, "KV eviction")):
+        comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, stage=stage))
         comp.apply(_ev(method, label, [10, 10], [4, 4], 11, kind="token", step=2, text="A cat",
-                       kv=kv, step_latency_s=0.01))
+                       kv=kv, step_latency_s=0.01, stage=stage))
         comp.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3,
                        text="A cat sits" if method == "full" else "A cat", kv=kv, step_latency_s=0.01,
-                       tokens_per_s=50.0, ttft_s=0.2))
+                       tokens_per_s=50.0, ttft_s=0.2, stage=stage))
     return comp
 
 
@@ -204,11 +204,12 @@ def test_export_tables_and_files(tmp_path):
     comp = _comparison()
     data = comp.to_dict()
     csv_text = results_csv(data)
-    assert csv_text.splitlines()[0].startswith("method,label,status") and "h2o,H2O,done" in csv_text
+    assert csv_text.splitlines()[0].startswith("method,label,stage,status") and "h2o,H2O,KV eviction,done" in csv_text
+    assert data["methods"]["h2o"]["stage"] == "KV eviction"  # each method's stage, as its policy declares it
     tex = results_latex(data)
-    assert r"\toprule" in tex and "H2O & " in tex and r"\bottomrule" in tex
+    assert r"\toprule" in tex and "H2O & KV eviction & " in tex and r"\bottomrule" in tex
     md = transcript_markdown(data)
-    assert "## Turn 1" in md and "What is this?" in md and "A cat sits" in md
+    assert "## Turn 1" in md and "What is this?" in md and "A cat sits" in md and "| H2O | KV eviction |" in md
     fig = charts.memory_figure(comp.series())
     res = export_all({"kv-memory": fig}, data, formats=["html"], out_root=str(tmp_path),
                      images={"overlay": Image.new("RGB", (8, 8))})

@@ -37,7 +37,9 @@ DEFAULT_PROMPT = "Describe this image in detail."
 
 HELP = """
 **Panels.** Every method answers the same prompt from the same prefill, each on its own compressed KV
-cache; all methods decode together, one batched forward per token. Badges: KV-cache size (MB, and % of an
+cache (FastV and VisionZip, prefill token reductions, run a prefill of their own); all methods decode
+together, one batched forward per token. Under each name: where the method saves memory (its stage) and
+when it compresses. Badges: KV-cache size (MB, and % of an
 uncompressed cache of the same length), decode throughput (tokens/s of model + policy time; the batch
 shares each step's forward), time to first token (shared prefill + compression + first step) and, once both answers are complete, ROUGE-L F1 against the Full answer.
 
@@ -57,7 +59,9 @@ gets its own ratio (diamonds), found by bisection so that the ratios average to 
 slider previews the threshold for the new budget.
 
 **Kept image patches.** The image as the vision tower sees it, with each patch lit in proportion to the
-share of KV heads that still hold it at the chosen layer (dark = evicted everywhere).
+share of KV heads that still hold it at the chosen layer (dark = evicted everywhere). VisionZip feeds the
+language model fewer image tokens: its dominant patches are lit, the patches merged into its contextual
+tokens half lit and hatched.
 
 **KV-cache size while decoding / per-token latency.** Per generated token over all turns: cache
 megabytes, and the model forward time plus the policy's own time in milliseconds.
@@ -68,10 +72,10 @@ to the left is better.
 
 
 def _methods_help(methods: list[str]) -> str:
-    rows = ["| Method | Compresses | How |", "|---|---|---|"]
+    rows = ["| Method | Stage | Compresses | How |", "|---|---|---|---|"]
     for d in describe():
         if d["name"] in methods:
-            rows.append(f"| **{d['label']}** | {d['schedule']} | {d['summary']} |")
+            rows.append(f"| **{d['label']}** | {d['stage']} | {d['schedule']} | {d['summary']} |")
     return "\n".join(rows)
 
 

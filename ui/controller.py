@@ -110,8 +110,9 @@ class Controller:
         return banner_markdown(self.model_info())
 
     def summary(self, method: str) -> str:
+        """The method's stage (where it saves memory) and schedule (when), from its declaration."""
         d = self.described[method]
-        return f"{d['schedule']}"
+        return "no compression" if d["stage"] == "none" else f"{d['stage']} · {d['schedule']}"
 
     # -- rendering -----------------------------------------------------------------------------------------------
     def _as_list(self, values: dict[str, Any]) -> list[Any]:

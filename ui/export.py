@@ -84,7 +84,8 @@ def result_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
         full_len = r.get("full_len") or 0
         mean_kept = (sum(kept) / len(kept) / full_len) if kept and full_len else None
         rows.append({
-            "method": method, "label": r.get("label"), "status": r.get("status"), "tokens": r.get("tokens"),
+            "method": method, "label": r.get("label"), "stage": r.get("stage"), "status": r.get("status"),
+            "tokens": r.get("tokens"),
             "kv_mb": r.get("kv_mb"), "kv_ratio": r.get("kv_ratio"),
             "kept_ratio_mean": round(mean_kept, 4) if mean_kept is not None else None,
             "tokens_per_s": r.get("tokens_per_s"), "ttft_s": r.get("ttft_s"),
@@ -118,7 +119,8 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def results_latex(results: Mapping[str, Any]) -> str:
-    """A booktabs table: KV size, share of full, mean kept ratio, ROUGE-L vs Full, TTFT, throughput."""
+    """A booktabs table: the method's stage, KV size, share of full, mean kept ratio, ROUGE-L vs Full, TTFT,
+    throughput."""
     rows = result_rows(results)
     model = latex_escape(results.get("model") or "the model")
     budget = results.get("budget")
@@ -129,16 +131,17 @@ def results_latex(results: Mapping[str, Any]) -> str:
         rf"  \caption{{KV-cache compression on {model} at budget $r = {budget:.2f}$ "
         r"(ROUGE-L against the uncompressed answer).}",
         r"  \label{tab:kv-compression}",
-        r"  \begin{tabular}{lrrrrrr}",
+        r"  \begin{tabular}{llrrrrrr}",
         r"    \toprule",
-        r"    Method & KV (MB) & KV (\% of full) & Kept ratio & ROUGE-L & TTFT (ms) & Tokens/s \\",
+        r"    Method & Stage & KV (MB) & KV (\% of full) & Kept ratio & ROUGE-L & TTFT (ms) & Tokens/s \\",
         r"    \midrule",
     ]
     for row in rows:
         ttft = None if row["ttft_s"] is None else row["ttft_s"] * 1000
         ratio = None if row["kv_ratio"] is None else row["kv_ratio"] * 100
         lines.append(
-            f"    {latex_escape(row['label'])} & {_num(row['kv_mb'], '.3f')} & {_num(ratio, '.1f')} & "
+            f"    {latex_escape(row['label'])} & {latex_escape(row['stage'] or '--')} & {_num(row['kv_mb'], '.3f')} & "
+            f"{_num(ratio, '.1f')} & "
             f"{_num(row['kept_ratio_mean'], '.2f')} & {_num(row['rouge_l_vs_full'], '.3f')} & "
             f"{_num(ttft, '.0f')} & {_num(row['tokens_per_s'], '.1f')} \\\\")
     lines += [r"    \bottomrule", r"  \end{tabular}", r"\end{table}", ""]
@@ -165,11 +168,13 @@ def transcript_markdown(results: Mapping[str, Any]) -> str:
             answers = r.get("answers") or []
             answer = answers[i] if i < len(answers) else ""
             out += [f"### {r.get('label', method)}", "", (answer.strip() or "_(no answer)_"), ""]
-    out += ["## Final metrics", "", "| method | KV (MB) | KV % of full | ROUGE-L vs Full | TTFT (s) | tokens/s | status |",
-            "|---|---:|---:|---:|---:|---:|---|"]
+    out += ["## Final metrics", "",
+            "| method | stage | KV (MB) | KV % of full | ROUGE-L vs Full | TTFT (s) | tokens/s | status |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
     for row in result_rows(results):
         ratio = "" if row["kv_ratio"] is None else f"{row['kv_ratio'] * 100:.1f}"
-        out.append(f"| {row['label']} | {row['kv_mb'] if row['kv_mb'] is not None else ''} | {ratio} | "
+        out.append(f"| {row['label']} | {row['stage'] or ''} | {row['kv_mb'] if row['kv_mb'] is not None else ''} | "
+                   f"{ratio} | "
                    f"{row['rouge_l_vs_full'] if row['rouge_l_vs_full'] is not None else ''} | "
                    f"{row['ttft_s'] if row['ttft_s'] is not None else ''} | "
                    f"{row['tokens_per_s'] if row['tokens_per_s'] is not None else ''} | {row['status']} |")

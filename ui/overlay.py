@@ -8,6 +8,10 @@ original image, one panel each, side by side: the patch grid over the part of th
 the high-resolution tiles (tile borders drawn), with a strip at the right of the tiles for the image-newline
 token that closes each row. So every image token of the prompt has exactly one cell.
 
+After a vision-side reduction (VisionZip) the language model saw fewer image tokens than the prompt had: a patch
+kept as a dominant token is lit as above; a patch merged into a contextual token is drawn half lit and hatched
+(its content lives on, averaged with others, in a token the cache holds); a patch in neither is dark.
+
 A plain [rows, cols] array is still drawn the old way, on the square the vision tower sees.
 """
 from __future__ import annotations
@@ -61,10 +65,18 @@ def _dark(rgb: np.ndarray) -> np.ndarray:
     return np.repeat(grey[..., None] * 0.28 + 18, 3, axis=-1)
 
 
+MERGED_LIGHT = 0.45  # how lit a patch that lives on only inside a contextual token is drawn
+
+
 def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, int],
-                tile_rows=(), tile_cols=()) -> Image.Image:
-    """Blend each cell of `share` ([rows, cols] in [0, 1]) over `box` (pixels) of `img`; grid and tile lines."""
+                tile_rows=(), tile_cols=(), merged: np.ndarray | None = None) -> Image.Image:
+    """Blend each cell of `share` ([rows, cols] in [0, 1]) over `box` (pixels) of `img`; grid and tile lines.
+    `merged` ([rows, cols]): cells kept only inside a contextual token, drawn half lit and hatched."""
     share = np.clip(share, 0.0, 1.0)
+    only_merged = None
+    if merged is not None:
+        only_merged = (np.asarray(merged) > 0) & (share <= 0)
+        share = np.where(only_merged, MERGED_LIGHT * np.clip(merged, 0.0, 1.0), share)
     rows, cols = share.shape
     left, top, right, bottom = box
     w, h = max(right - left, 1), max(bottom - top, 1)
@@ -82,6 +94,11 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
         for c in range(1, cols):
             x = left + round(c * w / cols)
             draw.line([(x, top), (x, bottom)], fill=(255, 255, 255, 40), width=1)
+    if only_merged is not None and only_merged.any():
+        cw, ch = w / cols, h / rows
+        for r, c in zip(*np.nonzero(only_merged)):
+            x0, y0 = left + c * cw, top + r * ch
+            draw.line([(x0, y0 + ch), (x0 + cw, y0)], fill=(255, 255, 255, 150), width=1)
     for f in tile_rows:  # where the crops the vision tower saw meet
         y = top + round(f * h)
         draw.line([(left, y), (right, y)], fill=(255, 255, 255, 170), width=2)
@@ -105,7 +122,8 @@ def _views_overlay(image: Image.Image, kept, method: str, side: int) -> Image.Im
         outside = np.ones((side, width, 1), dtype=np.float32)
         outside[box[1]:box[3], box[0]:box[2]] = 0.0  # the view never saw the rest: darken it
         shown = Image.fromarray(np.clip(outside * _dark(rgb) + (1 - outside) * rgb, 0, 255).astype(np.uint8))
-        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols)
+        merged = kept.view_merged(i) if hasattr(kept, "view_merged") else None
+        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols, merged)
         newline = kept.newline_share(i)
         if newline is not None:
             strip = Image.new("RGB", (NEWLINE_STRIP, side), (24, 24, 24))
@@ -153,7 +171,9 @@ def caption(label: str, share: Any, layer: int) -> str:
         views = share.layout.views
         what = "patches" if len(views) == 1 and not views[0].newline else "image tokens"
         detail = f" ({' · '.join(parts)})" if what != "patches" else ""
-        return (f"{label} · layer {layer} · {share.kept_tokens()} of {share.n_tokens} {what} kept{detail} · "
+        merged = share.merged_tokens() if hasattr(share, "merged_tokens") else 0
+        also = f" (+ {merged} merged into contextual tokens)" if merged else ""
+        return (f"{label} · layer {layer} · {share.kept_tokens()} of {share.n_tokens} {what} kept{also}{detail} · "
                 f"mean share {share.mean_share():.0%}")
     share = np.asarray(share, dtype=float)
     kept = int((share > 0).sum())

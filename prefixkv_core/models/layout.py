@@ -111,10 +111,25 @@ def _tile_lines(n_tiles: int, side: int, pad: int, kept: int) -> tuple[float, ..
     return tuple((k * side - pad) / kept for k in range(1, n_tiles) if 0 < k * side - pad < kept)
 
 
-def anyres_layout(width: int, height: int, *, side: int, tile_px: int, pinpoints, max_tiles: int | None,
-                  base_tokens: int) -> ImageLayout:
-    """LLaVA-NeXT / OneVision: the base view (`base_tokens` = side x side), then the high-resolution grid of the
-    best pinpoint, unpadded, shrunk when over `max_tiles` tiles' worth (OneVision), a newline per row."""
+@dataclass(frozen=True)
+class AnyresGrid:
+    """The high-resolution part of an anyres image: `tiles_h` x `tiles_w` crops of `side` x `side` patches (the full
+    grid), of which rows [pad_top, pad_top + rows) and columns [pad_left, pad_left + cols) show the image (the rest
+    is padding, cut away), then shrunk to `out_rows` x `out_cols` when over the tile limit (OneVision)."""
+
+    side: int
+    tiles_h: int
+    tiles_w: int
+    pad_top: int
+    pad_left: int
+    rows: int
+    cols: int
+    out_rows: int
+    out_cols: int
+
+
+def anyres_grid(width: int, height: int, *, side: int, tile_px: int, pinpoints, max_tiles: int | None) -> AnyresGrid:
+    """The geometry of the tiles of an image of `width` x `height` pixels (the best pinpoint, unpadded, shrunk)."""
     best_h, best_w = best_resolution(height, width, pinpoints)
     tiles_h, tiles_w = best_h // tile_px, best_w // tile_px
     cur_h, cur_w = tiles_h * side, tiles_w * side
@@ -127,16 +142,70 @@ def anyres_layout(width: int, height: int, *, side: int, tile_px: int, pinpoints
         new_w = int(round(width * (cur_h / height), 7))
         pad_left = (cur_w - new_w) // 2
         rows, cols = cur_h, cur_w - 2 * pad_left
-    tile_rows = _tile_lines(tiles_h, side, pad_top, rows)
-    tile_cols = _tile_lines(tiles_w, side, pad_left, cols)
+    out_rows, out_cols = rows, cols
     if max_tiles is not None:
         ratio = math.sqrt(rows * cols / (max_tiles * side * side))
         if ratio > 1.1:  # bilinear downsampling of the feature grid; the tiles keep their place in it
-            rows, cols = int(rows // ratio), int(cols // ratio)
+            out_rows, out_cols = int(rows // ratio), int(cols // ratio)
+    return AnyresGrid(side, tiles_h, tiles_w, pad_top, pad_left, rows, cols, out_rows, out_cols)
+
+
+def anyres_layout(width: int, height: int, *, side: int, tile_px: int, pinpoints, max_tiles: int | None,
+                  base_tokens: int) -> ImageLayout:
+    """LLaVA-NeXT / OneVision: the base view (`base_tokens` = side x side), then the high-resolution grid of the
+    best pinpoint, unpadded, shrunk when over `max_tiles` tiles' worth (OneVision), a newline per row."""
+    g = anyres_grid(width, height, side=side, tile_px=tile_px, pinpoints=pinpoints, max_tiles=max_tiles)
+    tile_rows = _tile_lines(g.tiles_h, side, g.pad_top, g.rows)
+    tile_cols = _tile_lines(g.tiles_w, side, g.pad_left, g.cols)
     base_side = int(round(math.sqrt(base_tokens)))
     base = GridView("base", base_side, base_side)
-    tiles = GridView("tiles", rows, cols, newline=True, tile_rows=tile_rows, tile_cols=tile_cols)
+    tiles = GridView("tiles", g.out_rows, g.out_cols, newline=True, tile_rows=tile_rows, tile_cols=tile_cols)
     return ImageLayout((base, tiles), (width, height))
+
+
+@dataclass(frozen=True)
+class CropPatches:
+    """Where the patches of every crop the vision tower encodes (in its order: the one view, or an anyres image's
+    base view then its tiles row by row) land among the prompt's image tokens."""
+
+    tokens: tuple[np.ndarray, ...]  # per crop [side*side]: the image token each patch becomes, -1 for none (padding)
+    raster: tuple[np.ndarray, ...]  # per crop [side*side]: the patch's place in raster order over its view's grid
+    views: tuple[int, ...]  # per crop: the index of its view in the layout
+
+
+def _anyres_args(config) -> dict:
+    vc = config.vision_config
+    max_tiles = None
+    if getattr(config, "model_type", "llava") == "llava_onevision":
+        aspect = str(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
+        max_tiles = int(aspect.removeprefix("anyres_max_")) if aspect.startswith("anyres_max_") else None
+    return dict(side=int(vc.image_size) // int(vc.patch_size), tile_px=int(vc.image_size),
+                pinpoints=config.image_grid_pinpoints, max_tiles=max_tiles)
+
+
+def crop_patches(config, width: int, height: int) -> CropPatches:
+    """The crops of one image of `width` x `height` pixels and, per patch, the prompt image token it feeds (its
+    index in the image block of `image_layout`). Anyres tiles: the patch's cell in the unpadded (and, for
+    OneVision, shrunk) grid; patches in the padding feed none."""
+    vc = config.vision_config
+    side = int(vc.image_size) // int(vc.patch_size)
+    flat = np.arange(side * side)
+    if getattr(config, "model_type", "llava") not in ("llava_next", "llava_onevision"):
+        return CropPatches((flat,), (flat,), (0,))
+    g = anyres_grid(width, height, **_anyres_args(config))
+    tokens, raster, views = [flat], [flat], [0]
+    r, c = np.divmod(flat, side)
+    for k in range(g.tiles_h * g.tiles_w):
+        ti, tj = divmod(k, g.tiles_w)
+        full_r, full_c = ti * side + r, tj * side + c
+        ur, uc = full_r - g.pad_top, full_c - g.pad_left
+        shown = (ur >= 0) & (ur < g.rows) & (uc >= 0) & (uc < g.cols)
+        out_r = np.clip(ur * g.out_rows // max(g.rows, 1), 0, g.out_rows - 1)
+        out_c = np.clip(uc * g.out_cols // max(g.cols, 1), 0, g.out_cols - 1)
+        tokens.append(np.where(shown, side * side + out_r * (g.out_cols + 1) + out_c, -1))
+        raster.append(full_r * (g.tiles_w * side) + full_c)
+        views.append(1)
+    return CropPatches(tuple(tokens), tuple(raster), tuple(views))
 
 
 def image_layout(config, processor, width: int, height: int) -> ImageLayout:
@@ -150,12 +219,7 @@ def image_layout(config, processor, width: int, height: int) -> ImageLayout:
         box = _centre_square(width, height) if _crops_to_square(image_processor) else (0.0, 0.0, 1.0, 1.0)
         return ImageLayout((GridView("image", side, side, box),), (width, height))
     if mt in ("llava_next", "llava_onevision"):
-        max_tiles = None
-        if mt == "llava_onevision":
-            aspect = str(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
-            max_tiles = int(aspect.removeprefix("anyres_max_")) if aspect.startswith("anyres_max_") else None
-        return anyres_layout(width, height, side=side, tile_px=int(vc.image_size),
-                             pinpoints=config.image_grid_pinpoints, max_tiles=max_tiles, base_tokens=side * side)
+        return anyres_layout(width, height, base_tokens=side * side, **_anyres_args(config))
     raise ValueError(f"no image layout for model_type {mt!r}")
 
 

@@ -6,9 +6,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .base import (BUDGET_MODES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
+from .adakv import AdaKVPolicy
+from .base import (BUDGET_MODES, STAGES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
                    PrefillView, Quantise, ResolveContext, check_budget)
 from .elastic import ElasticPolicy
+from .fastv import FastVPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
 from .full import FullPolicy
 from .h2o import H2OPolicy
@@ -18,6 +20,7 @@ from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
 from .pyramidkv import PyramidKVPolicy
 from .snapkv import SnapKVPolicy
+from .visionzip import VisionZipPolicy
 from .zipvl import ZipVLPolicy
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -27,7 +30,8 @@ _COLOUR = re.compile(r"^#[0-9A-Fa-f]{6}$")
 
 def register(cls: type[Policy]) -> type[Policy]:
     """Add a policy class to the registry (every listener reads it: engine, CLI, app, charts, benchmarks).
-    Checks what listeners rely on: a frozen dataclass, a unique lowercase name, a label, a summary, a colour."""
+    Checks what listeners rely on: a frozen dataclass, a unique lowercase name, a label, a summary, a colour and
+    a stage (one of STAGES)."""
     import dataclasses
 
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
@@ -44,6 +48,8 @@ def register(cls: type[Policy]) -> type[Policy]:
         raise PolicyError(f"{cls.__name__} needs a label and a summary")
     if not _COLOUR.match(cls.colour or ""):
         raise PolicyError(f"{cls.__name__}.colour must be '#rrggbb', got {cls.colour!r}")
+    if cls.stage not in STAGES:
+        raise PolicyError(f"{cls.__name__}.stage must be one of {', '.join(map(repr, STAGES))}, got {cls.stage!r}")
     taken = {c.colour.lower(): n for n, c in REGISTRY.items() if n != cls.name}
     if cls.colour.lower() in taken:
         raise PolicyError(f"{cls.__name__}.colour {cls.colour} is already used by {taken[cls.colour.lower()]}")
@@ -59,8 +65,8 @@ def unregister(name: str) -> None:
     REGISTRY.pop(name, None)
 
 
-_BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, ElasticPolicy, LookMPolicy,
-             ZipVLPolicy, PrefixKVPolicy)
+_BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
+             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)
@@ -155,12 +161,12 @@ def _number(raw: str) -> Any:
 
 
 def describe() -> list[dict[str, Any]]:
-    """Name, label, summary, schedule, colour, whether the budget applies, and knobs (defaults and details:
+    """Name, label, summary, schedule, stage, colour, whether the budget applies, and knobs (defaults and details:
     help, choices, range) of every method, in registry order (for the UI, the CLI and the benchmarks)."""
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["BUDGET_MODES", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
+__all__ = ["BUDGET_MODES", "STAGES", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
            "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
            "make_policy", "resolve_methods", "describe"]

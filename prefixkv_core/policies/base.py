@@ -22,7 +22,7 @@ from . import scoring
 from .facts import Fact, facts_to_extras, note
 from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
-__all__ = ["BUDGET_MODES", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
+__all__ = ["BUDGET_MODES", "STAGES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "check_budget",
            "budget_count", "protected_mask", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans"]
@@ -31,6 +31,15 @@ __all__ = ["BUDGET_MODES", "PolicyError", "Merge", "Quantise", "LayerPlan", "Pre
 # prompt once and then let the cache grow). "equal_memory": the prompt-only ones are also held at about r·N_t
 # while decoding (see equal_memory.py), so every budgeted method holds the same memory at every step.
 BUDGET_MODES = ("published", "equal_memory")
+
+# Where in inference a method saves memory (each policy declares one; the app, the docs and the exports show it):
+# "prefill token reduction" methods change the prefill itself, so that some tokens never reach (some layers of)
+# the language model, and get a prefill of their own; the others compress the cache of the one shared prefill.
+STAGES = ("none", "prefill token reduction", "KV eviction", "KV merging", "quantisation")
+
+# In a plan's `keep`, an empty slot: head-wise methods that keep different counts per KV head (AdaKV) pad the
+# shorter heads with it. The slot holds no entry (true position -1), is masked from attention and costs no bytes.
+EMPTY_SLOT = -1
 
 
 @dataclass
@@ -53,11 +62,13 @@ class Quantise:
 
 @dataclass
 class LayerPlan:
-    """What to do to one layer: merge first (optional), then keep `keep` ([B, 1|Hkv, K], ascending), or quantise."""
+    """What to do to one layer: merge first (optional), then keep `keep` ([B, 1|Hkv, K], ascending; EMPTY_SLOT
+    entries first pad heads that keep fewer), or quantise."""
 
     keep: torch.Tensor | None = None
     merge: Merge | None = None
     quantise: Quantise | None = None
+    empty_slots: bool = False  # `keep` holds EMPTY_SLOT entries (heads keeping different counts)
 
 
 @dataclass
@@ -69,6 +80,8 @@ class PrefillView:
     prompt_len: int  # N
     budget: float
     window: int  # observation window used for the "window" statistic
+    # what a prefill token reduction did in this method's own prefill (e.g. VisionZip's merge record), else None
+    reduction: Any = None
 
     @property
     def num_layers(self) -> int:
@@ -89,10 +102,18 @@ class DecodeView:
     prompt_len: int
     step: int  # tokens generated so far in this turn
     attention: dict[int, torch.Tensor] | None = None  # layer -> last query's attention [B, Hkv, T], if asked
+    # prompt tokens a prefill token reduction kept from the language model (VisionZip): its positions run
+    # N - reduced_by + t, while an uncompressed conversation holds full_len = true_len + reduced_by tokens
+    reduced_by: int = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.cache.layers)
+
+    @property
+    def full_len(self) -> int:
+        """N_t of the uncompressed conversation: what the budget r is a share of."""
+        return self.true_len + self.reduced_by
 
 
 @dataclass
@@ -134,6 +155,7 @@ class Policy:
     uses_budget: ClassVar[bool] = True
     # "every step": the cache is held at about r·N_t after every token; "prompt only": compress once.
     schedule: ClassVar[str] = "every step"
+    stage: ClassVar[str] = "KV eviction"  # one of STAGES: where in inference this method saves memory
     sink_tokens: ClassVar[int] = 1
 
     budget: float = 0.3
@@ -162,6 +184,30 @@ class Policy:
     # Whether decode steps must record the current query's attention (e.g. H2O's accumulation).
     def decode_needs_attention(self) -> bool:
         return False
+
+    # -- prefill token reduction: a prefill of the method's own ----------------------------------------------
+    def own_prefill(self) -> bool:
+        """Whether this method changes the prefill itself (stage "prefill token reduction"), so that it runs a
+        prefill of its own (`runner.own_prefill`) instead of compressing the shared one; it still decodes in
+        the shared batch."""
+        return self.stage == "prefill token reduction"
+
+    def prefill_key_masks(self, prompt_len: int, is_image: torch.Tensor, num_layers: int):
+        """For an own prefill: a rule `(layer, stats so far) -> key mask [B, 1|Hkv, N] or None` that the attention
+        function asks before each layer, so later layers can stop attending to tokens chosen from what earlier
+        layers recorded (FastV). None: every layer sees every token."""
+        return None
+
+    def vision_plan(self, crops):
+        """For an own prefill with an image: how to shrink each crop's vision features before the language model
+        sees them (`reduction.VisionPlan`, from the crops' `reduction.VisionCrops`), or None to feed the image as
+        the model's own path encodes it (VisionZip)."""
+        return None
+
+    def image_token_sources(self, state: PolicyState | None):
+        """When the language model saw other image tokens than the prompt's (a vision-side reduction): what each of
+        its image tokens stands for (`reduction.ImageTokenSources`), for the kept-patch overlay. None otherwise."""
+        return None
 
     def plans_rows_together(self) -> bool:
         """Whether one cache may hold several prompts as rows: prefill/decode then plan every row at once
@@ -230,7 +276,7 @@ class Policy:
                 "integer": info.integer, "sequence": info.sequence, "editable": info.editable,
             })
         return {"name": cls.name, "label": cls.label, "summary": cls.summary, "schedule": cls.schedule,
-                "uses_budget": cls.uses_budget, "colour": cls.colour, "knobs": cls.knobs(), "knob_details": details}
+                "stage": cls.stage, "uses_budget": cls.uses_budget, "colour": cls.colour, "knobs": cls.knobs(), "knob_details": details}
 
 
 def check_budget(budget: float) -> None:
@@ -244,9 +290,10 @@ def budget_count(ratio: float, n: int, min_keep: int = 1) -> int:
 
 
 def protected_mask(layer: TrackedLayer, prompt_len: int, sink: int = 1) -> torch.Tensor:
-    """[B, Hkv, T] True for entries that must survive: the first `sink` positions and the last prompt token."""
+    """[B, Hkv, T] True for entries that must survive: the first `sink` positions and the last prompt token
+    (never an empty slot)."""
     pos = layer.positions
-    return (pos < sink) | (pos == prompt_len - 1)
+    return ((pos < sink) & (pos >= 0)) | (pos == prompt_len - 1)
 
 
 def top_k_keep(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,7 +375,7 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
             m = plan.merge
             layer.merge(m.src, m.dst, m.src_weight, m.self_weight)
         if plan.keep is not None:
-            layer.gather(plan.keep)
+            layer.gather(plan.keep, empty_slots=plan.empty_slots)
         if plan.quantise is not None:
             q = plan.quantise
             layer.quantize_fp_part(q.important, q.bits_hi, q.bits_lo, q.group_size)

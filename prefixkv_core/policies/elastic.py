@@ -61,6 +61,7 @@ class ElasticPolicy(Policy):
                "nearest kept token, never into the sink or the last prompt token. Decoding deletes at a fixed "
                "point (K-25): older entries stay frozen.")
     colour = "#CC79A7"
+    stage = "KV merging"
 
     normalised_importance: bool = knob(False, help="divide column sums by how many queries see each token")
 

@@ -36,7 +36,7 @@ def hold_plans(view: DecodeView, shares: list[float]) -> list[LayerPlan | None]:
     """Plans that bring layer l to round(shares[l] · N_t) entries (at least MIN_HELD) by the rule above."""
     plans: list[LayerPlan | None] = []
     for layer, share in zip(view.cache.layers, shares):
-        target = budget_count(share, view.true_len, min_keep=MIN_HELD)
+        target = budget_count(share, view.full_len, min_keep=MIN_HELD)  # r is a share of the uncompressed N_t
         excess = layer.length - target
         if excess <= 0:
             plans.append(None)

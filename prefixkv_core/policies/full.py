@@ -14,3 +14,4 @@ class FullPolicy(Policy):
     colour = "#222222"  # black: the reference stands out in every figure
     uses_budget = False
     schedule = "none"
+    stage = "none"

@@ -18,6 +18,7 @@ class H2OPolicy(Policy):
     summary = ("Accumulated attention (prefill column sums + every decoding query) picks heavy hitters; "
                "a recent window (10% of the budget) protects new tokens. Uniform count over layers.")
     colour = "#E69F00"
+    stage = "KV eviction"
 
     recent_fraction: float = knob(0.1, help="share of the budget kept for the most recent tokens (at least one)",
                                   low=0.0, high=1.0)

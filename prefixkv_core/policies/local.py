@@ -15,6 +15,7 @@ class LocalPolicy(Policy):
     label = "Local (StreamingLLM)"
     summary = "Sink token + most recent tokens; the oldest non-sink tokens are evicted. Uniform over layers."
     colour = "#56B4E9"
+    stage = "KV eviction"
 
     sinks: int = knob(1, help="attention-sink tokens always kept", low=1, high=64, integer=True)
 

@@ -84,6 +84,7 @@ class LookMPolicy(Policy):
                "KV head; evicted tokens are merged into the most similar kept key. Prompt only.")
     colour = "#8C564B"
     schedule = "prompt only"
+    stage = "KV merging"
 
     merge: str = knob("pivotal", help="how evicted tokens are merged into the most similar kept ones",
                       choices=MERGE_MODES)

@@ -42,6 +42,7 @@ class PrefixKVPolicy(Policy):
     summary = ("Adaptive per-layer budgets: a global retention threshold found by bisection on the layers' "
                "Lorenz curves; offline mode uses ratios calibrated once per model and budget.")
     colour = "#D55E00"  # vermillion: the method the tool is about
+    stage = "KV eviction"
 
     mode: str = knob("online", help="online: bisect the threshold on this prompt; offline: per-layer ratios "
                                     "calibrated once for this model and budget", choices=MODES)

@@ -30,6 +30,7 @@ class PyramidKVPolicy(Policy):
                "Falls back to uniform SnapKV when the budget is large (as published).")
     colour = "#0072B2"
     schedule = "prompt only"
+    stage = "KV eviction"
 
     window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
     kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)

@@ -62,6 +62,7 @@ class SnapKVPolicy(Policy):
                "Compresses the prompt once; the cache then grows while decoding.")
     colour = "#009E73"
     schedule = "prompt only"
+    stage = "KV eviction"
 
     window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
     kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)

@@ -58,6 +58,7 @@ class ZipVLPolicy(Policy):
     colour = "#7B61C9"
     uses_budget = False
     schedule = "quantise prompt, then every 100 tokens"
+    stage = "quantisation"
 
     tau: float = knob(0.975, help="τ: share of attention the high-precision tokens must hold (sets ZipVL's "
                                   "size/quality trade-off)", low=0.0, high=1.0, low_open=True, label="τ (tau)")

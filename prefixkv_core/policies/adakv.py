@@ -1,0 +1,155 @@
+"""AdaKV (Ada-SnapKV): SnapKV's observation-window votes, with each layer's budget shared out among its KV heads.
+
+Paper: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
+Inference", 2024, https://arxiv.org/abs/2407.11550.
+
+A layer keeps the same total as SnapKV (`Hkv · C` entries), but instead of `C` per KV head, the votes of all
+its heads compete in one ranking: a head whose attention is concentrated needs few entries, a head whose
+attention is spread gets more. A floor (share `floor_alpha` of the per-head budget) keeps every head from
+starving, as the reference configuration does. The cache then holds a different number of entries per head:
+the shorter heads are padded with empty slots, masked from attention and not counted in the reported bytes
+(the entries actually kept, as the method's flattened per-head cache stores them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import StatRequest
+from ..lorenz import distribute
+from . import scoring
+from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView,
+                   budget_count, knob)
+from .snapkv import KERNEL_HELP, WINDOW_HELP, check_kernel, clamp_window
+
+
+def best_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores along the last axis; ties go to the lower index (a stable sort)."""
+    return torch.argsort(scores.float(), dim=-1, descending=True, stable=True)[..., :k]
+
+
+def flattened_counts(scores: torch.Tensor, total: int) -> torch.Tensor:
+    """scores [B, H, M] -> [B, H] how many of each head's entries are among the `total` best of all heads' entries
+    ranked together (the adaptive, head-wise allocation)."""
+    b, h, m = scores.shape
+    total = max(0, min(total, h * m))
+    best = best_first(scores.reshape(b, h * m), total)
+    counts = torch.zeros(b, h, dtype=torch.long, device=scores.device)
+    return counts.scatter_add_(1, best // m, torch.ones_like(best))
+
+
+def floored_counts(adaptive: list[int], total: int, floor_alpha: float, high: int, low: int = 1) -> list[int]:
+    """The reference's safeguard: head h gets round(c_h·(1 - α) + ⌊α·b⌋) with b = total / heads, here spread so
+    the counts sum to exactly `total` (largest remainders), each in [low, high]."""
+    heads = len(adaptive)
+    floor = int(floor_alpha * total / heads)
+    weights = [c * (1.0 - floor_alpha) + floor for c in adaptive]
+    return distribute(total, weights, low=min(low, high), high=high)
+
+
+def padded_keep(chosen: list[torch.Tensor], tail: torch.Tensor) -> torch.Tensor:
+    """Per head, kept indices (ascending, any count) then the `tail` indices every head keeps -> [1, H, K_max + T]
+    with EMPTY_SLOT first in the heads that keep fewer."""
+    longest = max(c.numel() for c in chosen)
+    rows = [torch.cat([c.new_full((longest - c.numel(),), EMPTY_SLOT), c.sort().values, tail]) for c in chosen]
+    return torch.stack(rows).unsqueeze(0)
+
+
+@dataclass
+class AdaKVState(PolicyState):
+    window: int = 0  # the observation window used on this prompt
+    head_counts: list[list[int]] = field(default_factory=list)  # per layer, prompt entries kept per KV head
+    votes: list[torch.Tensor] = field(default_factory=list)  # per layer [1, Hkv, N] pooled votes (equal memory)
+
+
+@dataclass(frozen=True)
+class AdaKVPolicy(Policy):
+    """AdaKV (Ada-SnapKV), Feng et al. 2024, https://arxiv.org/abs/2407.11550: head-wise budgets over SnapKV's
+    observation-window votes, the layer's total fixed."""
+
+    name = "adakv"
+    label = "AdaKV"
+    summary = ("SnapKV's window votes ranked across all KV heads of a layer: each head keeps its own count, the "
+               "layer's total is SnapKV's. Compresses the prompt once; the cache then grows while decoding.")
+    colour = "#66A61E"
+    schedule = "prompt only"
+    stage = "KV eviction"
+
+    window: int = knob(32, help=WINDOW_HELP, low=1, high=4096, integer=True)
+    kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
+    floor_alpha: float = knob(0.2, help="share of the per-head budget every KV head keeps whatever the ranking "
+                                        "(the reference's safeguard; 0 = purely adaptive)", low=0.0, high=1.0)
+
+    def check(self) -> None:
+        check_kernel(self.label, self.kernel)
+
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        return StatRequest(window=clamp_window(self.window, prompt_len)[0])
+
+    def plans_rows_together(self) -> bool:
+        return False  # each prompt's heads split the budget their own way: a cache per prompt
+
+    def prefill(self, view: PrefillView) -> Prefilled:
+        n = view.prompt_len
+        w, clamped = clamp_window(self.window, n)
+        state = AdaKVState(notes=[clamped] if clamped else [], window=w)
+        capacity = budget_count(self.budget, n, min_keep=w + 1)  # per KV head on average, window included
+        plans: list[LayerPlan | None] = []
+        for i in range(view.num_layers):
+            votes = scoring.snap_window(view.stats[i]["window"], w, self.kernel)
+            prefix = votes[..., : n - w].clone()
+            prefix[..., 0] = float("inf")  # the sink, in every head (as SnapKV here)
+            state.votes.append(votes)
+            heads = prefix.shape[1]
+            if capacity >= n:
+                state.head_counts.append([n - w] * heads)
+                plans.append(None)
+                continue
+            per_head = capacity - w
+            total = heads * per_head
+            adaptive = flattened_counts(prefix, total)[0].tolist()
+            counts = floored_counts(adaptive, total, self.floor_alpha, high=n - w)
+            chosen = [best_first(prefix[0, h], c) for h, c in enumerate(counts)]
+            tail = torch.arange(n - w, n, device=prefix.device)
+            state.head_counts.append(counts)
+            plans.append(LayerPlan(keep=padded_keep(chosen, tail), empty_slots=min(counts) < max(counts)))
+        return Prefilled(plans, state)
+
+    def equal_memory_plans(self, view: DecodeView, state: PolicyState):
+        """Held at r·N_t per KV head on average, the layer's entries counted over all heads: the oldest generated
+        tokens go first, then the prompt entries with the fewest window votes across all heads of the layer."""
+        if not self.held_to_equal_memory() or not isinstance(state, AdaKVState) or not state.votes:
+            return None
+        plans: list[LayerPlan | None] = []
+        for layer, votes in zip(view.cache.layers, state.votes):
+            heads = layer.n_kv
+            target = heads * budget_count(self.budget, view.full_len, min_keep=3)
+            pos = layer.positions[0]  # [H, T]; padding first, then prompt entries, then generated ones
+            held = int((pos >= 0).sum())
+            if held <= target:
+                plans.append(None)
+                continue
+            prompt_slots = int((pos[0] < view.prompt_len).sum())  # every head has as many (padding included)
+            generated = layer.length - prompt_slots
+            drop_generated = min(max(0, generated - 1), (held - target) // heads)
+            rest = held - target - drop_generated * heads
+            slot_votes = votes[0].gather(1, pos[:, :prompt_slots].clamp_min(0)).clone()
+            slot_votes[pos[:, :prompt_slots] < 0] = float("-inf")  # empty slots are not entries
+            protected = (pos[:, :prompt_slots] == 0) | (pos[:, :prompt_slots] == view.prompt_len - 1)
+            slot_votes[protected] = float("inf")
+            keep_count = int((pos[:, :prompt_slots] >= 0).sum()) - rest
+            kept = flattened_counts(slot_votes[None], keep_count)[0].tolist()
+            chosen = [best_first(slot_votes[h], c) for h, c in enumerate(kept)]
+            tail = torch.arange(prompt_slots + drop_generated, layer.length, device=pos.device)
+            plans.append(LayerPlan(keep=padded_keep(chosen, tail), empty_slots=True))
+        return plans
+
+    def facts(self, state: PolicyState) -> list[Fact]:
+        out = super().facts(state)
+        if isinstance(state, AdaKVState) and state.head_counts:
+            out.append(Fact("head_min", "fewest voted entries in one KV head", [min(c) for c in state.head_counts],
+                            kind="per-layer", fmt="d"))
+            out.append(Fact("head_max", "most in one KV head", [max(c) for c in state.head_counts],
+                            kind="per-layer", fmt="d"))
+        return out

@@ -1,0 +1,90 @@
+"""What a vision-side token reduction (VisionZip) and the runner tell each other, as plain tensors and arrays.
+
+The runner runs the model's own image path once and hands the policy, per crop the vision tower encoded, the
+attention and the keys of the feature layer (`VisionCrops`). The policy answers, per crop, which output tokens
+to make and from what (`CropMerge`: each output token a weighted sum of the crop's feature-layer tokens). The
+runner projects them, orders them, builds the shorter prompt and records what each of the language model's
+image tokens stands for among the prompt's original image tokens (`ImageTokenSources`), which the kept-patch
+overlay and the method's facts read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+KINDS = ("cls", "dominant", "contextual")
+
+
+@dataclass
+class VisionCrops:
+    """The feature layer of the vision tower for the crops of one image (all of them, in the tower's order)."""
+
+    attention: torch.Tensor  # [C, T, T] fp32: attention probabilities averaged over heads (query, key)
+    keys: torch.Tensor  # [C, T, D] fp32: the layer's keys averaged over heads
+    has_cls: bool  # token 0 of every crop is a CLS token (CLIP); SigLIP has none
+    prompt_len: int  # N: the prompt's tokens, its image block as the processor expanded it
+    image_tokens: int  # the prompt's image tokens (every crop's patches that are shown, newline tokens included)
+
+    @property
+    def num_crops(self) -> int:
+        return int(self.attention.shape[0])
+
+    @property
+    def tokens_per_crop(self) -> int:
+        return int(self.attention.shape[1])
+
+
+@dataclass
+class CropMerge:
+    """The output tokens of one crop: output k = Σ_t weights[k, t] · feature_t over the crop's feature-layer
+    tokens (CLS included when there is one); `kinds[k]` says what it is (one of KINDS)."""
+
+    weights: torch.Tensor  # [K, T] fp32
+    kinds: list[str]
+
+    def __post_init__(self):
+        if self.weights.shape[0] != len(self.kinds) or any(k not in KINDS for k in self.kinds):
+            raise ValueError("CropMerge needs one kind (cls, dominant or contextual) per output token")
+
+    def sources(self, k: int) -> np.ndarray:
+        """The crop tokens output k is made from."""
+        return self.weights[k].nonzero().flatten().cpu().numpy()
+
+
+@dataclass
+class VisionPlan:
+    """One `CropMerge` per crop, in the crops' order."""
+
+    crops: list[CropMerge]
+
+
+@dataclass
+class ImageTokenSources:
+    """What each image token the language model saw stands for. `cells[k]`: the prompt's original image tokens
+    (indices into its image block) that LM image token k covers: one for a dominant patch token, every merged
+    patch for a contextual one, none for a CLS token (or a patch in anyres padding)."""
+
+    kinds: list[str]
+    cells: list[np.ndarray]
+    original_tokens: int  # image tokens of the prompt as the processor expanded it
+    crops: int = 1
+    counts: dict[str, int] = field(default_factory=dict)  # kind -> LM image tokens of that kind
+
+    @property
+    def tokens(self) -> int:
+        return len(self.kinds)
+
+    def project(self, share: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """share [LM image tokens] (e.g. the share of KV heads that hold each) -> (kept, merged), each
+        [original image tokens]: a dominant token's share on its own patch; a contextual token's on every patch
+        merged into it. A patch gets the largest share of the tokens that cover it."""
+        kept = np.zeros(self.original_tokens, dtype=np.float32)
+        merged = np.zeros(self.original_tokens, dtype=np.float32)
+        for kind, cells, s in zip(self.kinds, self.cells, share):
+            if cells.size == 0 or kind == "cls":
+                continue
+            target = kept if kind == "dominant" else merged
+            target[cells] = np.maximum(target[cells], float(s))
+        return kept, merged

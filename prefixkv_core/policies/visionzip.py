@@ -1,0 +1,157 @@
+"""VisionZip: the language model sees a few dominant image tokens and a few contextual ones, chosen in the vision tower.
+
+Paper: Yang et al., "VisionZip: Longer is Better but Not Necessary in Vision Language Models", CVPR 2025,
+https://arxiv.org/abs/2412.04467.
+
+A prefill token reduction on the vision side: in each crop the vision tower encodes, the tokens the feature layer
+attends to most are kept as they are (dominant: the attention the CLS token pays them; for towers without a CLS
+token, such as SigLIP, the attention they receive from every token), and the rest are merged into a few
+contextual tokens by key similarity. The runner (`vision_tokens`) feeds the language model the shorter image
+block; nothing is evicted afterwards, and generated tokens are all kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, knob
+from .fastv import BUDGET_OF
+from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
+
+CONTEXTUAL_HELP = ("share of each crop's kept tokens that are contextual (merged) tokens; the paper's settings keep "
+                   "10 of 64, 20 of 128 and 30 of 192")
+BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache (text included), as for every "
+                  "method; image: the prompt's image tokens (the paper's 64, 128 or 192 of 576)")
+
+
+def first_best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores (ties to the lower index), ascending."""
+    return torch.argsort(scores.float(), descending=True, stable=True)[:k].sort().values
+
+
+def dominant_scores(attention: torch.Tensor, has_cls: bool) -> torch.Tensor:
+    """attention [T, T] of one crop (averaged over heads) -> [T] how much each token matters: the CLS token's
+    attention to it, or, without a CLS token, the attention it receives averaged over every query."""
+    return attention[0] if has_cls else attention.mean(dim=0)
+
+
+def contextual_merge(keys: torch.Tensor, rest: torch.Tensor, count: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The reference's contextual tokens over the `rest` token indices (ascending): `count` anchors sampled evenly
+    (every max(1, len // count)-th), every other token assigned to the anchor whose key is most cosine-similar
+    (ties to the first anchor). -> (anchors [count], the tokens merged into each)."""
+    count = min(count, rest.numel())
+    step = max(1, rest.numel() // count)
+    slots = torch.arange(0, rest.numel(), step)[:count]
+    anchors = rest[slots]
+    others = rest[~torch.isin(torch.arange(rest.numel()), slots)]
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    nearest = (unit[others] @ unit[anchors].T).argmax(dim=-1) if others.numel() else others
+    return anchors, [others[nearest == j] for j in range(count)]
+
+
+def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, dominant: int, contextual: int) -> CropMerge:
+    """One crop's output tokens: its CLS token (when it has one) and the top patches by `dominant_scores` (together
+    `dominant` tokens), then `contextual` tokens, each its anchor plus the mean of the tokens merged into it."""
+    t = attention.shape[0]
+    first = 1 if has_cls else 0
+    picked = first_best(dominant_scores(attention, has_cls)[first:], max(0, dominant - first)) + first
+    rows, kinds = [], []
+    if has_cls:
+        rows.append(torch.nn.functional.one_hot(torch.tensor(0), t).float())
+        kinds.append("cls")
+    for i in picked.tolist():
+        rows.append(torch.nn.functional.one_hot(torch.tensor(i), t).float())
+        kinds.append("dominant")
+    rest = torch.tensor(sorted(set(range(first, t)) - set(picked.tolist())), dtype=torch.long)
+    if contextual > 0 and rest.numel():
+        anchors, groups = contextual_merge(keys, rest, contextual)
+        for anchor, group in zip(anchors.tolist(), groups):
+            row = torch.zeros(t)
+            if group.numel():
+                row[group] = 1.0 / group.numel()
+            row[anchor] = 1.0
+            rows.append(row)
+            kinds.append("contextual")
+    return CropMerge(torch.stack(rows), kinds)
+
+
+def per_crop_counts(total: int, crops: int, limit: int) -> list[int]:
+    """`total` tokens over `crops` crops as evenly as possible (the first ones take the remainder), each in
+    [1, limit]."""
+    base, extra = divmod(total, crops)
+    return [max(1, min(limit, base + (1 if c < extra else 0))) for c in range(crops)]
+
+
+@dataclass
+class VisionZipState(PolicyState):
+    image_tokens: int = 0  # in the prompt
+    sources: ImageTokenSources | None = None  # what the language model's image tokens stand for (None: unreduced)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VisionZipPolicy(Policy):
+    """VisionZip, Yang et al., CVPR 2025, https://arxiv.org/abs/2412.04467: dominant image tokens kept and the
+    rest merged into contextual tokens in the vision tower, so the language model sees fewer image tokens."""
+
+    name = "visionzip"
+    label = "VisionZip"
+    summary = ("Prefill token reduction in the vision tower: per crop, the most attended tokens stay and the rest "
+               "are merged into a few contextual tokens, so the language model sees fewer image tokens.")
+    colour = "#A6761D"
+    schedule = "prompt only"
+    stage = "prefill token reduction"
+
+    contextual: float = knob(10 / 64, help=CONTEXTUAL_HELP, low=0.0, high=1.0, high_open=True)
+    budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF)
+
+    def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
+        """Image tokens the language model sees: `cache`, r·N minus the text; `image`, r of the image tokens."""
+        if self.budget_of == "image":
+            return int(round(self.budget * image_tokens))
+        return int(round(self.budget * prompt_len)) - (prompt_len - image_tokens)
+
+    def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
+        wanted = self.kept_image_tokens(crops.prompt_len, crops.image_tokens)
+        if wanted >= crops.image_tokens:
+            return None  # as many as the model's own path feeds: nothing to reduce
+        counts = per_crop_counts(max(wanted, crops.num_crops), crops.num_crops, crops.tokens_per_crop)
+        attention, keys = crops.attention.float().cpu(), crops.keys.float().cpu()  # small: one [T, T] per crop
+        merges = []
+        for c, k in enumerate(counts):
+            contextual = int(round(self.contextual * k)) if k > 1 else 0
+            dominant = max(1, k - contextual)
+            merges.append(crop_merge(attention[c], keys[c], crops.has_cls, dominant, k - dominant))
+        return VisionPlan(merges)
+
+    def prefill(self, view: PrefillView) -> Prefilled:
+        sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None
+        fed = int(view.layer(0).is_image[0, 0].sum())
+        state = VisionZipState(image_tokens=sources.original_tokens if sources else fed, sources=sources,
+                               counts=dict(sources.counts) if sources else {})
+        if sources is None and fed:
+            state.notes.append("every image token is kept at this budget")
+        if sources is not None:
+            full_prompt = view.prompt_len - sources.tokens + sources.original_tokens
+            wanted = self.kept_image_tokens(full_prompt, sources.original_tokens)
+            if wanted < sources.tokens:  # the budget asked for less than one token per crop
+                state.notes.append(f"at least one image token per crop: {sources.tokens} fed where r = "
+                                   f"{self.budget:.0%} leaves room for {max(0, wanted)}")
+        return Prefilled([None] * view.num_layers, state)
+
+    def image_token_sources(self, state: PolicyState | None) -> ImageTokenSources | None:
+        return state.sources if isinstance(state, VisionZipState) else None
+
+    def facts(self, state: PolicyState) -> list[Fact]:
+        out = super().facts(state)
+        if isinstance(state, VisionZipState) and state.sources is not None:
+            s = state.sources
+            out.append(Fact("image_fed", "image tokens fed to the language model", s.tokens, fmt="d",
+                            unit=f" of {s.original_tokens}"))
+            kept = s.counts.get("dominant", 0) + s.counts.get("cls", 0)
+            out.append(Fact("dominant", "dominant", kept, fmt="d",
+                            unit=" (CLS included)" if s.counts.get("cls") else ""))
+            out.append(Fact("contextual", "contextual", s.counts.get("contextual", 0), fmt="d",
+                            unit=f" over {s.crops} crops" if s.crops > 1 else ""))
+        return out

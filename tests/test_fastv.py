@@ -1,0 +1,143 @@
+"""FastV: its own prefill equals a full forward whose layers from K on have the dropped image tokens masked out,
+the dropped tokens are the ones layer K-1's last query attends to least (a plain eager forward as reference),
+and the cache it decodes on holds exactly the kept tokens in those layers."""
+import pytest
+import torch
+
+from prefixkv_core import Engine, GenerationSettings, runner
+from prefixkv_core.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.cache import TrackedCache
+from prefixkv_core.models import encode, format_prompt
+from prefixkv_core.policies import make_policy
+from prefixkv_core.policies.base import PrefillView, apply_plans
+from prefixkv_core.policies.fastv import kept_image_tokens
+from prefixkv_core.testing import kept_entry_masks
+
+PROMPT = "describe the picture in detail and name every object you can see in it"
+
+
+def _inputs(lm, image):
+    inputs = encode(lm, image, format_prompt(lm, PROMPT, with_image=True))
+    return inputs, inputs["input_ids"], inputs["input_ids"] == lm.image_token_id
+
+
+def _eager_last_query(lm, inputs, layer):
+    """The last prompt token's attention in `layer`, averaged over heads, from a plain eager forward."""
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = lm.model(**inputs, output_attentions=True)
+    finally:
+        lm.model.set_attn_implementation("sdpa")
+    return out.attentions[layer][0, :, -1].float().mean(dim=0)
+
+
+@pytest.mark.parametrize("layer,budget_of,budget", [(2, "image", 0.25), (1, "image", 0.5), (2, "cache", 0.9)])
+def test_dropped_tokens_are_the_least_attended_by_the_last_query(tiny, noise_image, layer, budget_of, budget):
+    inputs, ids, is_image = _inputs(tiny, noise_image)
+    n, n_img = ids.shape[1], int(is_image.sum())
+    policy = make_policy("fastv", budget, layer=layer, budget_of=budget_of)
+    with tracked_attention_enabled(tiny.model):
+        own = runner.own_prefill(tiny.model, policy, ids, is_image, inputs["pixel_values"], tiny.num_layers,
+                                 tiny.device, tiny.image_token_id)
+    plans, state = policy.prefill(PrefillView(own.cache, runner.policy_stats(policy, own.stats, n), n, budget, 0))
+    keep = kept_image_tokens(budget, n, n_img, tiny.num_layers, layer, budget_of)
+    assert 0 < keep < n_img and state.image_kept == keep
+    # naive: rank the image tokens by the eager attention of layer K-1's last query, keep the top `keep`
+    attention = _eager_last_query(tiny, inputs, layer - 1)
+    image_positions = is_image[0].nonzero().flatten().tolist()
+    ranked = sorted(image_positions, key=lambda j: -float(attention[j]))
+    expect = sorted(set(range(n)) - set(image_positions) | set(ranked[:keep]))
+    for i, plan in enumerate(plans):
+        if i < layer:
+            assert plan is None  # layers 0 … K-1 keep every token
+        else:
+            assert plan.keep[0, 0].tolist() == expect
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_own_prefill_equals_a_full_forward_masked_from_layer_k(tiny, noise_image, layer):
+    inputs, ids, is_image = _inputs(tiny, noise_image)
+    n = ids.shape[1]
+    policy = make_policy("fastv", 0.4, layer=layer, budget_of="image")
+    with tracked_attention_enabled(tiny.model):
+        own = runner.own_prefill(tiny.model, policy, ids, is_image, inputs["pixel_values"], tiny.num_layers,
+                                 tiny.device, tiny.image_token_id)
+        plans, _ = policy.prefill(PrefillView(own.cache, runner.policy_stats(policy, own.stats, n), n, 0.4, 0))
+        kept = torch.zeros(1, 1, n, dtype=torch.bool)
+        kept[0, 0, plans[layer].keep[0, 0]] = True
+        masks = {i: kept for i in range(layer, tiny.num_layers)}
+        reference = TrackedCache(tiny.num_layers)
+        logits, _ = runner.forward_group(tiny.model, reference, ids, 0, AttentionProbe(key_masks=dict(masks)),
+                                         is_image, inputs["pixel_values"])
+        torch.testing.assert_close(own.logits, logits, atol=1e-5, rtol=1e-5)
+        compressed = own.cache.clone()
+        apply_plans(compressed, plans)
+        for i, (mine, full) in enumerate(zip(compressed.layers, reference.layers)):
+            assert mine.length == (n if i < layer else int(kept.sum()))
+            torch.testing.assert_close(mine.keys, full.keys.gather(2, mine.positions[..., None].expand(
+                -1, -1, -1, mine.keys.shape[-1])), atol=1e-5, rtol=1e-5)
+        # decoding on the compressed cache == decoding on the masked full one
+        token = torch.tensor([[9]])
+        on_compressed, _ = runner.forward_group(tiny.model, compressed, token, n, AttentionProbe())
+        on_masked, _ = runner.forward_group(tiny.model, reference, token, n,
+                                            AttentionProbe(key_masks=kept_entry_masks(compressed, n)))
+    torch.testing.assert_close(on_compressed, on_masked, atol=1e-4, rtol=1e-4)
+    plain_layers = own.cache.layers[:layer]  # before K the own prefill is the plain one
+    with tracked_attention_enabled(tiny.model):
+        plain = runner.prefill(tiny.model, ids, is_image, inputs["pixel_values"], [], tiny.num_layers, tiny.device)
+    for mine, theirs in zip(plain_layers, plain.cache.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+
+
+def test_cache_budget_sets_the_mean_over_layers(tiny_llama, noise_image):
+    """budget_of = cache: the layers after K keep the text and as many image tokens as bring the mean to r·N."""
+    session = Engine(tiny_llama).new_session(noise_image, PROMPT, ["fastv", "full"], 0.9,
+                                             GenerationSettings(max_new_tokens=3))
+    events = list(session.run())
+    pre = events[0]
+    n, n_img, layers = pre.prompt_tokens, pre.image_tokens, tiny_llama.num_layers
+    start = next(e for e in events if getattr(e, "method", None) == "fastv" and e.kind == "start")
+    keep = kept_image_tokens(0.9, n, n_img, layers, 2, "cache")
+    assert start.kept_per_layer == [n, n] + [n - n_img + keep] * (layers - 2)
+    assert start.kept_image_per_layer == [n_img, n_img] + [keep] * (layers - 2)
+    assert abs(sum(start.kept_per_layer) / layers - 0.9 * n) <= layers / 2
+    assert start.full_len == n and start.kv_bytes < start.full_kv_bytes
+    state = session.states["fastv"]
+    assert state.prompt_len == n and state.reduced_by == 0
+    assert "image tokens kept from layer 2 on" in str(start.extras["facts"])
+
+
+def test_an_unreachable_budget_keeps_the_text_and_says_so(tiny_llama, noise_image):
+    session = Engine(tiny_llama).new_session(noise_image, PROMPT, ["fastv"], 0.1, GenerationSettings(max_new_tokens=2))
+    done = [e for e in session.run() if getattr(e, "kind", None) == "done"][0]
+    assert done.kept_image_per_layer[2:] == [0] * (tiny_llama.num_layers - 2)
+    assert any("not r = 10%" in n for n in done.extras["notes"])
+
+
+def test_layer_k_past_the_model_drops_nothing(tiny_llama, noise_image):
+    session = Engine(tiny_llama).new_session(noise_image, PROMPT, ["fastv", "full"], 0.3,
+                                             GenerationSettings(max_new_tokens=4), {"fastv": {"layer": 64}})
+    list(session.run())
+    assert session.states["fastv"].turn_ids == session.states["full"].turn_ids
+    assert any("nothing is dropped" in n for n in session.states["fastv"].policy.extras(
+        session.states["fastv"].policy_state)["notes"])
+
+
+def test_cli_lists_the_vlm_family_with_their_stages(capsys):
+    from prefixkv_core.__main__ import main
+
+    assert main(["methods"]) == 0
+    blocks = {}
+    for line in capsys.readouterr().out.splitlines():
+        if not line.startswith(" "):
+            name = line.split()[0]
+            blocks[name] = line
+        else:
+            blocks[name] += "\n" + line
+    expect = {"fastv": "prefill token reduction", "visionzip": "prefill token reduction", "adakv": "KV eviction",
+              "full": "none", "lookm": "KV merging", "zipvl": "quantisation"}
+    for name, stage in expect.items():
+        assert f"stage: {stage};" in blocks[name], blocks[name]
+    assert "--knob fastv.layer=2" in blocks["fastv"] and "--knob visionzip.budget_of=cache" in blocks["visionzip"]
+    assert "--knob adakv.floor_alpha=0.2" in blocks["adakv"]
