@@ -103,3 +103,29 @@ def test_shipped_lora_adapter_merges_to_the_adapted_model(tiny_llama, noise_imag
     assert torch.allclose(got, want, atol=1e-4)
     assert not torch.allclose(got, before, atol=1e-3)
     assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_snapshot_keeps_trained_parts_in_fp16_and_reads_back(tmp_path):
+    """The committed checkpoints a later run continues from: fp16 files that read back as float32."""
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from training.grid_stages import read_state, snapshot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    vision = {"vision_tower.w": torch.randn(4, 3), "multi_modal_projector.b": torch.randn(5)}
+    torch.save(vision, run / "vision_W.pt")
+    save_file({"base_model.x.lora_A.weight": torch.randn(2, 6)}, str(run / "lora_L.safetensors"))
+    (run / "history_W.json").write_text(_json.dumps([{"step": 3, "loss": 1.0, "acc_words": 0.5}]))
+    (run / "history_L.json").write_text(_json.dumps([{"step": 2, "loss": 0.5, "val": {"colour": 1.0}}]))
+
+    class Args:
+        out, dest = str(run), str(tmp_path / "snap")
+    snapshot(Args)
+    back = read_state(tmp_path / "snap" / "vision_W.safetensors")
+    assert set(back) == set(vision) and all(v.dtype == torch.float32 for v in back.values())
+    assert all(torch.allclose(back[k], vision[k], atol=1e-2) for k in vision)
+    progress = _json.loads((tmp_path / "snap" / "progress.json").read_text())
+    assert progress["W"]["steps"] == 3 and progress["L"]["val_from_true_grids"] == {"colour": 1.0}

@@ -58,6 +58,43 @@ class Checkpoint:
                 torch.save(obj, self.out / name)
 
 
+SNAPSHOT_DIR = Path(__file__).parent / "checkpoints"
+
+
+def read_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a .pt file or a (possibly fp16) .safetensors file, as float32."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return {k: v.float() for k, v in load_file(str(path)).items()}
+    return {k: v.float() for k, v in torch.load(path).items()}
+
+
+def snapshot(args) -> None:
+    """The trained parts of stages W and L in fp16 under training/checkpoints/ (kept in the repository so that
+    training continues on a fresh machine: `W --init .../vision_W.safetensors`, `L --init-lora .../lora_L...`)."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(args.out)
+    dest = Path(args.dest) if args.dest else SNAPSHOT_DIR
+    dest.mkdir(parents=True, exist_ok=True)
+    progress = {}
+    for stage, src, name in (("W", out / "vision_W.pt", "vision_W.safetensors"),
+                             ("L", out / "lora_L.safetensors", "lora_L.safetensors")):
+        if not src.is_file():
+            continue
+        state = torch.load(src) if src.suffix == ".pt" else load_file(str(src))
+        save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(dest / name))
+        hist = json.loads((out / f"history_{stage}.json").read_text())
+        evals = [r["val"] for r in hist if "val" in r]
+        last = hist[-25:]
+        progress[stage] = {"file": name, "steps": hist[-1]["step"],
+                           "last_loss": sum(r["loss"] for r in last) / len(last),
+                           **({"acc_words": sum(r["acc_words"] for r in last) / len(last)} if stage == "W" else {}),
+                           **({"val_from_true_grids": evals[-1]} if evals else {})}
+    (dest / "progress.json").write_text(json.dumps(progress, indent=1) + "\n")
+    log(f"snapshot of {', '.join(progress)} -> {dest}")
+
+
 def _lr_factor(step: int, steps: int, warmup: int) -> float:
     from .train_embedded import lr_at
     return lr_at(step, steps, warmup)
@@ -111,7 +148,7 @@ def train_words(args) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     if args.init:
-        load_vision_state(model, torch.load(args.init))
+        load_vision_state(model, read_state(args.init))
         log(f"init vision/projector from {args.init}")
     params = list(model.model.vision_tower.parameters()) + list(model.model.multi_modal_projector.parameters())
     for p in params:
@@ -231,6 +268,9 @@ def train_reader(args) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     lora = add_lora(model, args.lora_rank)
+    if args.init_lora:
+        set_peft_model_state_dict(lora, read_state(args.init_lora))
+        log(f"init adapter from {args.init_lora}")
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": params, "lr": args.lora_lr, "base_lr": args.lora_lr}], weight_decay=0.0)
     ckpt = Checkpoint(out, "L")

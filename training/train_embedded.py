@@ -413,7 +413,7 @@ def export(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "export"])
+    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "export", "snapshot"])
     ap.add_argument("--out", default="runs/embedded", help="checkpoint directory")
     ap.add_argument("--init", default=None, help="vision_*.pt to start from (default: previous stage in --out)")
     ap.add_argument("--steps", type=int, default=300)
@@ -430,7 +430,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="stage C: LoRA rank on the language model's linear layers (0 = language model fully frozen)")
     ap.add_argument("--lora-lr", type=float, default=5e-4)
-    ap.add_argument("--init-lora", default=None, help="stage C: adapter safetensors to start from")
+    ap.add_argument("--init-lora", default=None, help="stages C/L: adapter safetensors to start from")
     ap.add_argument("--eval-every", type=int, default=0, help="stages B/C: val answer accuracy every N steps")
     ap.add_argument("--eval-scenes", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
@@ -448,12 +448,16 @@ def main(argv=None) -> None:
                     help="stage C: also ask the scene's facts as people type them (scenes.phrasings.TRAIN)")
     ap.add_argument("--lora", default=None,
                     help="export: adapter safetensors (default: lora_<stage>.safetensors beside the vision file)")
-    ap.add_argument("--dest", default=None, help="export: directory (default assets/embedded_vision)")
+    ap.add_argument("--dest", default=None,
+                    help="export: directory (default assets/embedded_vision); snapshot: default training/checkpoints")
     ap.add_argument("--eval-json", default=None, help="export: vision_accuracy JSON to record in info.json")
     ap.add_argument("--info-extra", default=None, help="export: JSON file with description/notes for info.json")
     args = ap.parse_args(argv)
     if args.stage == "export":
         export(args)
+    elif args.stage == "snapshot":
+        from .grid_stages import snapshot
+        snapshot(args)
     elif args.stage == "W":
         from .grid_stages import train_words
         train_words(args)
