@@ -139,8 +139,10 @@ class TrackedLayer(DynamicLayer):
             self.has_empty_slots = True
         self._image_count = None
 
-    def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor):
-        """Weighted merge: entry j becomes (w_j·x_j + Σ_e w_e·x_e) / (w_j + Σ_e w_e) for keys and values.
+    def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor,
+              denominator: torch.Tensor | None = None):
+        """Weighted merge: entry j becomes (w_j·x_j + Σ_e w_e·x_e) / d_j for keys and values, where d_j is
+        `denominator` ([B, 1 or Hkv, T]) or, when None, w_j + Σ_e w_e (a weighted mean).
 
         src, dst, src_weight: [B, 1 or Hkv, E] (dst indexes the current order); self_weight [B, 1 or Hkv, T].
         Call before `gather` drops the sources. Positions, flags and scores of the targets are kept.
@@ -150,7 +152,10 @@ class TrackedLayer(DynamicLayer):
         dst = dst.expand(b, h, -1)
         w_src = src_weight.expand(b, h, -1).to(torch.float32)
         w_self = self_weight.expand(b, h, t).to(torch.float32)
-        denom = w_self.clone().scatter_add_(2, dst, w_src)
+        if denominator is None:
+            denom = w_self.clone().scatter_add_(2, dst, w_src)
+        else:
+            denom = denominator.expand(b, h, t).to(torch.float32)
         for name in ("keys", "values"):
             x = getattr(self, name)
             xf = x.float()

@@ -314,8 +314,8 @@ def test_lookm_rank_keeps_within_the_budget_on_a_text_heavy_prompt(budget):
     for layer in cache.layers:  # mostly text: 4 image tokens
         layer.is_image[...] = False
         layer.is_image[..., 10:14] = True
-    keep_all = make_policy("lookm", budget).prefill(PrefillView(cache, stats, n, budget, 0))
-    ranked = make_policy("lookm", budget, text_prior="rank").prefill(PrefillView(cache, stats, n, budget, 0))
+    keep_all = make_policy("lookm", budget, text_prior="keep_all").prefill(PrefillView(cache, stats, n, budget, 0))
+    ranked = make_policy("lookm", budget).prefill(PrefillView(cache, stats, n, budget, 0))  # the default
     for plan_all, plan in zip(keep_all.plans, ranked.plans):
         assert plan.keep.shape[-1] == round(budget * n)  # r/2 recent + the ranked rest: exactly r·N
         assert plan_all.keep.shape[-1] > plan.keep.shape[-1]  # keep_all keeps all 36 text tokens

@@ -75,6 +75,25 @@ def test_every_method_is_documented_with_its_current_knobs(name):
     assert f"Stage: **{cls.stage}**" in body, f"the {name} section should say 'Stage: **{cls.stage}**'"
 
 
+ARXIV = re.compile(r"https://arxiv\.org/abs/\d{4}\.\d{4,5}")
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_policy_docstring_names_and_links_its_paper(name):
+    """As kvpress's presses do: the class docstring names the paper and links it, the same paper (title and
+    arXiv link) as the method's **Paper:** line in docs/methods.md."""
+    cls = REGISTRY[name]
+    doc = " ".join((vars(cls).get("__doc__") or "").split())  # the class's own (a dataclass makes one up)
+    links = ARXIV.findall(doc)
+    assert links, f"{cls.__name__}'s docstring should link its paper (https://arxiv.org/abs/...)"
+    body = section(METHODS_DOC.read_text(), cls)
+    paper = re.search(r"\*\*Paper:\*\*[^\[]*\[([^\]]+)\]\((https://arxiv\.org/abs/[^)]+)\)", body or "")
+    assert paper, f"the {name} section of docs/methods.md has no **Paper:** link"
+    title, link = " ".join(paper.group(1).split()), paper.group(2)
+    assert link in links, f"{cls.__name__}'s docstring links {links}, docs/methods.md {link}"
+    assert title in doc, f"{cls.__name__}'s docstring should name its paper: {title!r}"
+
+
 def test_every_documented_method_is_registered():
     documented = re.findall(r"^## .+ \(`([a-z0-9_]+)`\)$", METHODS_DOC.read_text(), flags=re.M)
     assert sorted(documented) == sorted(REGISTRY), "docs/methods.md documents a method the registry lacks"

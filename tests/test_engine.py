@@ -90,12 +90,12 @@ def test_budget_one_reproduces_full(tiny_qwen2, noise_image):
 
 
 # -- eviction == masking ------------------------------------------------------------------------------------
-def _planned(loaded, image, method, budget):
+def _planned(loaded, image, method, budget, knobs=None):
     """The uncompressed prefill cache, and `method`'s plans for a copy of it (with the statistics it asked for).
     A prefill token reduction compresses its own prefill (FastV's later layers never saw the dropped tokens)."""
     inputs = encode(loaded, image, format_prompt(loaded, PROMPT, with_image=image is not None))
     ids = inputs["input_ids"]
-    policy = make_policy(method, budget)
+    policy = make_policy(method, budget, **(knobs or {}))
     with tracked_attention_enabled(loaded.model):
         shared = runner.prefill_for(loaded.model, policy, ids, ids == loaded.image_token_id, inputs.get("pixel_values"),
                                     loaded.num_layers, loaded.device, loaded.image_token_id)
@@ -103,16 +103,16 @@ def _planned(loaded, image, method, budget):
     compressed = shared.cache.clone()
     view = PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
                        policy.prefill_stats(n).window, shared.reduction)
-    plans, _ = policy.prefill(view)
+    plans, state = policy.prefill(view)
     only_evicts = all(p is None or (p.merge is None and p.quantise is None) for p in plans)
-    return shared.cache, compressed, plans, only_evicts, n
+    return shared.cache, compressed, plans, only_evicts, n, state
 
 
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("budget", [0.3, 0.6])
 def test_eviction_equals_masking(tiny, noise_image, method, budget):
     engine = Engine(tiny)
-    cache, compressed, plans, only_evicts, n = _planned(tiny, noise_image, method, budget)
+    cache, compressed, plans, only_evicts, n, _ = _planned(tiny, noise_image, method, budget)
     if not only_evicts:
         pytest.skip(f"{method} merges or quantises entries: its cache is not a subset of the full one")
     apply_plans(compressed, plans)
@@ -154,34 +154,36 @@ def test_every_step_methods_hold_budget(tiny, noise_image, budget):
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_prompt_only_methods_match_their_plan(tiny, noise_image, budget):
-    engine, cache, probe, ids, is_image, _ = _prefill(tiny, noise_image)
-    n = ids.shape[1]
-    view = lambda c: PrefillView(c, probe.stats, n, budget, 8)  # noqa: E731
-    for method in [m for m in METHODS if REGISTRY[m].schedule == "prompt only"]:
-        policy = make_policy(method, budget)
-        if policy.own_prefill():  # a prefill token reduction plans on its own prefill
-            _, c, plans, _, n_own = _planned(tiny, noise_image, method, budget)
-            state = None
-        else:
-            c, n_own = cache.clone(), n
-            plans, state = policy.prefill(view(c))
+    cases = [(m, {}) for m in METHODS if REGISTRY[m].schedule == "prompt only"] + [("lookm", {"text_prior": "keep_all"})]
+    for method, knobs in cases:  # each on the prefill it asks for (a prefill token reduction: its own)
+        full, c, plans, _, n, state = _planned(tiny, noise_image, method, budget, knobs)
+        is_image = full.layers[0].is_image[0, 0]
         apply_plans(c, plans)
         lengths = c.lengths()
         # entries kept per KV head on average (a head-wise count pads the shorter heads with empty slots)
-        assert lengths == [n_own if p is None else round(float((p.keep[0] >= 0).sum(-1).float().mean()))
+        assert lengths == [n if p is None else round(float((p.keep[0] >= 0).sum(-1).float().mean()))
                            for p in plans], method
         for layer in c.layers:  # protected: sink and last prompt token
-            assert (layer.positions[0] == 0).any(-1).all() and (layer.positions[0] == n_own - 1).any(-1).all(), method
-        if method == "snapkv":
-            assert set(lengths) == {max(9, round(budget * n))}
+            assert (layer.positions[0] == 0).any(-1).all() and (layer.positions[0] == n - 1).any(-1).all(), method
+        if method == "snapkv":  # the window is fitted to the budget: never more than round(r·N)
+            assert set(lengths) == {max(2, round(budget * n))}
         if method == "pyramidkv":
             assert all(a >= b for a, b in zip(lengths, lengths[1:])), lengths
             if not state.uniform:  # a real pyramid: mean is the budget
                 assert abs(sum(lengths) / len(lengths) - budget * n) <= 1.0
-        if method == "lookm":
+        if method == "lookm" and knobs:  # keep_all: every text token survives, in every head
             n_text = int((~is_image).sum())
-            for layer in c.layers:  # every text token survives, in every head
+            for layer in c.layers:
                 assert int((~layer.is_image[0]).sum(-1).min()) == n_text
+        elif method == "lookm":  # the paper's text prior: the budget exactly, text ranked before image tokens
+            assert set(lengths) == {max(1, round(budget * n))}
+            recent = max(1, round(0.5 * budget * n))
+            text_outside = set(torch.nonzero(~is_image[: n - recent]).flatten().tolist())
+            for layer in c.layers:
+                for head in layer.positions[0]:
+                    kept = set(head.tolist())
+                    if any(bool(is_image[j]) for j in kept if j < n - recent):  # an image token got in:
+                        assert text_outside <= kept  # then no text token was left out
 
 
 def test_pyramid_decreases_with_depth_at_low_budget(tiny_llama, noise_image):
@@ -223,7 +225,7 @@ def test_offline_prefixkv_uses_given_ratios(tiny_llama, noise_image):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_metadata_stays_aligned_after_gathers(tiny_qwen2, noise_image, method):
     """Keys of an entry must be the keys computed for its position: compare to the full prefill cache."""
-    cache, c, plans, only_evicts, n = _planned(tiny_qwen2, noise_image, method, 0.4)
+    cache, c, plans, only_evicts, n, _ = _planned(tiny_qwen2, noise_image, method, 0.4)
     if not only_evicts:
         pytest.skip(f"{method} merges or quantises entries: they are not copies of prefill entries")
     apply_plans(c, plans)

@@ -218,7 +218,9 @@ def test_cli_lists_the_new_knobs(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     for item in ("--knob prefixkv.scorer=colsum", "--knob prefixkv.window=8", "--knob prefixkv.sink_in_curves=true",
-                 "--knob prefixkv.min_keep=2", "--knob prefixkv.decode=fixed_point", "--knob lookm.text_prior=keep_all"):
+                 "--knob prefixkv.min_keep=2", "--knob prefixkv.decode=fixed_point", "--knob lookm.text_prior=rank",
+                 "--knob snapkv.window=32", "--knob pyramidkv.window=8", "--knob local.sinks=4",
+                 "--knob h2o.recent_fraction=0.5"):
         assert item in out, item
 
 

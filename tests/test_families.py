@@ -220,8 +220,10 @@ def test_every_method_runs_a_two_turn_conversation(lm, picture):
 
 
 def test_lookm_splits_text_and_every_image_token(lm, picture):
-    """LOOK-M keeps every text token; the image tokens it ranks are all crops and newline tokens."""
-    session = Engine(lm).new_session(picture, PROMPT, ["lookm"], 0.2, GenerationSettings(max_new_tokens=1))
+    """LOOK-M with text_prior = keep_all keeps every text token; the image tokens it ranks are all crops and
+    newline tokens."""
+    session = Engine(lm).new_session(picture, PROMPT, ["lookm"], 0.2, GenerationSettings(max_new_tokens=1),
+                                     {"lookm": {"text_prior": "keep_all"}})
     pre = list(session.run())[0]
     cache = session.states["lookm"].cache
     text_positions = set(np.flatnonzero(~pre.is_image).tolist())

@@ -9,7 +9,7 @@ from prefixkv_core.cache import TrackedCache, TrackedLayer
 from prefixkv_core.lorenz import (bisect_threshold, counts_for_threshold, distribute, gini, lorenz_curves,
                                   retention_curves)
 from prefixkv_core.policies import METHODS, PolicyError, describe, make_policy, resolve_methods
-from prefixkv_core.policies.base import DecodeView, apply_plans, fixed_point_decode, top_k_keep
+from prefixkv_core.policies.base import DecodeView, LayerPlan, apply_plans, fixed_point_decode, top_k_keep
 from prefixkv_core.policies.elastic import merge_into_nearest, nearest_anchor
 from prefixkv_core.policies.lookm import lookm_keep, similarity_merge
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
@@ -159,16 +159,19 @@ def test_lookm_keep_matches_naive_and_keeps_all_text():
     assert many_text.shape[-1] == n  # text alone exceeds the budget: everything stays, reported not hidden
 
 
+@pytest.mark.parametrize("seed", [7, 8, 9])
 @pytest.mark.parametrize("mode", ["pivotal", "average", "weighted"])
-def test_lookm_merge_modes_match_naive(mode):
-    torch.manual_seed(7)
+def test_lookm_merge_modes_match_naive(mode, seed):
+    torch.manual_seed(seed)
     keys = torch.randn(1, 1, 6, 4)
     keep = torch.tensor([[[0, 2, 5]]])
     m = similarity_merge(keys, keep, mode)
     layer = TrackedLayer()
     layer.update(keys.clone(), keys.clone())
     layer.append_meta(torch.arange(6)[None], torch.zeros(1, 6, dtype=torch.bool), 1)
-    layer.merge(m.src, m.dst, m.src_weight, m.self_weight)
+    cache = TrackedCache(1)
+    cache.layers[0] = layer
+    apply_plans(cache, [LayerPlan(merge=m)])  # as the engine applies it (the merge's own normaliser included)
     kn = torch.nn.functional.normalize(keys[0, 0], dim=-1)
     for j in (0, 2, 5):
         matched = [e for e in (1, 3, 4) if max((0, 2, 5), key=lambda t: float(kn[e] @ kn[t])) == j]
@@ -177,10 +180,27 @@ def test_lookm_merge_modes_match_naive(mode):
             expect = torch.stack([kj] + [keys[0, 0, e] for e in matched]).mean(0)
         elif mode == "pivotal":
             expect = torch.stack([kj] + [(keys[0, 0, e] + kj) / 2 for e in matched]).mean(0)
-        else:
-            w = [max(0.0, float(kn[e] @ kn[j])) for e in matched]
-            expect = (kj + sum(wi * keys[0, 0, e] for wi, e in zip(w, matched))) / (1 + sum(w))
+        else:  # LOOK-M's Eq. 12: similarities as weights, divided by the number of merged tokens + 1
+            s = [float(kn[e] @ kn[j]) for e in matched]
+            expect = (kj + sum(si * keys[0, 0, e] for si, e in zip(s, matched))) / (len(matched) + 1)
         torch.testing.assert_close(layer.keys[0, 0, j], expect, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values[0, 0, j], expect, atol=1e-5, rtol=1e-5)  # values follow the keys
+
+
+def test_lookm_weighted_merge_keeps_a_negative_similarity():
+    """Eq. 12 does not clamp: a token whose best match still points away is subtracted, weighted by its
+    (negative) similarity, and the denominator counts it."""
+    kept = torch.tensor([1.0, 0.0])
+    evicted = torch.tensor([-1.0, 0.2])  # cosine with `kept` < 0, and `kept` is its only candidate
+    keys = torch.stack([kept, evicted]).view(1, 1, 2, 2)
+    m = similarity_merge(keys, torch.tensor([[[0]]]), "weighted")
+    s = float(torch.nn.functional.cosine_similarity(kept, evicted, dim=0))
+    assert s < 0 and float(m.src_weight.flatten()[0]) == pytest.approx(s)
+    layer = TrackedLayer()
+    layer.update(keys.clone(), keys.clone())
+    layer.append_meta(torch.arange(2)[None], torch.zeros(1, 2, dtype=torch.bool), 1)
+    layer.merge(m.src, m.dst, m.src_weight, m.self_weight, m.denominator)
+    torch.testing.assert_close(layer.keys[0, 0, 0], (kept + s * evicted) / 2)
 
 
 def test_fixed_point_elimination_freezes_the_prefix():
@@ -408,13 +428,35 @@ def test_observation_window_longer_than_the_prompt_is_clamped_with_a_note(method
 
     n = 12
     cache, stats = _synthetic_prefill(n=n)
-    policy = make_policy(method, 0.5, window=window)
+    policy = make_policy(method, 1.0, window=window)
     assert policy.prefill_stats(n).window == n - 1  # the statistic recorded is the one used
-    plans, state = policy.prefill(PrefillView(cache, stats, n, 0.5, n - 1))
+    plans, state = policy.prefill(PrefillView(cache, stats, n, 1.0, n - 1))
     assert state.window == n - 1 and all(p.keep.shape[-1] <= n for p in plans)
     notes = [f.value for f in policy.facts(state) if f.kind == "note"]
     assert any(f"observation window {window} is not shorter than the prompt ({n} tokens)" in x for x in notes)
     assert make_policy(method, 0.5, window=4).prefill_stats(n).window == 4
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.2, 0.3])
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+def test_observation_window_is_fitted_to_the_budget_with_a_note(method, budget):
+    """The window and the sink must fit in round(r·N) entries: the method never holds more than its budget."""
+    from prefixkv_core.policies.base import PrefillView
+
+    n = 60
+    cap = round(budget * n)  # 6, 12, 18
+    cache, stats = _synthetic_prefill(n=n)
+    policy = make_policy(method, budget, window=16)
+    w = min(16, cap - 1)
+    assert policy.prefill_stats(n).window == w
+    plans, state = policy.prefill(PrefillView(cache, stats, n, budget, w))
+    assert state.window == w
+    assert sum(p.keep.shape[-1] for p in plans) / len(plans) == pytest.approx(cap, abs=0.5)
+    for p in plans:  # the (fitted) window is kept whole, the sink too
+        assert p.keep[0, :, -w:].tolist() == [list(range(n - w, n))] * 2 and (p.keep[0, :, 0] == 0).all()
+    notes = [f.value for f in policy.facts(state) if f.kind == "note"]
+    fitted = any(f"observation window 16 does not fit in the budget of {cap} entries per layer" in x for x in notes)
+    assert fitted == (w < 16), notes
 
 
 @pytest.mark.parametrize("method", list(METHODS))

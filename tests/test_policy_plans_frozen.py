@@ -28,10 +28,13 @@ CASES = {
     "full": ("full", {}),
     "local": ("local", {}),
     "local-sinks2": ("local", {"sinks": 2}),
+    "local-sinks1": ("local", {"sinks": 1}),
     "h2o": ("h2o", {}),
     "h2o-recent": ("h2o", {"recent_fraction": 0.3}),
+    "h2o-recent0.1": ("h2o", {"recent_fraction": 0.1}),
     "snapkv": ("snapkv", {}),
     "snapkv-w4k3": ("snapkv", {"window": 4, "kernel": 3}),
+    "snapkv-w8": ("snapkv", {"window": 8}),
     "pyramidkv": ("pyramidkv", {}),
     "pyramidkv-w2b5": ("pyramidkv", {"window": 2, "beta": 5}),
     "elastic": ("elastic", {}),
@@ -39,6 +42,7 @@ CASES = {
     "lookm": ("lookm", {}),
     "lookm-average": ("lookm", {"merge": "average"}),
     "lookm-weighted": ("lookm", {"merge": "weighted"}),
+    "lookm-keep-all": ("lookm", {"text_prior": "keep_all"}),
     "zipvl": ("zipvl", {"decode_block": 2}),
     "prefixkv": ("prefixkv", {}),
     "prefixkv-normalised": ("prefixkv", {"scorer": "normalised"}),
@@ -80,6 +84,8 @@ def _plan_record(plans) -> list:
             rec["merge"] = {"src": m.src.tolist(), "dst": m.dst.tolist(),
                             "src_weight": [round(float(x), 6) for x in m.src_weight.flatten()],
                             "self_weight": [round(float(x), 6) for x in m.self_weight.flatten()]}
+            if m.denominator is not None:
+                rec["merge"]["denominator"] = [round(float(x), 6) for x in m.denominator.flatten()]
         if plan.quantise is not None:
             q = plan.quantise
             rec["quantise"] = {"important": q.important.nonzero()[:, -1].tolist(), "bits": [q.bits_hi, q.bits_lo],

@@ -91,6 +91,27 @@ def test_all_methods_batched_equal_each_alone(tiny, noise_image):
         assert len(alone[method]) == 2
 
 
+def test_methods_with_different_observation_windows_batched_equal_each_alone(tiny, noise_image):
+    """One shared prefill records every window the methods declare (SnapKV's 32 fitted to the prompt and the
+    budget, PyramidKV's 8, PrefixKV's window scorer at 3); each method reads its own, so the batch gives each
+    exactly what it gives alone, over a first turn and a follow-up."""
+    engine = Engine(tiny)
+    knobs = {"prefixkv": {"scorer": "window", "window": 3}}
+    methods = ["snapkv", "pyramidkv", "prefixkv"]
+    budget = 0.7
+    together = engine.new_session(noise_image, PROMPT, methods, budget, GenerationSettings(max_new_tokens=5), knobs)
+    batched = _turns(together)
+    n = together.prefill.prompt_tokens
+    windows = {name: together.states[name].policy.prefill_stats(n).window for name in methods}
+    assert windows == {"snapkv": min(32, round(budget * n) - 1), "pyramidkv": 8, "prefixkv": 3}, windows
+    assert len(set(windows.values())) == 3  # the test needs three different windows on this prompt
+    assert together.states["snapkv"].policy_state.window == windows["snapkv"]
+    for name in methods:
+        alone = _turns(engine.new_session(noise_image, PROMPT, [name], budget, GenerationSettings(max_new_tokens=5),
+                                          {k: v for k, v in knobs.items() if k == name}))
+        assert batched[name] == alone[name], name
+
+
 def test_score_answer_batched_equals_alone(tiny_qwen2, noise_image):
     engine = Engine(tiny_qwen2)
     answer = "a red square on the left and a blue circle"

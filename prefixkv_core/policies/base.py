@@ -50,6 +50,9 @@ class Merge:
     dst: torch.Tensor
     src_weight: torch.Tensor  # [B, 1|Hkv, E]
     self_weight: torch.Tensor  # [B, 1|Hkv, T]
+    # [B, 1|Hkv, T] what each entry's weighted sum is divided by; None = the sum of its weights (a weighted
+    # mean). LOOK-M's weighted merge divides by the number of merged entries + 1 (its Eq. 12).
+    denominator: torch.Tensor | None = None
 
 
 @dataclass
@@ -373,7 +376,7 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
             continue
         if plan.merge is not None:
             m = plan.merge
-            layer.merge(m.src, m.dst, m.src_weight, m.self_weight)
+            layer.merge(m.src, m.dst, m.src_weight, m.self_weight, m.denominator)
         if plan.keep is not None:
             layer.gather(plan.keep, empty_slots=plan.empty_slots)
         if plan.quantise is not None:

@@ -55,6 +55,10 @@ class ElasticState(PolicyState):
 
 @dataclass(frozen=True)
 class ElasticPolicy(Policy):
+    """Elastic Cache: importance-driven merging at prefill, fixed-point elimination while decoding.
+    Paper: "Efficient Inference of Vision Instruction-Following Models with Elastic Cache" (Liu et al., 2024),
+    https://arxiv.org/abs/2407.18121"""
+
     name = "elastic"
     label = "Elastic Cache"
     summary = ("Top-r·N tokens by prefill importance are kept; the others are merged (averaged) into their "

@@ -8,6 +8,9 @@ from .base import Policy
 
 @dataclass(frozen=True)
 class FullPolicy(Policy):
+    """Full: the uncompressed key/value cache of a Transformer decoder, the reference for every other method.
+    Paper: "Attention Is All You Need" (Vaswani et al., 2017), https://arxiv.org/abs/1706.03762"""
+
     name = "full"
     label = "Full"
     summary = "No compression; must match plain generation token for token."

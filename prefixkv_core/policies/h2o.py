@@ -13,14 +13,19 @@ from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, Prefill
 
 @dataclass(frozen=True)
 class H2OPolicy(Policy):
+    """H2O: heavy hitters by accumulated attention plus the most recent tokens, half of the budget each.
+    Paper: "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+    (Zhang et al., 2023), https://arxiv.org/abs/2306.14048"""
+
     name = "h2o"
     label = "H2O"
     summary = ("Accumulated attention (prefill column sums + every decoding query) picks heavy hitters; "
-               "a recent window (10% of the budget) protects new tokens. Uniform count over layers.")
+               "a recent window (half the budget, as published) protects new tokens. Uniform count over layers.")
     colour = "#E69F00"
     stage = "KV eviction"
 
-    recent_fraction: float = knob(0.1, help="share of the budget kept for the most recent tokens (at least one)",
+    recent_fraction: float = knob(0.5, help="share of the budget kept for the most recent tokens (at least one; "
+                                            "the paper splits the budget half and half)",
                                   low=0.0, high=1.0)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:

@@ -11,13 +11,18 @@ from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, Prefill
 
 @dataclass(frozen=True)
 class LocalPolicy(Policy):
+    """Local: StreamingLLM's attention sinks plus a window of the most recent tokens.
+    Paper: "Efficient Streaming Language Models with Attention Sinks" (Xiao et al., 2023),
+    https://arxiv.org/abs/2309.17453"""
+
     name = "local"
     label = "Local (StreamingLLM)"
-    summary = "Sink token + most recent tokens; the oldest non-sink tokens are evicted. Uniform over layers."
+    summary = ("Attention-sink tokens (4, as published) + the most recent tokens; the oldest non-sink tokens are "
+               "evicted. Uniform over layers.")
     colour = "#56B4E9"
     stage = "KV eviction"
 
-    sinks: int = knob(1, help="attention-sink tokens always kept", low=1, high=64, integer=True)
+    sinks: int = knob(4, help="attention-sink tokens always kept (the paper keeps 4)", low=1, high=64, integer=True)
 
     def _plans(self, cache, true_len: int) -> list[LayerPlan | None]:
         targets = allocation.uniform(self.budget, true_len, len(cache.layers), min_keep=self.sinks + 1)

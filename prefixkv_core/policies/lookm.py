@@ -1,8 +1,8 @@
-"""LOOK-M: text-prior selection (every text token, a recent window, the top image tokens) per KV head,
-then each evicted token is merged into the kept token whose key is most similar.
+"""LOOK-M: text-prior selection (a recent window, then text ranked before image tokens) per KV head, then each
+evicted token is merged into the kept token whose key is most similar.
 
 Preset: its own allocation (r/2 heavy hitters + r/2 recent), column sums per KV head with text first, plus
-its merge. `text_prior = rank` ranks text first inside the budget instead of keeping all of it."""
+its merge. `text_prior = keep_all` keeps every text token on top of the budget instead of ranking it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ from .base import (LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled
                    tiered_keep, top_k_keep)
 
 MERGE_MODES = ("pivotal", "average", "weighted")
-TEXT_PRIORS = ("keep_all", "rank")
+TEXT_PRIORS = ("rank", "keep_all")
 
 
 def lookm_keep(scores: torch.Tensor, is_image: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
@@ -70,7 +70,10 @@ def similarity_merge(keys: torch.Tensor, keep: torch.Tensor, mode: str) -> Merge
         # mean of {k_j} ∪ {(k_e + k_j)/2}: k_j weighs 1 + n_j/2, each k_e weighs 1/2
         src_w, self_w = torch.full_like(best_sim, 0.5), 1.0 + 0.5 * matched
     elif mode == "weighted":
-        src_w, self_w = best_sim.clamp_min(0.0), torch.ones(b, h, n, device=keys.device)
+        # Eq. 12: k_j <- (k_j + sum_e s_e k_e) / (n_j + 1), the similarities as they are (not clamped, not
+        # renormalised), as the paper writes it and its reference code computes it
+        return Merge(src=evicted, dst=dst, src_weight=best_sim, self_weight=torch.ones(b, h, n, device=keys.device),
+                     denominator=1.0 + matched)
     else:
         raise PolicyError(f"unknown LOOK-M merge mode {mode!r}; accepted: {', '.join(MERGE_MODES)}")
     return Merge(src=evicted, dst=dst, src_weight=src_w, self_weight=self_w)
@@ -78,18 +81,22 @@ def similarity_merge(keys: torch.Tensor, keep: torch.Tensor, mode: str) -> Merge
 
 @dataclass(frozen=True)
 class LookMPolicy(Policy):
+    """LOOK-M (Wan et al., 2024): text-prior KV eviction with merging of the evicted entries.
+    Paper: "LOOK-M: Look-Once Optimization in KV Cache for Efficient Multimodal Long-Context Inference",
+    https://arxiv.org/abs/2406.18139"""
+
     name = "lookm"
     label = "LOOK-M"
-    summary = ("Text-prior: keeps every text token, a recent window and the top image tokens (r/2 + r/2), per "
-               "KV head; evicted tokens are merged into the most similar kept key. Prompt only.")
+    summary = ("Text-prior: a recent window (r/2) and r/2 more ranked text first, then image tokens by "
+               "attention, per KV head; evicted tokens are merged into the most similar kept key. Prompt only.")
     colour = "#8C564B"
     schedule = "prompt only"
     stage = "KV merging"
 
     merge: str = knob("pivotal", help="how evicted tokens are merged into the most similar kept ones",
                       choices=MERGE_MODES)
-    text_prior: str = knob("keep_all", help="keep_all: every text token stays, even past the budget (the "
-                                            "paper); rank: text ranked first inside the budget",
+    text_prior: str = knob("rank", help="rank: text ranked before image tokens inside the budget (the paper); "
+                                        "keep_all: every text token stays, even past the budget",
                            choices=TEXT_PRIORS, label="text prior")
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:

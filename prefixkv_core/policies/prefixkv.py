@@ -37,6 +37,10 @@ class PrefixKVState(PolicyState):
 
 @dataclass(frozen=True)
 class PrefixKVPolicy(Policy):
+    """PrefixKV: one information-retention threshold over the layers' Lorenz curves sets each layer's budget.
+    Paper: "PrefixKV: Adaptive Prefix KV Cache is What Vision Instruction-Following Models Need for Efficient
+    Generation" (Wang et al., 2024), https://arxiv.org/abs/2412.03409"""
+
     name = "prefixkv"
     label = "PrefixKV"
     summary = ("Adaptive per-layer budgets: a global retention threshold found by bisection on the layers' "

@@ -24,6 +24,10 @@ class PyramidState(SnapState):
 
 @dataclass(frozen=True)
 class PyramidKVPolicy(Policy):
+    """PyramidKV: SnapKV's selection with per-layer capacities that shrink linearly with depth.
+    Paper: "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
+    (Cai et al., 2024), https://arxiv.org/abs/2406.02069"""
+
     name = "pyramidkv"
     label = "PyramidKV"
     summary = ("SnapKV with a pyramid of budgets: lower layers keep more, upper layers less. Prompt only. "
@@ -32,6 +36,7 @@ class PyramidKVPolicy(Policy):
     schedule = "prompt only"
     stage = "KV eviction"
 
+    # the reference repository's LongBench runs: window 8, max pooling with kernel 7
     window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
     kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
     beta: int = knob(20, help="pyramid steepness (top layer keeps 1/β of the bottom's share)", low=1, high=1000,
@@ -41,11 +46,11 @@ class PyramidKVPolicy(Policy):
         check_kernel(self.label, self.kernel)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=clamp_window(self.window, prompt_len)[0])
+        return StatRequest(window=clamp_window(self.window, prompt_len, self.budget)[0])
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n, n_layers = view.prompt_len, view.num_layers
-        w, clamped = clamp_window(self.window, n)
+        w, clamped = clamp_window(self.window, n, self.budget)
         state = PyramidState(notes=[clamped] if clamped else [], window=w)
         caps = pyramid_capacities(n, n_layers, self.budget, w, self.beta)
         if caps is None:

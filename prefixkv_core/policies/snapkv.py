@@ -9,7 +9,7 @@ import torch
 
 from ..attention import StatRequest
 from . import allocation, scoring
-from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob
+from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
 
 
 def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
@@ -31,16 +31,27 @@ def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel:
     return torch.cat([chosen.sort(dim=-1).values, tail], dim=-1)
 
 
-def clamp_window(window: int, prompt_len: int) -> tuple[int, str | None]:
-    """The observation window this prompt allows (at least one earlier token must remain to vote on), and a
-    note when the knob had to be shortened."""
+def clamp_window(window: int, prompt_len: int, budget: float | None = None) -> tuple[int, str | None]:
+    """The observation window this prompt and budget allow, and a note when the knob had to be shortened.
+
+    At least one earlier token must remain to vote on (window < N), and with a budget the window and the sink
+    must fit in the layer's round(r·N) entries (window < round(r·N)), so the method never holds more than its
+    budget: the published method requires its capacity to exceed its window."""
     w = max(1, min(window, prompt_len - 1))
-    if w == window:
-        return w, None
-    return w, f"observation window {window} is not shorter than the prompt ({prompt_len} tokens): used {w}"
+    note = None
+    if w < window:
+        note = f"observation window {window} is not shorter than the prompt ({prompt_len} tokens): used {w}"
+    if budget is not None:
+        capacity = budget_count(budget, prompt_len, min_keep=2)
+        if w > capacity - 1:
+            w = max(1, capacity - 1)
+            note = (f"observation window {window} does not fit in the budget of {capacity} entries per layer "
+                    f"(window + sink): used {w}")
+    return w, note
 
 
-WINDOW_HELP = "observation window: the last prompt queries that vote (shortened when the prompt is shorter)"
+WINDOW_HELP = ("observation window: the last prompt queries that vote (shortened when the prompt or the budget is "
+               "shorter)")
 KERNEL_HELP = "max-pool width over the votes (odd, so pooling keeps the length)"
 
 
@@ -56,6 +67,10 @@ class SnapState(PolicyState):
 
 @dataclass(frozen=True)
 class SnapKVPolicy(Policy):
+    """SnapKV: the observation window's max-pooled votes choose, per KV head, the prompt entries to keep.
+    Paper: "SnapKV: LLM Knows What You are Looking for Before Generation" (Li et al., 2024),
+    https://arxiv.org/abs/2404.14469"""
+
     name = "snapkv"
     label = "SnapKV"
     summary = ("The last prompt queries (observation window) vote, per KV head, with max-pooled attention. "
@@ -64,17 +79,18 @@ class SnapKVPolicy(Policy):
     schedule = "prompt only"
     stage = "KV eviction"
 
-    window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
+    # the reference repository's LongBench configuration: window 32, max pooling with kernel 7
+    window: int = knob(32, help=WINDOW_HELP, low=1, high=4096, integer=True)
     kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
 
     def check(self) -> None:
         check_kernel(self.label, self.kernel)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=clamp_window(self.window, prompt_len)[0])
+        return StatRequest(window=clamp_window(self.window, prompt_len, self.budget)[0])
 
     def prefill(self, view: PrefillView) -> Prefilled:
-        w, clamped = clamp_window(self.window, view.prompt_len)
+        w, clamped = clamp_window(self.window, view.prompt_len, self.budget)
         capacities = allocation.uniform(self.budget, view.prompt_len, view.num_layers, min_keep=w + 1)
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
                  for i, capacity in enumerate(capacities)]

@@ -51,6 +51,10 @@ BITS = (2, 4, 8)
 
 @dataclass(frozen=True)
 class ZipVLPolicy(Policy):
+    """ZipVL: an adaptive share of important tokens per layer kept at high precision, the rest at low.
+    Paper: "ZipVL: Efficient Large Vision-Language Models with Dynamic Token Sparsification and KV Cache
+    Compression" (He et al., 2024), https://arxiv.org/abs/2410.08584"""
+
     name = "zipvl"
     label = "ZipVL"
     summary = ("Keeps every token; important tokens (the fewest holding τ of the attention, per layer) at "
