@@ -6,6 +6,8 @@ B prompts of equal length and equal layout (BOS, image block, text) decode as on
 method whose plan does not depend on the sample keeps them in one cache; the others (Elastic Cache, ZipVL,
 online PrefixKV) get a cache per prompt, padded and masked into the same forward by the runner.
 `full-stock` (transformers' own DynamicCache and sdpa, no tracking) is the engine-free baseline.
+Query-agnostic runs prefill and compress BOS + the image block first, then feed the text as one chunk (the
+question) through the compressed caches; the time to first token includes that feed.
 """
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ class MethodRun:
     one cache; otherwise every prompt gets its own cache and the runner pads and masks them into the same
     forward. Either way the whole batch decodes in one model call per step."""
 
-    def __init__(self, sm: LoadedModel, policy: Policy, budget: float):
+    def __init__(self, sm: LoadedModel, policy: Policy, budget: float, query_agnostic: bool = False):
         self.sm, self.policy, self.budget = sm, policy, budget
+        self.query_agnostic = query_agnostic
         self.caches: list[TrackedCache] = []
         self.states: list[Any] = []
         self.prompt_len = 0
@@ -71,6 +74,10 @@ class MethodRun:
 
     def prefill(self, ids, is_image, pixel_values) -> torch.Tensor:
         sm, policy = self.sm, self.policy
+        question = None
+        if self.query_agnostic:  # compress BOS + the image block, then feed the text after it
+            split = int(is_image[0].nonzero()[-1]) + 1
+            ids, is_image, question = ids[:, :split], is_image[:, :split], ids[:, split:]
         # a prefill token reduction (FastV, VisionZip) runs its own prefill; VisionZip's is shorter
         shared = runner.prefill_for(sm.model, policy, ids, is_image, pixel_values, sm.num_layers, sm.device,
                                     sm.image_token_id)
@@ -84,26 +91,31 @@ class MethodRun:
                                                        self.reduced_by))
         self.caches = rows
         self.prompt_len = self.true_len = n
+        if question is not None and question.shape[1] > 0:
+            return self._feed(question, step=0).argmax(dim=-1)
         return shared.logits.argmax(dim=-1)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.step_no += 1
+        return self._feed(tokens.view(-1, 1), self.step_no).argmax(dim=-1)
+
+    def _feed(self, chunk: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed chunk [B, T] (row r to prompt r) at the next positions, then let the policy compress; logits [B, V]."""
         sm, policy = self.sm, self.policy
         needs = policy.decode_needs_attention()
         if self.shared_plan:
-            logits, stats = runner.forward_group(sm.model, self.caches[0], tokens.view(-1, 1), self.true_len,
+            logits, stats = runner.forward_group(sm.model, self.caches[0], chunk, self.true_len,
                                                  StatRequest(last_query=needs))
             attention = [runner.last_query(stats) if needs else None]
         else:
-            chunks = [[t] for t in tokens.tolist()]
+            chunks = chunk.tolist()
             out = runner.forward_rows(sm.model, self.caches, chunks, [self.true_len] * len(chunks),
                                       [needs] * len(chunks), sm.device, self.buffers)
             logits, attention = out.logits, out.attention
-        self.true_len += 1
-        self.step_no += 1
+        self.true_len += chunk.shape[1]
         for cache, state, att in zip(self.caches, self.states, attention):
-            runner.compress_decode(policy, state, cache, self.true_len, self.prompt_len, self.step_no, att,
-                                   self.reduced_by)
-        return logits.argmax(dim=-1)
+            runner.compress_decode(policy, state, cache, self.true_len, self.prompt_len, step, att, self.reduced_by)
+        return logits
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes() for c in self.caches)
@@ -163,19 +175,19 @@ class StockRun:
 
 
 def new_run(sm: LoadedModel, method: str, budget: float, knobs: dict[str, Any] | None,
-            budget_mode: str = "published"):
-    if method == STOCK:
+            budget_mode: str = "published", query_agnostic: bool = False):
+    if method == STOCK:  # nothing is compressed: the same run in both modes
         return StockRun(sm)
-    return MethodRun(sm, make_policy(method, budget, budget_mode, **(knobs or {})), budget)
+    return MethodRun(sm, make_policy(method, budget, budget_mode, **(knobs or {})), budget, query_agnostic)
 
 
 @torch.inference_mode()
 def run_timed(sm: LoadedModel, method: str, budget: float, knobs: dict | None, ids, is_image, pixels,
-              gen_len: int, budget_mode: str = "published") -> dict[str, Any]:
-    """Prefill (timed: TTFT = forward + compression), then gen_len - 1 decode steps, each synchronised and
-    timed (forward + the policy's compression). Rows of `ids` run as one batch. `budget_mode`: see
-    prefixkv_core.policies.BUDGET_MODES."""
-    run = new_run(sm, method, budget, knobs, budget_mode)
+              gen_len: int, budget_mode: str = "published", query_agnostic: bool = False) -> dict[str, Any]:
+    """Prefill (timed: TTFT = forward + compression, + the question's feed when query-agnostic), then
+    gen_len - 1 decode steps, each synchronised and timed (forward + the policy's compression). Rows of `ids` run
+    as one batch. `budget_mode`: see prefixkv_core.policies.BUDGET_MODES."""
+    run = new_run(sm, method, budget, knobs, budget_mode, query_agnostic)
     ctx = tracked_attention_enabled(sm.model) if method != STOCK else _null()
     with ctx:
         sync(sm.device)

@@ -20,12 +20,14 @@ from typing import Any, Iterable, Sequence
 
 from prefixkv_core.policies import REGISTRY
 from prefixkv_core.policies import parse_knobs as parse_knob_items
+from prefixkv_core.record import BUDGET_MODE_TITLES, mode_title as run_title  # noqa: F401 - used by the scripts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 
-# How budgeted methods were compared (prefixkv_core.policies.BUDGET_MODES): every table and figure says which.
-MODE_TITLES = {"published": "published budgets", "equal_memory": "equal memory"}
+# How budgeted methods were compared (prefixkv_core.policies.BUDGET_MODES) and whether the prompt was compressed
+# with the question in view or before it: every table and figure title says which (run_title).
+MODE_TITLES = BUDGET_MODE_TITLES
 _labels = [c.label for c in REGISTRY.values() if c.uses_budget and c.schedule == "prompt only"]
 PROMPT_ONLY = ", ".join(_labels[:-1]) + " and " + _labels[-1] if len(_labels) > 1 else "".join(_labels)
 MODE_NOTES = {
@@ -33,6 +35,12 @@ MODE_NOTES = {
                  "while decoding; the other budgeted methods hold about r·N_t at every step.",
     "equal_memory": f"Equal memory: every budgeted method holds about r·N_t at every step ({PROMPT_ONLY} held "
                     "while decoding: the oldest generated entries go first, then the prompt's least attended).",
+}
+QUERY_NOTES = {
+    False: "Query-aware: the whole prompt, question included, is prefilled and then compressed (the question is in "
+           "the methods' observation window).",
+    True: "Query-agnostic: the image and any text before the question are prefilled and compressed first; the "
+          "question is then fed through each compressed cache and the answer decoded on it.",
 }
 
 

@@ -22,8 +22,10 @@ number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at ever
 (+ quality.png when Chromium is installed).
 
 `--equal-memory` also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so
-every budgeted method is compared at the same memory; the tables, the figure and results.json say which mode
-produced them, and its records go to their own folder.
+every budgeted method is compared at the same memory. `--query-agnostic` compresses the image and any text
+before the question first, then feeds the question and decodes on the compressed cache (image prompts only:
+the text mode has no question). The tables, the figure and results.json say which modes produced them, and
+each mode's records go to their own folder.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import (MODE_NOTES, MODE_TITLES, REPO_ROOT, RecordStore, Table, parse_float_list,  # noqa: E402
-                               parse_knobs, run_info, save_figure)
+from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, RecordStore, Table,  # noqa: E402
+                               parse_float_list, parse_knobs, run_info, run_title, save_figure)
 from benchmarks.data import (DataError, LongText, Sample, cut_text_pairs, dataset_spec, load_dataset,  # noqa: E402
                              load_long_text, resolve_image)
 
@@ -96,11 +98,12 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
     gen = GenerationSettings(max_new_tokens=settings["max_new_tokens"])
     session_budget = 1.0 if budget is None else budget
     budget_mode = settings.get("budget_mode", "published")
+    query_agnostic = bool(settings.get("query_agnostic", False))
     out = {m: {"sample": sample.id, "method": m, "budget": budget, "text": "", "nll": None, "n_tokens": None,
                "error": None} for m in methods}
     try:
         session = engine.new_session(image, sample.question, methods, session_budget, gen, knobs,
-                                     budget_mode=budget_mode)
+                                     budget_mode=budget_mode, query_agnostic=query_agnostic)
         for ev in session.run():
             if steps_bar is not None and isinstance(ev, MethodEvent) and ev.kind in ("token", "done"):
                 steps_bar.update(1)
@@ -111,7 +114,7 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
                           prompt_tokens=session.prefill.prompt_tokens if session.prefill else None,
                           error=res["error"], extras=_small_extras(res.get("extras") or {}))
         scorer = engine.new_session(image, sample.question, methods, session_budget, gen, knobs,
-                                    budget_mode=budget_mode)
+                                    budget_mode=budget_mode, query_agnostic=query_agnostic)
         for m, (nll, n) in scorer.score_answer(answer).items():
             out[m].update(nll=nll, n_tokens=n)
             if steps_bar is not None:
@@ -210,7 +213,7 @@ def aggregate(records: list[dict[str, Any]], sample_ids: list[str], methods: lis
 
 
 def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], note: str,
-                budget_mode: str = "published") -> dict[str, Table]:
+                budget_mode: str = "published", query_agnostic: bool = False) -> dict[str, Table]:
     cols = [budget_key(b) for b in budgets]
     specs = {
         "ppl": ("PPL of the reference answers (teacher forcing through the compressed cache; lower is better)",
@@ -221,9 +224,9 @@ def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], n
     source = {"ppl": agg["ppl"], "rouge_l": agg["rouge_l"], "kv_kept": agg["kv_kept_pct"]}
     tables = {}
     for name, (title, best, digits) in specs.items():
-        t = Table(title=f"{title} [{MODE_TITLES[budget_mode]}]", row_header="method \\ budget",
+        t = Table(title=f"{title} [{run_title(budget_mode, query_agnostic)}]", row_header="method \\ budget",
                   rows=list(methods), columns=cols, digits=digits, best=best, exclude_from_best=("full",),
-                  notes=[note, MODE_NOTES[budget_mode]])
+                  notes=[note, MODE_NOTES[budget_mode], QUERY_NOTES[query_agnostic]])
         for m in methods:
             for c in cols:
                 t.values[(m, c)] = source[name][m].get(c)
@@ -385,8 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--equal-memory", action="store_true",
                    help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
                         "every budgeted method is compared at the same memory (default: each as published)")
+    p.add_argument("--query-agnostic", action="store_true",
+                   help="compress the image and any text before the question first, then feed the question and "
+                        "decode on the compressed cache, as in a chat about one image (default: compress with the "
+                        "question in the prompt); not with --text")
     p.add_argument("--out", default=None, help="output folder (default out/benchmarks/quality-<model>[-quick]"
-                                               "[-equal-memory]); records there are resumed")
+                                               "[-equal-memory][-query-agnostic]); records there are resumed")
     p.add_argument("--fresh", action="store_true", help="discard the records already in --out and start over")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads per process (default: cores / processes)")
@@ -401,6 +408,7 @@ def resolve_settings(args) -> dict[str, Any]:
     return {
         "limit": limit,
         "budget_mode": "equal_memory" if args.equal_memory else "published",
+        "query_agnostic": bool(args.query_agnostic),
         "budgets": sorted(set(parse_float_list(args.budgets or base["budgets"], "budgets"))),
         "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else base["max_new_tokens"],
         "max_answer_tokens": (args.max_answer_tokens if args.max_answer_tokens is not None
@@ -417,6 +425,9 @@ def text_settings(args) -> dict[str, Any]:
             raise SystemExit(f"--{k.replace('_', '-')} must be at least 1")
     if args.data != "builtin":
         raise SystemExit("--text and --data are alternatives: give one")
+    if args.query_agnostic:
+        raise SystemExit("--query-agnostic holds the question back while the prompt is compressed; the text mode's "
+                         "prompts are plain text with no question: leave it out with --text")
     return {**out, "text": args.text, "max_answer_tokens": 0}
 
 
@@ -503,10 +514,11 @@ def main(argv: list[str] | None = None) -> int:
         knobs.setdefault("prefixkv", {}).setdefault("mode", mode)
         mode = knobs["prefixkv"]["mode"]
 
-    budget_mode = settings["budget_mode"]
+    budget_mode, query_agnostic = settings["budget_mode"], settings["query_agnostic"]
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
         f"quality-{loaded.slug}" + ("-quick" if args.quick else "")
-        + ("-equal-memory" if budget_mode == "equal_memory" else ""))
+        + ("-equal-memory" if budget_mode == "equal_memory" else "")
+        + ("-query-agnostic" if query_agnostic else ""))
     if long_text is not None and not args.out:  # text runs keep their own default folder
         out = out.with_name(out.name + "-text")
     fingerprint = {
@@ -515,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_type": loaded.device.type, "data": repo_relative(data_path), "data_sha": file_sha(data_path),
         "image_root": repo_relative(image_root), "max_new_tokens": settings["max_new_tokens"],
         "max_answer_tokens": settings["max_answer_tokens"], "knobs": knobs, "budget_mode": budget_mode,
+        "query_agnostic": query_agnostic,
     }
     if long_text is not None:  # the text (by digest), not the unused --data file, identifies the data
         fingerprint.update(data=f"text:{args.text}", data_sha=hashlib.sha256(long_text.text.encode()).hexdigest()[:12],
@@ -525,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every process checks (so none is left waiting at the barrier below); only the main one writes.
     if not args.fresh and cfg_path.is_file() and store.shards():
         old = json.loads(cfg_path.read_text())
-        old.setdefault("budget_mode", "published")  # records written before the mode was recorded
+        old.setdefault("budget_mode", "published")  # records written before the modes were recorded
+        old.setdefault("query_agnostic", False)
         if old != fingerprint:
             diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
             raise SystemExit(f"{out} holds records of a different configuration {diff}; use --fresh to discard "
@@ -574,11 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(loaded.device)
     note = (f"{loaded.name} ({loaded.slug}), {data_label}, "
             f"{settings['max_new_tokens']} new tokens, answers {'cut at ' + str(settings['max_answer_tokens']) + ' tokens' if settings['max_answer_tokens'] else 'whole'}, "
-            f"PrefixKV {mode}, {MODE_TITLES[budget_mode]}; {info['machine']}, {info['date']}, "
+            f"PrefixKV {mode}, {run_title(budget_mode, query_agnostic)}; {info['machine']}, {info['date']}, "
             f"commit {info['commit']}.")
     if not loaded.vision_trained:
         note += " The vision tower is untrained: the numbers measure language-side behaviour."
-    tables = make_tables(agg, methods, settings["budgets"], note, budget_mode)
+    tables = make_tables(agg, methods, settings["budgets"], note, budget_mode, query_agnostic)
     written = []
     for name, t in tables.items():
         written += t.write(out, name)
@@ -588,10 +602,11 @@ def main(argv: list[str] | None = None) -> int:
     summary_md += "\n" + note + "\n\n" + "\n".join(claims) + "\n"
     (out / "tables.md").write_text(summary_md)
     fig = make_figure(agg, methods, settings["budgets"], f"Quality vs budget: {loaded.name}, {len(samples)} samples, "
-                      f"{MODE_TITLES[budget_mode]}")
+                      f"{run_title(budget_mode, query_agnostic)}")
     fig_paths, png_msg = save_figure(fig, out / "quality", png=not args.no_png)
     payload = {
         "run": info, "config": fingerprint, "settings": settings, "prefixkv_mode": mode, "budget_mode": budget_mode,
+        "query_agnostic": query_agnostic,
         "processes": world,
         "elapsed_s_per_process": elapsed_all, "new_records": sum(new_all),
         "resumed_records": len(records) - sum(new_all), "methods": methods, "budgets": settings["budgets"],

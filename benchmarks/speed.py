@@ -13,8 +13,9 @@ kept counts do not depend on the sample keep the prompts in one cache; Elastic C
 PrefixKV keep a cache per prompt, padded and masked into the same forward (the `mode` column says which).
 `full-stock` is the full cache through transformers' own DynamicCache and sdpa (no tracking): the
 engine-free baseline. An out-of-memory configuration is reported as OOM, not as a crash. `--equal-memory`
-also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding; the tables and
-results.json say which mode produced them.
+also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding; `--query-agnostic`
+compresses BOS + the image block first and then feeds the text (the question) through the compressed caches.
+The tables, the figure and results.json say which modes produced them.
 Outputs in --out: speed.md/.csv/.tex, results.json (every step time), speed.html (+ .png with Chromium).
 """
 from __future__ import annotations
@@ -37,8 +38,8 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: E402
-from benchmarks.common import (MODE_NOTES, MODE_TITLES, REPO_ROOT, PeakRSS, Table, parse_float_list,  # noqa: E402
-                               parse_knobs, run_info, save_figure)
+from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
+                               parse_float_list, parse_knobs, run_info, run_title, save_figure)
 from prefixkv_core.models import RANDOM_CONFIGS, LoadedModel, build_random_model  # noqa: E402
 
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
@@ -75,11 +76,12 @@ def free_memory(device: torch.device) -> None:
 
 
 def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
-            warmup_steps: int, budget_mode: str = "published") -> dict[str, Any]:
+            warmup_steps: int, budget_mode: str = "published", query_agnostic: bool = False) -> dict[str, Any]:
     """Warm up, then time one configuration: the whole batch through the runner."""
     ids, is_image, pixels = batch_inputs
     b = ids.shape[0]
-    run_timed(sm, method, budget, knobs, ids, is_image, pixels, max(2, warmup_steps + 1), budget_mode)
+    run_timed(sm, method, budget, knobs, ids, is_image, pixels, max(2, warmup_steps + 1), budget_mode,
+              query_agnostic)
     free_memory(sm.device)
     sync(sm.device)
     if sm.device.type == "cuda":
@@ -89,7 +91,7 @@ def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inpu
     if rss:
         rss.__enter__()
     try:
-        result = run_timed(sm, method, budget, knobs, ids, is_image, pixels, gen_len, budget_mode)
+        result = run_timed(sm, method, budget, knobs, ids, is_image, pixels, gen_len, budget_mode, query_agnostic)
     finally:
         if rss:
             rss.__exit__(None, None, None)
@@ -159,10 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--equal-memory", action="store_true",
                    help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
                         "every budgeted method holds the same memory (default: each as published)")
+    p.add_argument("--query-agnostic", action="store_true",
+                   help="compress BOS + the image block first, then feed the prompt's text (the question) through "
+                        "the compressed caches; TTFT includes that feed (default: compress the whole prompt)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and random weights")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None,
-                   help="output folder (default out/benchmarks/speed-<model>[-quick][-paper][-equal-memory])")
+                   help="output folder (default out/benchmarks/speed-<model>[-quick][-paper][-equal-memory]"
+                        "[-query-agnostic])")
     p.add_argument("--no-png", action="store_true", help="HTML figure only")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     knobs_all = parse_knobs(args.knob)
     budget_mode = "equal_memory" if args.equal_memory else "published"
-    mode_title = MODE_TITLES[budget_mode]
+    query_agnostic = bool(args.query_agnostic)
+    mode_title = run_title(budget_mode, query_agnostic)
 
     t_load = time.perf_counter()
     sm = load_speed_model(args)
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(sm.device)
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
         f"speed-{sm.slug}" + ("-quick" if args.quick else "") + ("-paper" if args.paper else "")
-        + ("-equal-memory" if budget_mode == "equal_memory" else ""))
+        + ("-equal-memory" if budget_mode == "equal_memory" else "") + ("-query-agnostic" if query_agnostic else ""))
     out.mkdir(parents=True, exist_ok=True)
 
     # configurations: (setting, method, budget); budget-free methods once per setting
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{p_len}x{g_len} {m} {'' if b is None else b}")
             try:
                 res = measure(sm, m, 1.0 if b is None else b, knobs_for(si, m, b) if m != STOCK else {},
-                              inputs[si], g_len, warmup, budget_mode)
+                              inputs[si], g_len, warmup, budget_mode, query_agnostic)
             except Exception as exc:  # noqa: BLE001 - OOM and per-method failures become table cells
                 res = {"status": "OOM" if is_oom(exc) else "error", "error": f"{exc.__class__.__name__}: {exc}"[:300],
                        "mode": "batch 1" if batch == 1 else f"batched x{batch}"}
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 "KV % full", "peak MiB", "peak +MiB", "status"]
         t = Table(title=f"Speed and memory: {sm.name}, batch {batch}, prompt {p_len} + generate {g_len} tokens "
                         f"[{mode_title}]", row_header="method @ budget", rows=[], columns=cols, digits=2,
-                  notes=[MODE_NOTES[budget_mode]])
+                  notes=[MODE_NOTES[budget_mode], QUERY_NOTES[query_agnostic]])
         for (sj, m, b), r in final.items():
             if sj != si:
                 continue
@@ -354,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Peak memory: {'torch.cuda.max_memory_allocated (weights included); +MiB = above the allocation before the configuration' if sm.device.type == 'cuda' else 'process peak RSS (weights included; kernel VmHWM reset per configuration where Linux allows it, else sampled); +MiB = above the RSS at the start of the configuration'}.",
               f"decode tok/s = batch x (generated - 1) / decode time (every step synchronised, policy time included); "
               f"e2e adds the prefill; warm-up {warmup} steps per configuration; repeats {args.repeats} (median).",
-              f"Budget mode: {mode_title} (see each table's note).",
+              f"Mode: {mode_title} (see each table's notes).",
               f"Every method decodes its {batch} prompts in one forward per step (the runner); `mode` says whether they "
               "share one cache or keep one each." if batch > 1 else "Batch 1: every method runs alone."]
     claims = ["Claim (b): PrefixKV at a 20% budget decodes 1.8x faster than full (paper: LLaVA-1.5-7B, batch 16)."]
@@ -368,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"run": info, "model": sm.name, "slug": sm.slug, "random_weights": sm.random_weights,
                "params": sm.param_count(), "dtype": str(sm.dtype), "device": str(sm.device), "batch": batch,
                "settings": settings, "budgets": budgets, "methods": rows, "budget_mode": budget_mode,
+               "query_agnostic": query_agnostic,
                "warmup_steps": warmup,
                "repeats": args.repeats, "prefixkv_modes": {f"{settings[s][0]}x{settings[s][1]}@{b}": d
                                                            for (s, b), d in prefix_modes.items()},

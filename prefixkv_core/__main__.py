@@ -42,7 +42,8 @@ def cmd_compare(args) -> int:
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _knobs(args.knob),
-                                 budget_mode="equal_memory" if args.equal_memory else "published")
+                                 budget_mode="equal_memory" if args.equal_memory else "published",
+                                 query_agnostic=args.query_agnostic)
     names = list(session.states)
     bar = tqdm(total=len(names) * args.max_new_tokens, desc="decoding", disable=args.quiet)
     for event in session.run():
@@ -56,7 +57,9 @@ def cmd_compare(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=1)
     if not args.quiet:
-        print(f"budget r = {args.budget:g}, {payload['budget_mode'].replace('_', ' ')} mode")
+        question = "query-agnostic: compressed before the question" if payload["query_agnostic"] else \
+            "query-aware: compressed with the question"
+        print(f"budget r = {args.budget:g}, {payload['budget_mode'].replace('_', ' ')} mode, {question}")
         for name, r in results.items():
             ratio = r["kv_bytes"] / r["full_kv_bytes"] if r["full_kv_bytes"] else 1.0
             rl = "" if r["rouge_l_vs_full"] is None else f"  ROUGE-L {r['rouge_l_vs_full']:.3f}"
@@ -123,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also hold the prompt-only methods (SnapKV, AdaKV, PyramidKV, LOOK-M, FastV, VisionZip) at "
                         "r·N_t while decoding, so "
                         "every budgeted method holds the same memory (default: each as published)")
+    p.add_argument("--query-agnostic", action="store_true",
+                   help="compress the image and any text before the question first, then feed the question and "
+                        "answer on the compressed cache, as in a chat about one image (default: compress with the "
+                        "question in the prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per method")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")

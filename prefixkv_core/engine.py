@@ -127,14 +127,20 @@ class Engine:
     def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
                     generation: GenerationSettings | None = None,
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
-                    budget_mode: str = "published") -> "Session":
+                    budget_mode: str = "published", query_agnostic: bool = False) -> "Session":
         """`chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
         text, no turn markup): a document whose continuation is measured, as in language modelling. Such a
         session takes no image and has no follow-up turns.
 
         `budget_mode`: "published" runs every method as its paper does (prompt-only methods let the cache grow
         while decoding); "equal_memory" also holds the prompt-only ones at r·N_t, so every budgeted method
-        holds the same memory at every step."""
+        holds the same memory at every step.
+
+        `query_agnostic=True` compresses before the question is known, as in a chat where one image is asked
+        several questions: the image and any text before the user's question (the template's opening) are
+        prefilled and compressed first, then the question is fed through every compressed cache and the answer
+        decoded on it. Default (False): the whole prompt, question included, is prefilled and then compressed,
+        so the question is in the methods' observation window (query-aware)."""
         if isinstance(prompt, (list, tuple)):
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -148,6 +154,11 @@ class Engine:
             raise EngineError(str(exc)) from None
         if budget_mode not in BUDGET_MODES:
             raise EngineError(f"budget_mode must be one of {', '.join(BUDGET_MODES)}, got {budget_mode!r}")
+        if not isinstance(query_agnostic, bool):
+            raise EngineError(f"query_agnostic must be True or False, got {query_agnostic!r}")
+        if query_agnostic and not chat_template:
+            raise EngineError("a plain-text prompt (chat_template=False) has no question to hold back: "
+                              "query_agnostic needs the chat template")
         generation = generation or GenerationSettings()
         generation.validate()
         knobs = knobs or {}
@@ -160,7 +171,7 @@ class Engine:
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
         return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs,
-                       chat_template=chat_template, budget_mode=budget_mode)
+                       chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic)
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
@@ -187,9 +198,11 @@ class Session:
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
                  budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
-                 chat_template: bool = True, budget_mode: str = "published"):
+                 chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False):
         self.engine = engine
         self.budget_mode = budget_mode  # one of BUDGET_MODES, for every method of this session
+        # True: the prompt before the question is compressed first, then the question is fed (see new_session)
+        self.query_agnostic = query_agnostic
         self.chat_template = chat_template  # False: the prompt is plain text, fed without turn markup
         self.image = image
         self.prompt = prompt
@@ -208,7 +221,8 @@ class Session:
         # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
         self.record = ComparisonRecord(
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
-            knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode)
+            knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
+            query_agnostic=query_agnostic)
 
     def _recorded(self, events: Iterator[PrefillInfo | MethodEvent]) -> Iterator[PrefillInfo | MethodEvent]:
         self.record.active = True
@@ -360,13 +374,16 @@ class Session:
                 f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
         self.image_offset = int(is_image[0].nonzero()[0]) if n_image else None
         self.image_layout = self._layout(n_image)
+        # the tokens compressed at once: the whole prompt, or (query-agnostic) what comes before the question
+        split = self._question_start(text, ids, is_image) if self.query_agnostic else n
 
         # one prefill shared by every method that compresses its cache (it also gives the importance charts);
         # a method that changes the prefill itself (prefill token reduction) runs its own below
+        context, context_image = ids[:, :split], is_image[:, :split]
         sharing = [s for s in self.states.values() if not s.policy.own_prefill()]
-        shared = runner.prefill(loaded.model, ids, is_image, vision_inputs(inputs), [s.policy for s in sharing],
-                                loaded.num_layers, loaded.device)
-        self.bytes_per_token = shared.cache.nbytes() / n
+        shared = runner.prefill(loaded.model, context, context_image, vision_inputs(inputs),
+                                [s.policy for s in sharing], loaded.num_layers, loaded.device)
+        self.bytes_per_token = shared.cache.nbytes() / split
         importance = torch.stack([shared.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
         curves = {}  # method -> the importance its per-layer allocation used (its Lorenz curves)
 
@@ -375,14 +392,15 @@ class Session:
             try:
                 prefilled = shared
                 if state.policy.own_prefill():
-                    prefilled = runner.own_prefill(loaded.model, state.policy, ids, is_image, vision_inputs(inputs),
-                                                   loaded.num_layers, loaded.device, loaded.image_token_id)
+                    prefilled = runner.own_prefill(loaded.model, state.policy, context, context_image,
+                                                   vision_inputs(inputs), loaded.num_layers, loaded.device,
+                                                   loaded.image_token_id)
                     state.cache = prefilled.cache
                 else:  # the last method to share the prefill takes its cache, the others a copy
                     state.cache = shared.cache if state is sharing[-1] else shared.cache.clone()
                 own_n = prefilled.prompt_len
                 state.prompt_len = state.true_len = own_n
-                state.reduced_by = n - own_n
+                state.reduced_by = split - own_n
                 state.first_logits = prefilled.logits[0]
                 t1 = runner.now(loaded.device)
                 stats = runner.policy_stats(state.policy, prefilled.stats, own_n)
@@ -392,18 +410,58 @@ class Session:
                 if used is not None:
                     curves[state.name] = used.float().cpu().numpy()
                 state.ttft_s = prefilled.seconds + (runner.now(loaded.device) - t1)
+            except Exception as exc:  # one method failing must not stop the others
+                self._fail(state, exc)
+        if split < n:
+            self._feed_question(ids[0, split:].tolist())
+        for state in self.states.values():
+            if state.error is None:
                 state.pending = self._sample(state, state.first_logits)
                 state.turn_ids = [state.pending]
                 state.text = self._detok(state.turn_ids)
-            except Exception as exc:  # one method failing must not stop the others
-                self._fail(state, exc)
         first = self.image_layout.views[0] if self.image_layout is not None else None
         self.prefill = PrefillInfo(
             prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
-            importance=importance.float().cpu().numpy(), is_image=is_image[0].cpu().numpy(),
+            importance=importance.float().cpu().numpy(), is_image=is_image[0, :split].cpu().numpy(),
             image_grid=(first.rows, first.cols) if first is not None else None, image_offset=self.image_offset,
-            prefill_s=shared.seconds, image_layout=self.image_layout, curves=curves)
+            prefill_s=shared.seconds, image_layout=self.image_layout, curves=curves, compressed_tokens=split)
         return self.prefill
+
+    def _question_start(self, text: str, ids: torch.Tensor, is_image: torch.Tensor) -> int:
+        """Query-agnostic mode: how many of the prompt's tokens come before the user's question (the template's
+        opening, the image, any text before the question). The prompt keeps its own tokens: the split is where
+        the formatted prompt and its part before the question stop encoding alike."""
+        loaded = self.engine.loaded
+        at = text.rfind(self.prompt)
+        if at < 0:
+            at = text.rfind(self.prompt.strip())
+        if at < 0:
+            raise EngineError("the chat template changes the question's text, so the query-agnostic mode cannot find "
+                              "where the question starts; run without it")
+        before = encode(loaded, self.image, text[:at])["input_ids"][0].tolist() if at > 0 else []
+        full = ids[0].tolist()
+        split = 0
+        while split < min(len(before), len(full)) and before[split] == full[split]:
+            split += 1
+        if split == 0 or bool(is_image[0, split:].any()):
+            raise EngineError("the query-agnostic mode compresses the image before the question, but in this "
+                              "model's prompt the question does not follow the image; run without it")
+        return split
+
+    def _feed_question(self, question: list[int]) -> None:
+        """Query-agnostic mode: feed the question through every compressed cache (one batched forward); each
+        method's first answer token comes from its own logits, its time to first token includes this feed."""
+        live = [s for s in self.states.values() if s.error is None]
+        if not live:
+            return
+        device = self.engine.loaded.device
+        t0 = runner.now(device)
+        logits, _, _ = self._advance(live, [list(question)] * len(live), step=0)
+        elapsed = runner.now(device) - t0
+        for r, state in enumerate(live):
+            if state.error is None:
+                state.ttft_s += elapsed
+                state.first_logits = logits[r]
 
     def _layout(self, n_image: int) -> ImageLayout | None:
         """The layout of this session's image tokens (all crops and newline tokens); one strip over the image if

@@ -19,8 +19,8 @@ class PrefillInfo:
     prompt_tokens: int  # N: prompt length with the image expanded
     image_tokens: int
     num_layers: int
-    importance: np.ndarray  # [L, N] float32: column sums of prefill attention, mean over heads
-    is_image: np.ndarray  # [N] bool
+    importance: np.ndarray  # [L, N_c] float32: column sums of prefill attention over the compressed tokens
+    is_image: np.ndarray  # [N_c] bool
     image_grid: tuple[int, int] | None  # patches per side (rows, cols) of the (first view's) image tokens, if any
     image_offset: int | None  # index of the first image token in the prompt
     prefill_s: float  # model forward time of the prefill (vision tower and statistics included)
@@ -28,6 +28,9 @@ class PrefillInfo:
     # method -> [L, N'] the per-layer importance whose Lorenz curves its allocation used (online PrefixKV: by
     # its scorer, N' = N - 1 when the sink is left out of the curves)
     curves: dict[str, np.ndarray] = field(default_factory=dict)
+    # N_c: the prompt tokens prefilled and compressed at once: all N, or in the query-agnostic mode those
+    # before the question (the question is fed afterwards through every compressed cache); None = N
+    compressed_tokens: int | None = None
 
 
 @dataclass

@@ -15,6 +15,16 @@ from .events import MethodEvent, PrefillInfo
 from .metrics import rouge_l
 
 MB = 1e6  # decimal megabytes, as the app's badges and charts show them
+# How a comparison ran, in words for titles and captions: the budget mode (policies.BUDGET_MODES) and whether
+# the prompt was compressed with the question in view (query-aware) or before it (query-agnostic)
+BUDGET_MODE_TITLES = {"published": "published budgets", "equal_memory": "equal memory"}
+QUERY_MODE_TITLES = {False: "query-aware", True: "query-agnostic"}
+
+
+def mode_title(budget_mode: str = "published", query_agnostic: bool = False) -> str:
+    """'published budgets, query-aware', 'equal memory, query-agnostic', ...: which mode produced a result."""
+    return f"{BUDGET_MODE_TITLES.get(budget_mode, budget_mode)}, {QUERY_MODE_TITLES[bool(query_agnostic)]}"
+
 STATUS_OF_KIND = {"start": "streaming", "token": "streaming", "done": "done", "cancelled": "stopped",
                   "error": "error"}
 
@@ -64,10 +74,11 @@ class ComparisonRecord:
 
     def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
                  settings: dict[str, Any] | None = None, knobs: dict[str, dict[str, Any]] | None = None,
-                 model: dict[str, Any] | None = None, budget_mode: str = "published"):
+                 model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False):
         self.methods = list(methods)
         self.budget = float(budget)
         self.budget_mode = budget_mode  # "published" or "equal_memory" (prompt-only methods held at r·N_t)
+        self.query_agnostic = bool(query_agnostic)  # compressed before the question was fed
         self.settings = dict(settings or {})
         self.knobs = {m: dict(k) for m, k in (knobs or {}).items()}
         self.model = dict(model or {})
@@ -133,6 +144,9 @@ class ComparisonRecord:
                 t.status = status
 
     # -- reading ---------------------------------------------------------------------------------------------
+    def mode_title(self) -> str:
+        return mode_title(self.budget_mode, self.query_agnostic)
+
     @property
     def turn_index(self) -> int:
         return len(self.prompts) - 1
@@ -214,6 +228,7 @@ class ComparisonRecord:
             "device": self.model.get("device"),
             "budget": self.budget,
             "budget_mode": self.budget_mode,
+            "query_agnostic": self.query_agnostic,
             "settings": jsonable(self.settings),
             "knobs": jsonable(self.knobs),
             "prompts": list(self.prompts),
@@ -223,6 +238,7 @@ class ComparisonRecord:
             "prefill": None if pre is None else {
                 "prompt_tokens": pre.prompt_tokens, "image_tokens": pre.image_tokens,
                 "num_layers": pre.num_layers, "prefill_s": round(pre.prefill_s, 4),
+                "compressed_tokens": pre.compressed_tokens if pre.compressed_tokens is not None else pre.prompt_tokens,
                 "image_grid": list(pre.image_grid) if pre.image_grid else None,
                 # every view of the image: one grid, or an anyres base view + high-resolution tiles
                 "image_views": pre.image_layout.describe() if pre.image_layout is not None else None,

@@ -304,7 +304,7 @@ def test_quality_benchmark_equal_memory_says_so(tmp_path, threads_restored):
     assert res["budget_mode"] == "equal_memory" and res["settings"]["budget_mode"] == "equal_memory"
     assert res["config"]["budget_mode"] == "equal_memory"
     md = (out / "kv_kept.md").read_text()
-    assert "[equal memory]" in md and "Equal memory: every budgeted method holds" in md
+    assert "[equal memory, query-aware]" in md and "Equal memory: every budgeted method holds" in md
     kept = res["tables"]["kv_kept_pct"]
     assert all(abs(kept[m]["0.30"] - 30) < 6 for m in ("snapkv", "lookm")), kept
     # the same folder refuses the other mode's records
@@ -313,7 +313,7 @@ def test_quality_benchmark_equal_memory_says_so(tmp_path, threads_restored):
     pub = tmp_path / "pub"
     assert quality.main(args + ["--out", str(pub)]) == 0
     res_pub = json.loads((pub / "results.json").read_text())
-    assert res_pub["budget_mode"] == "published" and "[published budgets]" in (pub / "ppl.md").read_text()
+    assert res_pub["budget_mode"] == "published" and "[published budgets, query-aware]" in (pub / "ppl.md").read_text()
     assert res_pub["tables"]["kv_kept_pct"]["lookm"]["0.30"] > kept["lookm"]["0.30"]
 
 
@@ -326,7 +326,7 @@ def test_speed_benchmark_equal_memory_says_so(tmp_path, threads_restored):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["budget_mode"] == "equal_memory"
     md = (tmp_path / "speed.md").read_text()
-    assert "[equal memory]" in md and "Budget mode: equal memory" in md
+    assert "[equal memory, query-aware]" in md and "Mode: equal memory, query-aware" in md
     rows = {r["method"]: r for r in res["results"]}
     n_t = 40 + 6 - 1
     for m in ("snapkv", "lookm"):

@@ -95,6 +95,11 @@ def _equal_memory_info(described: list[dict[str, Any]]) -> str:
             "off: each as published (they compress the prompt once, then the cache grows)")
 
 
+QUERY_AGNOSTIC_INFO = ("on: the image is compressed before the question is read, then the question is fed and "
+                      "answered on the compressed cache, as in a chat about one image; off: compressed with the "
+                      "question in view (favours query-aware methods such as SnapKV)")
+
+
 def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any = "all",
               default_methods: Any = None, max_new_tokens_limit: int = 256, examples_dir: Path | str | None = None,
               title: str = TITLE, limits: Limits | None = None, queue_size: int = QUEUE_SIZE) -> gr.Blocks:
@@ -138,6 +143,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                                    info=_budget_info(described))
                 equal_memory = gr.Checkbox(False, label="Equal memory", elem_id="equal-memory",
                                            info=_equal_memory_info(described))
+                query_agnostic = gr.Checkbox(False, label="Query-agnostic", elem_id="query-agnostic",
+                                             info=QUERY_AGNOSTIC_INFO)
                 max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
                                     elem_id="max-new")
                 with gr.Accordion("Sampling", open=False):
@@ -224,6 +231,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                                  ("max_new_tokens", max_new), ("do_sample", do_sample), ("temperature", temperature),
                                  ("top_p", top_p), ("seed", seed), ("question", followup), ("formats", formats),
                                  ("layer", overlay_layer), ("layers", lorenz_layers), ("equal_memory", equal_memory),
+                                 ("query_agnostic", query_agnostic),
                                  *knob_widgets.items()]:
             guard_input(component, field)
         engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
@@ -235,7 +243,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
             run_events.append(
                 trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
                 .then(ctl.compare, compare_inputs, outputs,
-                      inputs_kwargs={"equal_memory": equal_memory, **knob_widgets},
+                      inputs_kwargs={"equal_memory": equal_memory, "query_agnostic": query_agnostic,
+                                     **knob_widgets},
                       api_name="compare" if not run_events else False, **engine_queue))
         ask_events = []
         for trigger in (ask_btn.click, followup.submit):

@@ -24,8 +24,8 @@ from prefixkv_core.limits import (LimitError, Limits, check_followup, check_prom
 from . import charts, queue_probe
 from .export import ALL_FORMATS, export_all
 from .export_store import ExportStore
-from .inputs import (DEFAULT_LIMITS, KnobSpec, check_budget_mode, check_request, check_sampling, collect_knobs,
-                     downscale, refuse, upload_folder)
+from .inputs import (DEFAULT_LIMITS, KnobSpec, check_budget_mode, check_query_agnostic, check_request, check_sampling,
+                     collect_knobs, downscale, refuse, upload_folder)
 from .overlay import caption, crops_to_square, overlay
 from .panels import banner_markdown, chat_messages, header_html, status_line
 from .runstate import Comparison, OverlayMaps, Track
@@ -337,7 +337,7 @@ class Controller:
         return self._as_list({"status": "■ Stopped before it started.", "box": box})
 
     def compare(self, image, prompt, methods, budget, max_new_tokens, do_sample=False, temperature=0.7, top_p=0.9,
-                seed=0, box=None, request: gr.Request = None, equal_memory=False,
+                seed=0, box=None, request: gr.Request = None, equal_memory=False, query_agnostic=False,
                 **knob_values) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
         owner = self._owner(box, request)
@@ -354,6 +354,7 @@ class Controller:
             methods = [m for m in self.methods if m in methods]
             do_sample, temperature, top_p, seed = check_sampling(do_sample, temperature, top_p, seed)
             budget_mode = check_budget_mode(equal_memory)
+            query_agnostic = check_query_agnostic(query_agnostic)
             settings = GenerationSettings(max_new_tokens=max_new, do_sample=do_sample, temperature=temperature,
                                           top_p=top_p, seed=seed)
             knobs = collect_knobs(self.knob_specs, knob_values, methods)
@@ -363,7 +364,7 @@ class Controller:
             tokens = check_prompt(self.limits, self.loaded, prompt, with_image=image is not None, max_new_tokens=max_new,
                                   image_size=image.size if image is not None else None)
             session = self.engine.new_session(image, prompt, methods, budget, settings, knobs,
-                                              budget_mode=budget_mode)  # no caches yet
+                                              budget_mode=budget_mode, query_agnostic=query_agnostic)  # no caches yet
             if box.run is not None and box.run.active:
                 box.run.cancel.set()  # its caches are dropped next: the engine must let go of them first
             self.registry.reserve(owner, estimate_run_bytes(self.loaded, tokens, len(methods), budget))
@@ -381,7 +382,7 @@ class Controller:
                           {"max_new_tokens": max_new, "do_sample": settings.do_sample, "temperature": settings.temperature,
                            "top_p": settings.top_p, "seed": settings.seed}, knobs,
                           image=downscale(image, OVERLAY_DISPLAY_SIDE) if image is not None else None,
-                          model=self.model_info(), budget_mode=budget_mode)
+                          model=self.model_info(), budget_mode=budget_mode, query_agnostic=query_agnostic)
         comp.session = session
         self.registry.add(owner, session, stop=lambda: comp.cancel.set(),
                           forget=lambda reason: self._let_go(comp, reason))

@@ -26,6 +26,8 @@ from typing import Any, Mapping
 
 import plotly.graph_objects as go
 
+from prefixkv_core.record import mode_title
+
 from .theme import PAPER_FONT
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,11 @@ def paper_figure(fig: go.Figure, width: int = 720, height: int | None = None) ->
     out.update_xaxes(showgrid=False, linecolor="black", tickcolor="black", mirror=False)
     out.update_yaxes(showgrid=True, gridcolor="#ececec", linecolor="black", tickcolor="black", mirror=False)
     return out
+
+
+def run_mode(results: Mapping[str, Any]) -> str:
+    """Which mode produced these results, in words ('published budgets, query-aware', ...)."""
+    return mode_title(results.get("budget_mode", "published"), bool(results.get("query_agnostic", False)))
 
 
 def slug(text: str) -> str:
@@ -128,8 +135,8 @@ def results_latex(results: Mapping[str, Any]) -> str:
         r"% requires \usepackage{booktabs}",
         r"\begin{table}[t]",
         r"  \centering",
-        rf"  \caption{{KV-cache compression on {model} at budget $r = {budget:.2f}$ "
-        r"(ROUGE-L against the uncompressed answer).}",
+        rf"  \caption{{KV-cache compression on {model} at budget $r = {budget:.2f}$, "
+        rf"{latex_escape(run_mode(results))} (ROUGE-L against the uncompressed answer).}}",
         r"  \label{tab:kv-compression}",
         r"  \begin{tabular}{llrrrrrr}",
         r"    \toprule",
@@ -153,6 +160,7 @@ def transcript_markdown(results: Mapping[str, Any]) -> str:
     out = ["# KV-cache compression comparison", "",
            f"- model: `{results.get('model')}` on {results.get('device')}",
            f"- budget r = {results.get('budget')}",
+           f"- mode: {run_mode(results)}",
            f"- settings: {json.dumps(results.get('settings', {}))}"]
     knobs = {m: k for m, k in (results.get("knobs") or {}).items() if k}
     if knobs:
@@ -245,7 +253,8 @@ def export_all(figures: Mapping[str, go.Figure], results: Mapping[str, Any], for
     (base / "transcript.md").write_text(transcript_markdown(results))
     files += [base / "results.json", base / "results.csv", base / "table.tex", base / "transcript.md"]
 
-    titles = {name: (fig.layout.title.text or name) for name, fig in figures.items()}
+    mode = run_mode(results)  # every caption and title says which mode produced the figure
+    titles = {name: f"{fig.layout.title.text or name} [{mode}]" for name, fig in figures.items()}
     (base / "figures" / "captions.md").write_text(
         "\n".join(f"- `{slug(n)}`: {re.sub('<[^>]+>', '', t)}" for n, t in titles.items()) + "\n")
     for name, img in (images or {}).items():
@@ -253,7 +262,7 @@ def export_all(figures: Mapping[str, go.Figure], results: Mapping[str, Any], for
         img.save(path)
         files.append(path)
     if "html" in formats and figures:
-        (fig_dir / "figures.html").write_text(figures_html(figures))
+        (fig_dir / "figures.html").write_text(figures_html(figures, f"KV-cache comparison [{mode}]"))
         files.append(fig_dir / "figures.html")
 
     static = [f for f in formats if f in STATIC_FORMATS]

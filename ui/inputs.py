@@ -401,6 +401,15 @@ def check_budget_mode(equal_memory: Any) -> str:
     return "equal_memory" if equal_memory else "published"
 
 
+def check_query_agnostic(query_agnostic: Any) -> bool:
+    """The query-agnostic switch: True compresses before the question is fed."""
+    if query_agnostic is None:
+        return False
+    if not isinstance(query_agnostic, bool):
+        raise refuse(f"query_agnostic must be true or false, got {_short(query_agnostic)}")
+    return query_agnostic
+
+
 def check_sampling(do_sample: Any, temperature: Any, top_p: Any, seed: Any) -> tuple[bool, float, float, int]:
     """Sampling settings of a request; None takes the default."""
     do_sample = False if do_sample is None else do_sample

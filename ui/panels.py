@@ -96,7 +96,9 @@ def status_line(comparison: Comparison | None, phase: str | None = None) -> str:
     if pre is not None:
         parts.append(f"prompt {pre.prompt_tokens} tokens ({pre.image_tokens} image) · {pre.num_layers} layers · "
                      f"shared prefill {pre.prefill_s:.2f} s")
-    parts.append(f"budget r = {comparison.budget:.2f}")
+    parts.append(f"budget r = {comparison.budget:.2f} ({comparison.mode_title()})")
+    if pre is not None and comparison.query_agnostic and pre.compressed_tokens is not None:
+        parts.append(f"{pre.compressed_tokens} tokens compressed before the question")
     if len(comparison.prompts) > 1:
         parts.append(f"turn {len(comparison.prompts)}")
     return " · ".join(parts)
