@@ -34,7 +34,8 @@ MODE_NOTES = {
     "published": f"Budgets as published: {PROMPT_ONLY} compress the prompt once and their cache grows "
                  "while decoding; the other budgeted methods hold about r·N_t at every step.",
     "equal_memory": f"Equal memory: every budgeted method holds about r·N_t at every step ({PROMPT_ONLY} held "
-                    "while decoding: the oldest generated entries go first, then the prompt's least attended).",
+                    "while decoding as the every-step methods hold themselves: a recent window of half the budget, a "
+                    "fed question whole, the prompt's entries evicted by the method's own ranking).",
 }
 QUERY_NOTES = {
     False: "Query-aware: the whole prompt, question included, is prefilled and then compressed (the question is in "

@@ -11,8 +11,9 @@ import torch
 from prefixkv_core import Engine, EngineError, GenerationSettings
 from prefixkv_core.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, make_policy
-from prefixkv_core.policies.base import DecodeView, apply_plans
-from prefixkv_core.policies.equal_memory import hold_plans, layer_shares
+from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
+from prefixkv_core.policies.equal_memory import HoldRank, hold_plans, layer_shares
+from prefixkv_core.policies.lookm import similarity_merge
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 BUDGETED = [m for m in METHODS if REGISTRY[m].uses_budget]
@@ -37,35 +38,196 @@ def _held_layer(n_prompt_kept: int, generated: int, prompt_len: int, h: int = 2,
     return layer
 
 
-def _naive_hold(positions: list[int], scores: list[float], prompt_len: int, target: int) -> list[int]:
-    """Oldest generated entries first (never the newest), then the prompt's lowest scores (never the sink or
-    the last prompt token). Returns the kept positions."""
-    entries = list(zip(positions, scores))
-    while len(entries) > target:
-        generated = [e for e in entries if e[0] >= prompt_len]
-        if len(generated) > 1:
-            entries.remove(min(generated))
-            continue
-        prompt = [e for e in entries if e[0] < prompt_len and e[0] not in (0, prompt_len - 1)]
-        entries.remove(min(prompt, key=lambda e: e[1]))
-    return [p for p, _ in entries]
+def _naive_hold(positions: list[int], prompt_len: int, target: int, score, tier, turns=()) -> list[int]:
+    """The hold rule spelled out: always the sink, the last prompt token and the newest entry; then the fed
+    turns, newest first; then the newest half of the target (the recent window), newest first; then the prompt
+    entries by the method's own order (lower tier, then higher score); generated entries outside the window
+    last, newest first. `score(p)` / `tier(p)`: the method's ranking of prompt position p. Returns the kept
+    positions."""
+    entries = sorted(positions)
+    window = entries[-max(1, round(0.5 * target)):]
+    always = [p for p in entries if p in (0, prompt_len - 1, entries[-1])]
+    rest = [p for p in entries if p not in always]
+    in_turn = sorted((p for p in rest if any(a <= p < b for a, b in turns)), reverse=True)
+    rest = [p for p in rest if p not in in_turn]
+    in_window = sorted((p for p in rest if p in window), reverse=True)
+    prompt = sorted((p for p in rest if p not in window and p < prompt_len), key=lambda p: (tier(p), -score(p), p))
+    generated = sorted((p for p in rest if p not in window and p >= prompt_len), reverse=True)
+    order = always + in_turn + in_window + prompt + generated
+    return sorted(order[: max(target, len(always))])
 
 
-@pytest.mark.parametrize("kept,generated,true_len", [(12, 5, 45), (12, 1, 41), (20, 3, 43), (6, 9, 49)])
-def test_hold_plans_match_the_naive_rule(kept, generated, true_len):
+def _naive_held_run(prefill_kept: list[int], prompt_len: int, share: float, steps: int, score, tier) -> list[int]:
+    """The naive rule applied after each of `steps` decoded tokens, as the engine applies it (an entry evicted
+    once never comes back)."""
+    kept, true_len = list(prefill_kept), prompt_len
+    for _ in range(steps):
+        kept.append(true_len)
+        true_len += 1
+        target = max(3, round(share * true_len))
+        if len(kept) > target:
+            kept = _naive_hold(kept, prompt_len, target, score, tier)
+    return kept
+
+
+def _random_rank(prompt_len: int, h: int, seed: int) -> HoldRank:
+    g = torch.Generator().manual_seed(seed)
+    return HoldRank(torch.rand(1, h, prompt_len, generator=g), torch.randint(0, 3, (1, h, prompt_len), generator=g))
+
+
+@pytest.mark.parametrize("kept,generated,true_len,turns,share", [
+    (12, 5, 45, [], 0.25), (12, 1, 41, [], 0.25), (20, 3, 43, [], 0.25), (6, 9, 49, [], 0.25),
+    (12, 9, 49, [(41, 46)], 0.25), (20, 12, 52, [(40, 43), (47, 50)], 0.25), (8, 2, 42, [(40, 41)], 0.25),
+    (6, 12, 52, [(40, 48)], 0.25), (6, 12, 52, [(40, 50)], 0.1)])
+def test_held_layer_keeps_what_the_naive_rule_keeps(kept, generated, true_len, turns, share):
     prompt_len = 40
     cache = TrackedCache(1)
     cache.layers[0] = _held_layer(kept, generated, prompt_len, seed=kept + generated)
-    before = cache.layers[0].positions.clone(), cache.layers[0].scores.clone()
-    share = 0.25
+    before = cache.layers[0].positions.clone()
+    rank = _random_rank(prompt_len, 2, seed=kept)
     target = max(3, round(share * true_len))
-    apply_plans(cache, hold_plans(DecodeView(cache, true_len, prompt_len, 1), [share]))
+    apply_plans(cache, hold_plans(DecodeView(cache, true_len, prompt_len, 1), [share], [rank], turns))
     layer = cache.layers[0]
-    assert layer.length == min(target, kept + generated)
     for h in range(2):
-        want = _naive_hold(before[0][0, h].tolist(), before[1][0, h].tolist(), prompt_len, target)
+        want = _naive_hold(before[0, h].tolist(), prompt_len, target, lambda p: float(rank.scores[0, h, p]),
+                           lambda p: int(rank.tiers[0, h, p]), turns)
         assert layer.positions[0, h].tolist() == want
         assert layer.keys.shape[2] == layer.length
+    assert layer.length == min(target, kept + generated)
+
+
+def _steps(policy, cache, prompt_len, prefilled, steps, turn=0, seed=0):
+    """Feed `steps` decoded tokens (and, first, a user turn of `turn` tokens) through a held policy's plans."""
+    g = torch.Generator().manual_seed(seed)
+    true_len = max(l.positions.max().item() for l in cache.layers) + 1
+    chunks = ([turn] if turn else []) + [1] * steps
+    for i, q in enumerate(chunks):
+        for layer in cache.layers:
+            h, d = layer.keys.shape[1], layer.keys.shape[3]
+            layer.update(torch.randn(1, h, q, d, generator=g), torch.randn(1, h, q, d, generator=g))
+            layer.append_meta(torch.arange(true_len, true_len + q)[None], torch.zeros(1, q, dtype=torch.bool), h)
+        true_len += q
+        step = 0 if (turn and i == 0) else i + 1
+        view = DecodeView(cache, true_len, prompt_len, step)
+        apply_plans(cache, policy.decode(view, prefilled.state))
+        apply_plans(cache, policy.equal_memory_plans(view, prefilled.state))
+    return true_len
+
+
+def _synthetic(n=40, n_layers=3, h=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = TrackedCache(n_layers)
+    stats = {}
+    for i in range(n_layers):
+        layer = TrackedLayer()
+        layer.update(torch.randn(1, h, n, 8, generator=g), torch.randn(1, h, n, 8, generator=g))
+        flags = torch.zeros(1, n, dtype=torch.bool)
+        flags[:, 4:28] = True  # image tokens 4..27
+        layer.append_meta(torch.arange(n)[None], flags, h)
+        colsum = torch.rand(1, h, n, generator=g)
+        colsum[..., 0] += 3.0
+        layer.scores = colsum.clone()
+        stats[i] = {"colsum": colsum, "window": torch.rand(1, h, n, generator=g)}
+        cache.layers[i] = layer
+    return cache, stats
+
+
+def _held_run(method, budget, knobs=None, steps=8, turn=0, n=40):
+    cache, stats = _synthetic(n)
+    policy = make_policy(method, budget, "equal_memory", **(knobs or {}))
+    w = policy.prefill_stats(n).window
+    view = PrefillView(cache, {i: dict(s) for i, s in stats.items()}, n, budget, w)
+    prefilled = policy.prefill(view)
+    apply_plans(cache, prefilled.plans)
+    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, n, n, 0), prefilled.state))
+    kept_after_prefill = [l.positions.clone() for l in cache.layers]
+    true_len = _steps(policy, cache, n, prefilled, steps, turn)
+    return policy, cache, stats, prefilled.state, kept_after_prefill, true_len, w
+
+
+def _naive_pool(votes: list[float], window: int, kernel: int) -> list[float]:
+    n = len(votes)
+    prefix = votes[: n - window]
+    pooled = [max(prefix[max(0, j - kernel // 2): j + kernel // 2 + 1]) for j in range(len(prefix))]
+    return pooled + votes[n - window:]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+@pytest.mark.parametrize("budget", [0.3, 0.5])
+def test_held_snapkv_and_pyramidkv_evict_by_their_window_votes(method, budget):
+    n = 40
+    policy, cache, stats, state, prefill_kept, true_len, w = _held_run(method, budget, {"window": 4})
+    for i, layer in enumerate(cache.layers):
+        target = max(3, round(state.held_shares[i] * true_len))
+        assert layer.length == target
+        for h in range(2):
+            pooled = _naive_pool(stats[i]["window"][0, h].tolist(), w, policy.kernel)
+            want = _naive_held_run(prefill_kept[i][0, h].tolist(), n, state.held_shares[i], true_len - n,
+                                   lambda p: pooled[p], lambda p: 0 if p >= n - w else 1)
+            assert layer.positions[0, h].tolist() == want, (i, h)
+    if method == "pyramidkv":  # the held shares keep its per-layer capacities
+        caps = state.capacities
+        assert [s / (sum(state.held_shares) / len(caps)) for s in state.held_shares] == pytest.approx(
+            [c / (sum(caps) / len(caps)) for c in caps])
+
+
+def test_held_lookm_ranks_text_first_and_merges_what_it_evicts():
+    n, budget = 40, 0.4
+    cache, stats = _synthetic(n)
+    policy = make_policy("lookm", budget, "equal_memory")
+    prefilled = policy.prefill(PrefillView(cache, stats, n, budget, 0))
+    apply_plans(cache, prefilled.plans)
+    state = prefilled.state
+    assert policy.equal_memory_plans(DecodeView(cache, n, n, 0), state) == [None] * 3  # at r·N already
+    prefill_kept = [l.positions.clone() for l in cache.layers]
+    true_len = _steps(policy, cache, n, prefilled, 5)
+    recent = max(1, round(0.5 * budget * n))
+    image = set(range(4, 28))
+    for i, layer in enumerate(cache.layers):
+        target = max(3, round(state.held_shares[i] * true_len))
+        for h in range(2):
+            colsum = stats[i]["colsum"][0, h].tolist()
+            want = _naive_held_run(prefill_kept[i][0, h].tolist(), n, state.held_shares[i], true_len - n,
+                                   lambda p: colsum[p], lambda p: 0 if p >= n - recent else (2 if p in image else 1))
+            assert len(want) == target
+            assert layer.positions[0, h].tolist() == want, (i, h)
+    # one more step: the plan merges every entry it evicts into its most similar kept key (LOOK-M's merge)
+    for layer in cache.layers:
+        layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+        layer.append_meta(torch.tensor([[true_len]]), torch.zeros(1, 1, dtype=torch.bool), 2)
+    plans = policy.equal_memory_plans(DecodeView(cache, true_len + 1, n, 6), state)
+    for layer, plan in zip(cache.layers, plans):
+        if plan is None:
+            continue
+        want = similarity_merge(layer.keys, plan.keep, policy.merge)
+        assert torch.equal(plan.merge.src, want.src) and torch.equal(plan.merge.dst, want.dst)
+        assert set(plan.merge.src[0, 0].tolist()) == set(range(layer.length)) - set(plan.keep[0, 0].tolist())
+
+
+def test_held_prefixkv_grow_evicts_by_its_scorer_in_its_layer_counts():
+    n, budget = 40, 0.3
+    policy, cache, stats, state, prefill_kept, true_len, _ = _held_run("prefixkv", budget, {"decode": "grow"})
+    for i, layer in enumerate(cache.layers):
+        target = max(3, round(state.held_shares[i] * true_len))
+        colsum = stats[i]["colsum"][0].mean(dim=0).tolist()  # its default scorer: the layer's column sums
+        want = _naive_held_run(prefill_kept[i][0, 0].tolist(), n, state.held_shares[i], true_len - n,
+                               lambda p: colsum[p], lambda p: 0)
+        assert len(want) == target
+        assert layer.positions[0, 0].tolist() == layer.positions[0, 1].tolist() == want, i
+    assert [s / budget for s in state.held_shares] == pytest.approx(
+        [r / (sum(state.layer_ratios) / len(state.layer_ratios)) for r in state.layer_ratios])
+
+
+@pytest.mark.parametrize("method", ["snapkv", "lookm"])
+def test_a_fed_question_is_kept_whole_while_the_rest_is_held(method):
+    n, budget, q = 40, 0.4, 6
+    policy, cache, stats, state, _, true_len, _ = _held_run(method, budget, steps=10, turn=q)
+    assert state.held_turns == [(n, n + q)]
+    for layer in cache.layers:
+        for h in range(2):
+            kept = set(layer.positions[0, h].tolist())
+            assert set(range(n, n + q)) <= kept  # the question, every token of it
+            assert {0, n - 1, true_len - 1} <= kept
 
 
 def test_layer_shares_keep_the_profile_and_average_the_budget():
@@ -125,6 +287,34 @@ def test_equal_memory_holds_every_budgeted_method_at_r_nt_every_step(tiny, noise
         notes = results["methods"][name]["extras"].get("notes", [])
         assert any(n.startswith("equal memory: held at r·N_t") for n in notes), (name, notes)
     assert not any(n.startswith("equal memory") for n in results["methods"]["local"]["extras"].get("notes", []))
+
+
+def test_held_methods_keep_the_recent_window_and_the_follow_up_question(tiny_qwen2, noise_image):
+    """Through the engine: after a first answer and a follow-up, every held layer whose budget can hold it keeps
+    the follow-up's tokens and the newest half of its target, as H2O protects its recent window."""
+    engine = Engine(tiny_qwen2)
+    session = engine.new_session(noise_image, PROMPT, PROMPT_ONLY, 0.5, GenerationSettings(max_new_tokens=6,
+                                                                                             ignore_eos=True),
+                                 budget_mode="equal_memory")
+    list(session.run())
+    before = {name: s.true_len for name, s in session.states.items()}
+    list(session.follow_up("and what colour is the largest one"))
+    for name, state in session.states.items():
+        turn = list(range(before[name], before[name] + (state.true_len - before[name] - 5)))  # fed, then 5 decoded
+        assert state.policy_state.held_turns == [(before[name], turn[-1] + 1)], name
+        checked = 0
+        for layer, share in zip(state.cache.layers, state.policy_state.held_shares):
+            target = round(share * state.true_len)
+            window = set(range(state.true_len - round(0.5 * target), state.true_len))
+            for head in layer.positions[0]:
+                kept = set(head.tolist())
+                if target >= len(turn) + 3:  # room for the question beside the sink, last prompt token, newest
+                    assert set(turn) <= kept, name
+                    checked += 1
+                if target >= len(set(turn) | window | {0, state.prompt_len - 1}):  # and for the window
+                    assert window <= kept, name
+                    checked += 1
+        assert checked, name
 
 
 def test_published_mode_lets_prompt_only_methods_grow(tiny_llama, noise_image):

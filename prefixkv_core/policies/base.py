@@ -125,8 +125,13 @@ class PolicyState:
     own typed fields; `notes` are sentences worth showing (fallbacks, clamped knobs, budget overruns)."""
 
     notes: list[str] = field(default_factory=list)
-    # equal-memory mode: each layer's share of N_t to hold while decoding (set at the first hold)
+    # equal-memory mode (see equal_memory.py): each layer's share of N_t to hold (set at the first hold), the
+    # method's own ranking of its prompt entries per layer (set by its prefill; else the accumulated attention),
+    # the position spans of user turns fed after the prompt (kept whole), and N_t at the last hold
     held_shares: list[float] = field(default_factory=list)
+    hold_ranks: list[Any] = field(default_factory=list)
+    held_turns: list[tuple[int, int]] = field(default_factory=list)
+    held_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -234,15 +239,26 @@ class Policy:
         return self.budget_mode == "equal_memory" and self.uses_budget and not self.keeps_budget_while_decoding()
 
     def equal_memory_plans(self, view: DecodeView, state: PolicyState) -> list[LayerPlan | None] | None:
-        """Plans that bring every layer back to its share of r·N_t (None when not held). The runner calls
-        this after the prefill's plans and after every decoding step's; override to evict by another rule."""
+        """Plans that bring every layer back to its share of r·N_t (None when not held), by the rule of
+        equal_memory.py: a recent window, user turns whole, the prompt's entries evicted by the method's own
+        ranking (`state.hold_ranks`, which a held method's prefill sets). The runner calls this after the
+        prefill's plans and after every step's (a decoded token, a fed turn)."""
         if not self.held_to_equal_memory():
             return None
-        from .equal_memory import hold_plans, layer_shares
+        from .equal_memory import accumulated_rank, hold_plans, layer_shares
 
         if not state.held_shares:  # first call, right after the prompt was compressed
             state.held_shares = layer_shares(view.cache, view.prompt_len, self.budget)
-        return hold_plans(view, state.held_shares)
+            if not state.hold_ranks:
+                state.hold_ranks = [accumulated_rank(layer, view.prompt_len) for layer in view.cache.layers]
+        elif view.step == 0 and view.true_len > state.held_len:  # a user turn was fed: it stays whole
+            state.held_turns.append((state.held_len, view.true_len))
+        state.held_len = view.true_len
+        return hold_plans(view, state.held_shares, state.hold_ranks, state.held_turns)
+
+    def hold_ranking(self) -> str:
+        """In words: the order in which the equal-memory mode evicts this method's prompt entries."""
+        return "accumulated attention"
 
     def allocation_importance(self, state: PolicyState) -> torch.Tensor | None:
         """[L, N'] the per-layer importance this run divided its budget by (its Lorenz curves), if any."""
@@ -252,8 +268,8 @@ class Policy:
         """What to show next to this method's panel about this run (override to add typed facts)."""
         out = [note(n) for n in state.notes]
         if self.held_to_equal_memory():
-            out.append(note("equal memory: held at r·N_t while decoding (the oldest generated entries go first, "
-                            "then the prompt's least attended)"))
+            out.append(note(f"equal memory: held at r·N_t while decoding (a recent window of half the budget, the "
+                            f"questions whole, the prompt evicted by {self.hold_ranking()})"))
         return out
 
     def extras(self, state: PolicyState | None) -> dict[str, Any]:

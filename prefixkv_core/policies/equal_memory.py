@@ -1,26 +1,77 @@
 """Equal-memory mode: prompt-only methods (SnapKV, PyramidKV, LOOK-M, PrefixKV with decode = grow) held at
-about r·N_t entries after the prompt and after every token, like the every-step methods, so all budgeted
-methods are compared at the same memory.
+about r·N_t entries after the prompt and after every token, the way the every-step methods hold themselves, so
+all budgeted methods are compared at the same memory and under the same rules.
 
-The rule keeps each method's own choice of prompt entries as long as the budget allows:
-
-1. Layer l holds round(ρ_l · N_t) entries, where ρ_l is the layer's share right after the method compressed
-   the prompt, rescaled so the shares average r (PyramidKV keeps its pyramid; LOOK-M, whose text may
-   exceed the budget, is brought down to r).
-2. When a layer holds more, the oldest generated entries go first (the generated part behaves as a window of
-   recent tokens); the newest entry always stays.
-3. When that is not enough (the compressed prompt itself is over the target), the prompt entries with the
-   lowest accumulated attention (prefill column sums, per KV head) go next; the attention sink and the last
-   prompt token always stay.
+1. Layer l holds round(ρ_l · N_t) entries, where ρ_l is the layer's share right after the method compressed the
+   prompt, rescaled so the shares average r (PyramidKV keeps its per-layer capacities; LOOK-M, whose text may
+   exceed the budget with `text_prior = keep_all`, is brought down to r).
+2. Always kept: the attention sink, the last prompt token and the newest entry.
+3. Then every user turn fed after the prompt (a follow-up question, or the question of a query-agnostic run)
+   whole, for the rest of the conversation (cut, oldest tokens first, only in a layer whose whole budget is
+   smaller than the question).
+4. Then the recent window the every-step methods protect: the newest max(1, round(RECENT_SHARE · T_l)) entries
+   of the layer (H2O's published split: half of its budget for recent tokens), generated or prompt.
+5. Generated entries that have left the window go first, the oldest first.
+6. Then the prompt's entries go in the order of the method's OWN ranking (`HoldRank`), lowest first: SnapKV and
+   PyramidKV their observation window, then the rest by max-pooled window votes, per KV head; LOOK-M its recent
+   window, then text, then image tokens, each by accumulated attention, per KV head (and it merges what it
+   evicts into the most similar kept key); PrefixKV its scorer. A method that states none: its entries'
+   accumulated attention (the prefill's column sums, per KV head).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..cache import TrackedCache
-from .base import DecodeView, LayerPlan, budget_count, drop_range_keep, protected_mask, top_k_keep
+from ..cache import TrackedCache, TrackedLayer
+from . import scoring
+from .base import DecodeView, LayerPlan, budget_count, tiered_keep
 
 MIN_HELD = 3  # the sink, the last prompt token and the newest entry
+RECENT_SHARE = 0.5  # the recent window every-step methods protect: H2O's published half of the budget
+_PROTECTED, _TURN, _WINDOW, _PROMPT, _GENERATED = 0, 1, 2, 3, 1_000_000  # ranking tiers, lowest kept first
+
+
+@dataclass
+class HoldRank:
+    """A held method's own ranking of its prompt entries, indexed by prompt position: a lower tier is kept
+    longer, then a higher score. Shapes [B, 1|Hkv, N] (one ranking per layer, or per KV head)."""
+
+    scores: torch.Tensor  # fp32
+    tiers: torch.Tensor  # integer, >= 0
+
+    def at(self, positions: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, tiers) of the entries at `positions` [B, Hkv, T] (generated positions read the last prompt
+        token's; callers mask them)."""
+        b, h, _ = positions.shape
+        idx = positions.clamp(min=0, max=prompt_len - 1)
+        return (self.scores.expand(b, h, -1).gather(-1, idx), self.tiers.expand(b, h, -1).gather(-1, idx))
+
+
+def ranked(scores: torch.Tensor, first: torch.Tensor | None = None) -> HoldRank:
+    """A ranking by `scores` [B, 1|Hkv, N]; entries where `first` (broadcastable bool) go last of all prompt
+    entries (e.g. SnapKV's observation window, which its own selection keeps whatever it scores)."""
+    tiers = torch.ones_like(scores, dtype=torch.long)
+    if first is not None:
+        tiers = torch.where(first.expand_as(tiers), 0, tiers)
+    return HoldRank(scores.float(), tiers)
+
+
+def snap_rank(window_votes: torch.Tensor, window: int, kernel: int) -> HoldRank:
+    """SnapKV's (and PyramidKV's) own order: the observation window first, then max-pooled window votes, per KV
+    head. window_votes [B, Hkv, N]."""
+    n = window_votes.shape[-1]
+    pos = torch.arange(n, device=window_votes.device).view(1, 1, -1)
+    return ranked(scoring.snap_window(window_votes, window, kernel), pos >= n - min(window, n))
+
+
+def accumulated_rank(layer: TrackedLayer, prompt_len: int) -> HoldRank:
+    """The fallback ranking: each prompt entry's accumulated attention (per KV head), by position."""
+    b, h, _ = layer.positions.shape
+    scores = torch.zeros(b, h, prompt_len + 1, device=layer.positions.device)  # the last slot takes generated ones
+    scores.scatter_(-1, layer.positions.clamp(max=prompt_len), layer.scores.float())
+    return ranked(scores[..., :prompt_len])
 
 
 def layer_shares(cache: TrackedCache, prompt_len: int, budget: float) -> list[float]:
@@ -32,27 +83,35 @@ def layer_shares(cache: TrackedCache, prompt_len: int, budget: float) -> list[fl
     return [budget * k / mean for k in kept]
 
 
-def hold_plans(view: DecodeView, shares: list[float]) -> list[LayerPlan | None]:
+def held_keep(positions: torch.Tensor, prompt_len: int, target: int, rank: HoldRank,
+              turns: list[tuple[int, int]]) -> torch.Tensor:
+    """Indices [B, Hkv, K] (ascending) of the entries a held layer keeps, by the rule in the module docstring.
+    positions [B, Hkv, T]: the entries' true positions; turns: [start, end) position spans of fed user turns.
+    K = target, or more when the entries that are always kept outnumber it."""
+    newest_first = torch.argsort(torch.argsort(positions, dim=-1, descending=True), dim=-1)  # 0 = the newest
+    window = newest_first < max(1, int(round(RECENT_SHARE * target)))
+    protected = (positions == 0) | (positions == prompt_len - 1) | (newest_first == 0)
+    turn = torch.zeros_like(protected)
+    for start, end in turns:
+        turn |= (positions >= start) & (positions < end)
+    prompt = positions < prompt_len
+    own_scores, own_tiers = rank.at(positions, prompt_len)
+    tier = torch.where(protected, _PROTECTED, torch.where(turn, _TURN, torch.where(window, _WINDOW, torch.where(
+        prompt, _PROMPT + own_tiers, _GENERATED))))
+    # the method's scores order its prompt entries; recency orders the turns, the window and generated entries
+    score = torch.where(prompt & ~window, own_scores, positions.float())
+    k = max(target, int(protected.sum(dim=-1).max()))
+    return tiered_keep(score, k, tier)
+
+
+def hold_plans(view: DecodeView, shares: list[float], ranks: list[HoldRank],
+               turns: list[tuple[int, int]]) -> list[LayerPlan | None]:
     """Plans that bring layer l to round(shares[l] · N_t) entries (at least MIN_HELD) by the rule above."""
     plans: list[LayerPlan | None] = []
-    for layer, share in zip(view.cache.layers, shares):
+    for layer, share, rank in zip(view.cache.layers, shares, ranks):
         target = budget_count(share, view.full_len, min_keep=MIN_HELD)  # r is a share of the uncompressed N_t
-        excess = layer.length - target
-        if excess <= 0:
+        if layer.length <= target:
             plans.append(None)
             continue
-        device = layer.positions.device
-        # generated entries (true position >= N) sit after the prompt's in every KV head
-        n_prompt = int((layer.positions[0, 0] < view.prompt_len).sum())
-        generated = layer.length - n_prompt
-        drop_generated = min(excess, max(0, generated - 1))
-        rest = excess - drop_generated
-        if rest == 0:
-            plans.append(LayerPlan(keep=drop_range_keep(layer.length, n_prompt, drop_generated, device)))
-            continue
-        b, h, _ = layer.positions.shape
-        protected = protected_mask(layer, view.prompt_len)[..., :n_prompt]
-        prompt_keep = top_k_keep(layer.scores[..., :n_prompt], n_prompt - rest, protected)
-        tail = torch.arange(n_prompt + drop_generated, layer.length, device=device).view(1, 1, -1)
-        plans.append(LayerPlan(keep=torch.cat([prompt_keep, tail.expand(b, h, -1)], dim=-1)))
+        plans.append(LayerPlan(keep=held_keep(layer.positions, view.prompt_len, target, rank, turns)))
     return plans

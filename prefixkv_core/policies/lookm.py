@@ -14,6 +14,7 @@ from ..attention import StatRequest
 from . import scoring
 from .base import (LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob,
                    tiered_keep, top_k_keep)
+from .equal_memory import HoldRank
 
 MERGE_MODES = ("pivotal", "average", "weighted")
 TEXT_PRIORS = ("rank", "keep_all")
@@ -110,6 +111,7 @@ class LookMPolicy(Policy):
         else:
             heavy = int(round(0.5 * self.budget * n))
         plans = []
+        ranks = []
         over = 0
         for i in range(view.num_layers):
             layer = view.layer(i)
@@ -120,7 +122,22 @@ class LookMPolicy(Policy):
                 keep = lookm_keep(scores, layer.is_image, heavy, recent)
             over = max(over, keep.shape[-1] - int(round(self.budget * n)))
             plans.append(LayerPlan(keep=keep, merge=similarity_merge(layer.keys, keep, self.merge)))
-        state = PolicyState()
+            if self.held_to_equal_memory():  # its own order: its recent window, then text, then image, by score
+                own_recent = layer.positions >= n - recent
+                ranks.append(HoldRank(scores.float(), torch.where(own_recent, 0, torch.where(layer.is_image, 2, 1))))
+        state = PolicyState(hold_ranks=ranks)
         if over > 0:
             state.notes.append(f"text tokens alone exceed the budget: {over} entries over r·N per layer")
         return Prefilled(plans, state)
+
+    def equal_memory_plans(self, view, state):
+        """Held at r·N_t like every prompt-only method, and, as LOOK-M does, what it evicts is merged into the
+        kept entry with the most similar key."""
+        plans = super().equal_memory_plans(view, state)
+        for layer, plan in zip(view.cache.layers, plans or []):
+            if plan is not None and plan.keep is not None:
+                plan.merge = similarity_merge(layer.keys, plan.keep, self.merge)
+        return plans
+
+    def hold_ranking(self) -> str:
+        return "its own order (its recent window, then text, then image tokens, by attention), merged"

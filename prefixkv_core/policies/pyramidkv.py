@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..attention import StatRequest
 from . import allocation
 from .base import Fact, LayerPlan, Policy, Prefilled, PrefillView, knob
+from .equal_memory import snap_rank
 from .snapkv import KERNEL_HELP, WINDOW_HELP, SnapState, check_kernel, clamp_window, snap_select
 
 
@@ -60,7 +61,12 @@ class PyramidKVPolicy(Policy):
         state.capacities = caps
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], caps[i], w, self.kernel))
                  for i in range(n_layers)]
+        if self.held_to_equal_memory():  # its own order; the held shares keep its per-layer capacities
+            state.hold_ranks = [snap_rank(view.stats[i]["window"], w, self.kernel) for i in range(n_layers)]
         return Prefilled(plans, state)
+
+    def hold_ranking(self) -> str:
+        return "its window votes, the observation window last, in its per-layer capacities"
 
     def facts(self, state: PyramidState) -> list[Fact]:
         caps = [Fact("capacities", "capacity", list(state.capacities), kind="per-layer", fmt="d", unit=" entries")]

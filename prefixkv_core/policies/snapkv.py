@@ -10,6 +10,7 @@ import torch
 from ..attention import StatRequest
 from . import allocation, scoring
 from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
+from .equal_memory import snap_rank
 
 
 def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
@@ -94,4 +95,10 @@ class SnapKVPolicy(Policy):
         capacities = allocation.uniform(self.budget, view.prompt_len, view.num_layers, min_keep=w + 1)
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
                  for i, capacity in enumerate(capacities)]
-        return Prefilled(plans, SnapState(notes=[clamped] if clamped else [], window=w))
+        state = SnapState(notes=[clamped] if clamped else [], window=w)
+        if self.held_to_equal_memory():  # its own order, for evicting the prompt while held at r·N_t
+            state.hold_ranks = [snap_rank(view.stats[i]["window"], w, self.kernel) for i in range(view.num_layers)]
+        return Prefilled(plans, state)
+
+    def hold_ranking(self) -> str:
+        return "its window votes, the observation window last"
