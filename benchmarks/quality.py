@@ -18,8 +18,9 @@ Full (and every method that ignores the budget, e.g. ZipVL) runs once per sample
 budget; Full's output is the ROUGE reference. Records are appended to <out>/records.rank<R>.jsonl after each
 (sample, budget), so a crashed or interrupted run continues where it stopped when started again with the
 same --out. Outputs in <out>: ppl / rouge_l / kv_kept tables (.md, .csv, .tex), results.json (every raw
-number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at every budget?), quality.html
-(+ quality.png when Chromium is installed).
+number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at every budget?), leaderboard.csv
+(kvpress's leaderboard layout: a row per method and compression ratio, a ROUGE-L column per task; see
+prefixkv_core/leaderboard.py), quality.html (+ quality.png when Chromium is installed).
 
 `--equal-memory` also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so
 every budgeted method is compared at the same memory. `--query-agnostic` compresses the image and any text
@@ -170,6 +171,52 @@ def evaluate_sample(engine, sample: Sample, image_root: Path, methods: list[str]
 
 
 # -- aggregation -------------------------------------------------------------------------------------------
+
+def sample_task(sample: Sample, text_mode: bool = False) -> str:
+    """The task a sample belongs to in the leaderboard export: its `kind` in the data file (the built-in set:
+    scene-description, scene-qa-count, photo-qa, ...), `continuation` in the text mode, else `all`."""
+    if text_mode:
+        return "continuation"
+    return str(sample.extra.get("kind") or "all")
+
+
+def leaderboard_rows(records: list[dict[str, Any]], samples: list[Sample], methods: list[str], budgets: list[float],
+                     *, dataset: str, data_dir: str, model: str, budget_mode: str, query_agnostic: bool,
+                     knobs: dict, text_mode: bool = False) -> tuple[list, list[str]]:
+    """The run in kvpress's leaderboard layout (prefixkv_core.leaderboard): one row per method and compression
+    ratio (1 - r; Full 0; a budget-free method once, at its measured ratio), a ROUGE-L × 100 column per task.
+    Returns (rows, tasks in first-seen order)."""
+    from prefixkv_core.leaderboard import (LeaderboardRow, compression_ratio, held_in_equal_memory, method_name,
+                                           task_score)
+    from prefixkv_core.metrics import rouge_l
+    from prefixkv_core.policies import REGISTRY
+
+    by_key = {record_key(r): r for r in records}
+    tasks = list(dict.fromkeys(sample_task(s, text_mode) for s in samples))
+    query_aware = not query_agnostic and not text_mode  # the text mode's prompts have no question
+    rows = []
+    for m in methods:
+        fixed = not REGISTRY[m].uses_budget
+        for b in ([None] if fixed else budgets):
+            per_task: dict[str, list[float]] = {t: [] for t in tasks}
+            shares = []
+            for sample in samples:
+                r = by_key.get((sample.id, m, budget_key(b)))
+                ref = by_key.get((sample.id, "full", "-"))
+                if r is None or r.get("error") or ref is None or ref.get("error"):
+                    continue
+                per_task[sample_task(sample, text_mode)].append(rouge_l(r.get("text", ""), ref.get("text", "")))
+                if r.get("full_kv_bytes"):
+                    shares.append(r["kv_bytes"] / r["full_kv_bytes"])
+            if m == "full":
+                ratio = 0.0
+            else:
+                ratio = compression_ratio(b, sum(shares) / len(shares) if shares else None)
+            rows.append(LeaderboardRow(dataset, data_dir, model, method_name(
+                m, query_aware=query_aware, held=held_in_equal_memory(m, budget_mode, knobs)), ratio,
+                {t: task_score(v) for t, v in per_task.items()}))
+    return rows, tasks
+
 
 def aggregate(records: list[dict[str, Any]], sample_ids: list[str], methods: list[str],
               budgets: list[float]) -> dict[str, Any]:
@@ -598,6 +645,15 @@ def main(argv: list[str] | None = None) -> int:
         written += t.write(out, name)
     claims = check_claims(agg, methods, settings["budgets"])
     (out / "claims.md").write_text("\n".join(claims) + "\n")
+    from prefixkv_core.leaderboard import to_csv as leaderboard_csv
+
+    lb_rows, lb_tasks = leaderboard_rows(
+        records, samples, methods, settings["budgets"], knobs=knobs, model=loaded.name, budget_mode=budget_mode,
+        query_agnostic=query_agnostic, text_mode=long_text is not None,
+        dataset=("text-" + (args.text if args.text == "builtin" else Path(args.text).stem)) if long_text is not None
+        else Path(data_path).stem,
+        data_dir=str(settings["context_tokens"]) if long_text is not None else "")
+    (out / "leaderboard.csv").write_text(leaderboard_csv(lb_rows, lb_tasks))
     summary_md = "\n".join(Table(**{**vars(t), "notes": []}).to_markdown() for t in tables.values())
     summary_md += "\n" + note + "\n\n" + "\n".join(claims) + "\n"
     (out / "tables.md").write_text(summary_md)
@@ -622,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         print(png_msg)
         print(f"elapsed {max(elapsed_all):.0f} s on {world} process(es); {sum(new_all)} new records, "
               f"{len(records) - sum(new_all)} resumed from {out}")
-    print(f"wrote {out}/(ppl|rouge_l|kv_kept).(md|csv|tex), tables.md, claims.md, results.json, "
+    print(f"wrote {out}/(ppl|rouge_l|kv_kept).(md|csv|tex), tables.md, claims.md, leaderboard.csv, results.json, "
           + ", ".join(p.name for p in fig_paths))
     return 0
 

@@ -213,6 +213,9 @@ class ComparisonRecord:
             "tokens_per_s": round(ev.tokens_per_s, 2) if ev is not None and ev.tokens_per_s else None,
             "ttft_s": round(ev.ttft_s, 4) if ev is not None and ev.ttft_s is not None else None,
             "rouge_l_vs_full": round(rouge, 4) if rouge is not None else None,
+            # every turn's ROUGE-L against Full's answer to it (None where either did not finish)
+            "rouge_l_per_turn": [None if x is None else round(x, 4) for x in
+                                 (self.rouge(method, i) for i in range(len(t.turns)))],
             "kept_per_layer": list(ev.kept_per_layer) if ev is not None else [],
             "kept_image_per_layer": list(ev.kept_image_per_layer) if ev is not None else [],
             "full_len": ev.full_len if ev is not None else None,

@@ -1,6 +1,6 @@
 """Export for papers: every chart as PNG (scale 3), SVG and PDF in a clean print style, all charts as one
-interactive HTML file, the results as JSON and CSV, a LaTeX table of the metrics, the transcript as
-Markdown, and a zip of everything.
+interactive HTML file, the results as JSON and CSV, the results in kvpress's leaderboard layout
+(leaderboard.csv), a LaTeX table of the metrics, the transcript as Markdown, and a zip of everything.
 
 Static images need a Chromium/Chrome (kaleido 1.x drives one through choreographer). The browser is taken
 from BROWSER_PATH, else found on PATH (chromium, google-chrome, ...). Without one the static formats are
@@ -26,6 +26,8 @@ from typing import Any, Mapping
 
 import plotly.graph_objects as go
 
+from prefixkv_core import leaderboard
+from prefixkv_core.policies import REGISTRY
 from prefixkv_core.record import mode_title
 
 from .theme import PAPER_FONT
@@ -111,6 +113,38 @@ def results_csv(results: Mapping[str, Any]) -> str:
     for row in rows:
         writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
     return buf.getvalue()
+
+
+LEADERBOARD_DATASET = "chat"  # the app's results: one conversation, each turn a task
+
+
+def leaderboard_rows(results: Mapping[str, Any]) -> tuple[list[leaderboard.LeaderboardRow], list[str]]:
+    """This comparison in kvpress's leaderboard layout (prefixkv_core.leaderboard): a row per method at its
+    compression ratio (1 - r; Full 0; a budget-free method at its measured ratio), a task per turn whose score is
+    the method's ROUGE-L F1 × 100 against Full's answer to that turn. Returns (rows, tasks)."""
+    methods = results.get("methods", {})
+    n_turns = max((len(r.get("rouge_l_per_turn") or []) for r in methods.values()), default=0)
+    tasks = [f"turn_{i + 1}" for i in range(n_turns)]
+    budget_mode = results.get("budget_mode", "published")
+    query_aware = not results.get("query_agnostic", False)
+    rows = []
+    for method, r in methods.items():
+        fixed = method in REGISTRY and not REGISTRY[method].uses_budget
+        ratio = 0.0 if method == "full" else leaderboard.compression_ratio(
+            None if fixed else results.get("budget"), r.get("kv_ratio"))
+        per_turn = list(r.get("rouge_l_per_turn") or [])
+        scores = {t: (None if i >= len(per_turn) or per_turn[i] is None else round(100.0 * per_turn[i], 2))
+                  for i, t in enumerate(tasks)}
+        name = leaderboard.method_name(method, query_aware=query_aware, held=leaderboard.held_in_equal_memory(
+            method, budget_mode, results.get("knobs") or {}))
+        rows.append(leaderboard.LeaderboardRow(LEADERBOARD_DATASET, "", str(results.get("model") or ""), name, ratio,
+                                               scores))
+    return rows, tasks
+
+
+def results_leaderboard_csv(results: Mapping[str, Any]) -> str:
+    rows, tasks = leaderboard_rows(results)
+    return leaderboard.to_csv(rows, tasks)
 
 
 _LATEX_SPECIAL = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
@@ -249,9 +283,11 @@ def export_all(figures: Mapping[str, go.Figure], results: Mapping[str, Any], for
     files: list[Path] = []
     (base / "results.json").write_text(json.dumps(results, indent=2, default=str))
     (base / "results.csv").write_text(results_csv(results))
+    (base / "leaderboard.csv").write_text(results_leaderboard_csv(results))
     (base / "table.tex").write_text(results_latex(results))
     (base / "transcript.md").write_text(transcript_markdown(results))
-    files += [base / "results.json", base / "results.csv", base / "table.tex", base / "transcript.md"]
+    files += [base / "results.json", base / "results.csv", base / "leaderboard.csv", base / "table.tex",
+              base / "transcript.md"]
 
     mode = run_mode(results)  # every caption and title says which mode produced the figure
     titles = {name: f"{fig.layout.title.text or name} [{mode}]" for name, fig in figures.items()}
