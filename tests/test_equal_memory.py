@@ -12,7 +12,7 @@ from prefixkv_core import Engine, EngineError, GenerationSettings
 from prefixkv_core.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
-from prefixkv_core.policies.equal_memory import HoldRank, hold_plans, layer_shares
+from prefixkv_core.policies.equal_memory import HoldRank, held_keep_across_heads, hold_plans, layer_shares
 from prefixkv_core.policies.lookm import similarity_merge
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
@@ -94,6 +94,51 @@ def test_held_layer_keeps_what_the_naive_rule_keeps(kept, generated, true_len, t
         assert layer.positions[0, h].tolist() == want
         assert layer.keys.shape[2] == layer.length
     assert layer.length == min(target, kept + generated)
+
+
+@pytest.mark.parametrize("target,turns", [(8, []), (12, [(40, 44)]), (5, [(40, 47)]), (20, [])])
+def test_held_layer_across_heads_keeps_what_the_naive_rule_keeps(target, turns):
+    """AdaKV's hold: every head's entries ranked together (the rule's tiers, then its votes), the layer keeps
+    Hkv · target in all; empty slots (position -1) are never kept."""
+    prompt_len, generated = 40, 8
+    g = torch.Generator().manual_seed(target)
+    rows = []
+    for count in (6, 14, 10):  # prompt entries per head (the sink and the last prompt token among them)
+        middle = (torch.randperm(prompt_len - 2, generator=g)[: count - 2] + 1).sort().values.tolist()
+        rows.append([0] + middle + [prompt_len - 1])
+    longest = max(len(r) for r in rows)
+    positions = torch.tensor([[-1] * (longest - len(r)) + r + list(range(prompt_len, prompt_len + generated))
+                              for r in rows])[None]
+    rank = _random_rank(prompt_len, 3, seed=target)
+    keep, ragged = held_keep_across_heads(positions, prompt_len, target, rank, turns)
+    # naive: per head the rule's tiers and scores, then one ranking of every real entry of the layer
+    entries = []
+    for h in range(3):
+        real = [p for p in positions[0, h].tolist() if p >= 0]
+        window = sorted(real)[-max(1, round(0.5 * target)):]
+        for slot, p in enumerate(positions[0, h].tolist()):
+            if p < 0:
+                continue
+            if p in (0, prompt_len - 1, max(real)):
+                key = (0, -p)
+            elif any(a <= p < b for a, b in turns):
+                key = (1, -p)
+            elif p in window:
+                key = (2, -p)
+            elif p < prompt_len:
+                key = (3 + int(rank.tiers[0, h, p]), -float(rank.scores[0, h, p]))
+            else:
+                key = (10 ** 6, -p)
+            entries.append((key, h * positions.shape[2] + slot, h, slot))
+    always = sum(1 for e in entries if e[0][0] == 0)
+    chosen = sorted(entries)[: min(len(entries), max(3 * target, always))]
+    for h in range(3):
+        want = sorted(slot for _, _, hh, slot in chosen if hh == h)
+        got = [i for i in keep[0, h].tolist() if i >= 0]
+        assert got == want, h
+    counts = [len([i for i in keep[0, h].tolist() if i >= 0]) for h in range(3)]
+    assert sum(counts) == min(sum(1 for p in positions.flatten().tolist() if p >= 0), max(3 * target, always))
+    assert ragged == (min(counts) < max(counts))
 
 
 def _steps(policy, cache, prompt_len, prefilled, steps, turn=0, seed=0):
@@ -303,7 +348,8 @@ def test_held_methods_keep_the_recent_window_and_the_follow_up_question(tiny_qwe
         turn = list(range(before[name], before[name] + (state.true_len - before[name] - 5)))  # fed, then 5 decoded
         assert state.policy_state.held_turns == [(before[name], turn[-1] + 1)], name
         checked = 0
-        for layer, share in zip(state.cache.layers, state.policy_state.held_shares):
+        shares = state.policy_state.held_shares or [0.5] * len(state.cache.layers)  # AdaKV: r in every layer
+        for layer, share in zip(state.cache.layers, shares):
             target = round(share * state.true_len)
             window = set(range(state.true_len - round(0.5 * target), state.true_len))
             for head in layer.positions[0]:

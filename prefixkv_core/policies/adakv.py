@@ -21,6 +21,7 @@ from ..lorenz import distribute
 from . import scoring
 from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView,
                    budget_count, knob)
+from .equal_memory import held_keep_across_heads, snap_rank
 from .snapkv import KERNEL_HELP, WINDOW_HELP, check_kernel, clamp_window
 
 
@@ -60,13 +61,13 @@ def padded_keep(chosen: list[torch.Tensor], tail: torch.Tensor) -> torch.Tensor:
 class AdaKVState(PolicyState):
     window: int = 0  # the observation window used on this prompt
     head_counts: list[list[int]] = field(default_factory=list)  # per layer, prompt entries kept per KV head
-    votes: list[torch.Tensor] = field(default_factory=list)  # per layer [1, Hkv, N] pooled votes (equal memory)
 
 
 @dataclass(frozen=True)
 class AdaKVPolicy(Policy):
-    """AdaKV (Ada-SnapKV), Feng et al. 2024, https://arxiv.org/abs/2407.11550: head-wise budgets over SnapKV's
-    observation-window votes, the layer's total fixed."""
+    """AdaKV (Ada-SnapKV): head-wise budgets over SnapKV's observation-window votes, the layer's total fixed.
+    Paper: "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference"
+    (Feng et al., 2024), https://arxiv.org/abs/2407.11550"""
 
     name = "adakv"
     label = "AdaKV"
@@ -85,22 +86,23 @@ class AdaKVPolicy(Policy):
         check_kernel(self.label, self.kernel)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=clamp_window(self.window, prompt_len)[0])
+        return StatRequest(window=clamp_window(self.window, prompt_len, self.budget)[0])
 
     def plans_rows_together(self) -> bool:
         return False  # each prompt's heads split the budget their own way: a cache per prompt
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
-        w, clamped = clamp_window(self.window, n)
+        w, clamped = clamp_window(self.window, n, self.budget)
         state = AdaKVState(notes=[clamped] if clamped else [], window=w)
         capacity = budget_count(self.budget, n, min_keep=w + 1)  # per KV head on average, window included
         plans: list[LayerPlan | None] = []
         for i in range(view.num_layers):
             votes = scoring.snap_window(view.stats[i]["window"], w, self.kernel)
+            if self.held_to_equal_memory():  # its own order, for evicting the prompt while held at r·N_t
+                state.hold_ranks.append(snap_rank(view.stats[i]["window"], w, self.kernel))
             prefix = votes[..., : n - w].clone()
             prefix[..., 0] = float("inf")  # the sink, in every head (as SnapKV here)
-            state.votes.append(votes)
             heads = prefix.shape[1]
             if capacity >= n:
                 state.head_counts.append([n - w] * heads)
@@ -117,33 +119,24 @@ class AdaKVPolicy(Policy):
         return Prefilled(plans, state)
 
     def equal_memory_plans(self, view: DecodeView, state: PolicyState):
-        """Held at r·N_t per KV head on average, the layer's entries counted over all heads: the oldest generated
-        tokens go first, then the prompt entries with the fewest window votes across all heads of the layer."""
-        if not self.held_to_equal_memory() or not isinstance(state, AdaKVState) or not state.votes:
+        """Held at r·N_t per KV head on average by the rule every held method follows (equal_memory.py: a recent
+        window, the fed questions whole, generated tokens that left the window first), the prompt evicted by its
+        own order: window votes ranked across all KV heads of the layer, so the heads keep different counts."""
+        if not self.held_to_equal_memory() or not isinstance(state, AdaKVState) or not state.hold_ranks:
             return None
+        self.track_held_turns(view, state)
+        target = budget_count(self.budget, view.full_len, min_keep=3)
         plans: list[LayerPlan | None] = []
-        for layer, votes in zip(view.cache.layers, state.votes):
-            heads = layer.n_kv
-            target = heads * budget_count(self.budget, view.full_len, min_keep=3)
-            pos = layer.positions[0]  # [H, T]; padding first, then prompt entries, then generated ones
-            held = int((pos >= 0).sum())
-            if held <= target:
+        for layer, rank in zip(view.cache.layers, state.hold_ranks):
+            if int((layer.positions >= 0).sum()) <= layer.n_kv * target:
                 plans.append(None)
                 continue
-            prompt_slots = int((pos[0] < view.prompt_len).sum())  # every head has as many (padding included)
-            generated = layer.length - prompt_slots
-            drop_generated = min(max(0, generated - 1), (held - target) // heads)
-            rest = held - target - drop_generated * heads
-            slot_votes = votes[0].gather(1, pos[:, :prompt_slots].clamp_min(0)).clone()
-            slot_votes[pos[:, :prompt_slots] < 0] = float("-inf")  # empty slots are not entries
-            protected = (pos[:, :prompt_slots] == 0) | (pos[:, :prompt_slots] == view.prompt_len - 1)
-            slot_votes[protected] = float("inf")
-            keep_count = int((pos[:, :prompt_slots] >= 0).sum()) - rest
-            kept = flattened_counts(slot_votes[None], keep_count)[0].tolist()
-            chosen = [best_first(slot_votes[h], c) for h, c in enumerate(kept)]
-            tail = torch.arange(prompt_slots + drop_generated, layer.length, device=pos.device)
-            plans.append(LayerPlan(keep=padded_keep(chosen, tail), empty_slots=True))
+            keep, ragged = held_keep_across_heads(layer.positions, view.prompt_len, target, rank, state.held_turns)
+            plans.append(LayerPlan(keep=keep, empty_slots=ragged))
         return plans
+
+    def hold_ranking(self) -> str:
+        return "its window votes ranked across the layer's KV heads, the observation window last"
 
     def facts(self, state: PolicyState) -> list[Fact]:
         out = super().facts(state)

@@ -247,14 +247,21 @@ class Policy:
             return None
         from .equal_memory import accumulated_rank, hold_plans, layer_shares
 
-        if not state.held_shares:  # first call, right after the prompt was compressed
+        if self.track_held_turns(view, state):  # first call, right after the prompt was compressed
             state.held_shares = layer_shares(view.cache, view.prompt_len, self.budget)
             if not state.hold_ranks:
                 state.hold_ranks = [accumulated_rank(layer, view.prompt_len) for layer in view.cache.layers]
-        elif view.step == 0 and view.true_len > state.held_len:  # a user turn was fed: it stays whole
+        return hold_plans(view, state.held_shares, state.hold_ranks, state.held_turns)
+
+    @staticmethod
+    def track_held_turns(view: DecodeView, state: PolicyState) -> bool:
+        """Equal-memory bookkeeping before a hold: note a user turn fed since the last hold (kept whole from then
+        on). Returns whether this is the first hold of the run (right after the prompt was compressed)."""
+        first = state.held_len == 0
+        if not first and view.step == 0 and view.true_len > state.held_len:
             state.held_turns.append((state.held_len, view.true_len))
         state.held_len = view.true_len
-        return hold_plans(view, state.held_shares, state.hold_ranks, state.held_turns)
+        return first
 
     def hold_ranking(self) -> str:
         """In words: the order in which the equal-memory mode evicts this method's prompt entries."""

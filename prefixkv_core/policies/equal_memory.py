@@ -15,8 +15,9 @@ all budgeted methods are compared at the same memory and under the same rules.
 6. Then the prompt's entries go in the order of the method's OWN ranking (`HoldRank`), lowest first: SnapKV and
    PyramidKV their observation window, then the rest by max-pooled window votes, per KV head; LOOK-M its recent
    window, then text, then image tokens, each by accumulated attention, per KV head (and it merges what it
-   evicts into the most similar kept key); PrefixKV its scorer. A method that states none: its entries'
-   accumulated attention (the prefill's column sums, per KV head).
+   evicts into the most similar kept key); AdaKV its window votes ranked across all KV heads of the layer (a
+   head keeps as many as it has among the layer's best); PrefixKV its scorer. A method that states none: its
+   entries' accumulated attention (the prefill's column sums, per KV head).
 """
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ import torch
 
 from ..cache import TrackedCache, TrackedLayer
 from . import scoring
-from .base import DecodeView, LayerPlan, budget_count, tiered_keep
+from .base import EMPTY_SLOT, DecodeView, LayerPlan, budget_count, tiered_keep
 
 MIN_HELD = 3  # the sink, the last prompt token and the newest entry
 RECENT_SHARE = 0.5  # the recent window every-step methods protect: H2O's published half of the budget
 _PROTECTED, _TURN, _WINDOW, _PROMPT, _GENERATED = 0, 1, 2, 3, 1_000_000  # ranking tiers, lowest kept first
+_EMPTY = 2_000_000  # an empty slot of a head-wise layer (AdaKV): never kept
 
 
 @dataclass
@@ -83,11 +85,10 @@ def layer_shares(cache: TrackedCache, prompt_len: int, budget: float) -> list[fl
     return [budget * k / mean for k in kept]
 
 
-def held_keep(positions: torch.Tensor, prompt_len: int, target: int, rank: HoldRank,
-              turns: list[tuple[int, int]]) -> torch.Tensor:
-    """Indices [B, Hkv, K] (ascending) of the entries a held layer keeps, by the rule in the module docstring.
-    positions [B, Hkv, T]: the entries' true positions; turns: [start, end) position spans of fed user turns.
-    K = target, or more when the entries that are always kept outnumber it."""
+def _held_order(positions: torch.Tensor, prompt_len: int, target: int, rank: HoldRank,
+                turns: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(score, tier, always kept) of every entry of a held layer [B, Hkv, T] by the rule in the module docstring:
+    lower tier kept first, then higher score. `target`: the entries one head may hold."""
     newest_first = torch.argsort(torch.argsort(positions, dim=-1, descending=True), dim=-1)  # 0 = the newest
     window = newest_first < max(1, int(round(RECENT_SHARE * target)))
     protected = (positions == 0) | (positions == prompt_len - 1) | (newest_first == 0)
@@ -100,8 +101,35 @@ def held_keep(positions: torch.Tensor, prompt_len: int, target: int, rank: HoldR
         prompt, _PROMPT + own_tiers, _GENERATED))))
     # the method's scores order its prompt entries; recency orders the turns, the window and generated entries
     score = torch.where(prompt & ~window, own_scores, positions.float())
+    return score, tier, protected
+
+
+def held_keep(positions: torch.Tensor, prompt_len: int, target: int, rank: HoldRank,
+              turns: list[tuple[int, int]]) -> torch.Tensor:
+    """Indices [B, Hkv, K] (ascending) of the entries a held layer keeps, by the rule in the module docstring.
+    positions [B, Hkv, T]: the entries' true positions; turns: [start, end) position spans of fed user turns.
+    K = target, or more when the entries that are always kept outnumber it."""
+    score, tier, protected = _held_order(positions, prompt_len, target, rank, turns)
     k = max(target, int(protected.sum(dim=-1).max()))
     return tiered_keep(score, k, tier)
+
+
+def held_keep_across_heads(positions: torch.Tensor, prompt_len: int, target: int, rank: HoldRank,
+                           turns: list[tuple[int, int]]) -> tuple[torch.Tensor, bool]:
+    """The same rule for a layer whose KV heads hold different counts (AdaKV): the layer keeps Hkv · target
+    entries in all, every head's entries ranked together, so a head keeps as many as it has among the best.
+    positions [1, Hkv, T] with EMPTY_SLOT padding (never kept). Returns (keep [1, Hkv, K] ascending, EMPTY_SLOT
+    first in the heads that keep fewer; whether any head does)."""
+    _, h, t = positions.shape
+    real = positions >= 0
+    score, tier, protected = _held_order(positions, prompt_len, target, rank, turns)
+    tier = torch.where(real, tier, _EMPTY)
+    k = min(int(real.sum()), max(h * target, int((protected & real).sum())))
+    chosen = tiered_keep(score.reshape(1, 1, -1), k, tier.reshape(1, 1, -1))[0, 0]
+    per_head = [chosen[chosen // t == g] % t for g in range(h)]  # ascending within each head
+    longest = max(c.numel() for c in per_head)
+    rows = [torch.cat([c.new_full((longest - c.numel(),), EMPTY_SLOT), c]) for c in per_head]
+    return torch.stack(rows).unsqueeze(0), min(c.numel() for c in per_head) < longest
 
 
 def hold_plans(view: DecodeView, shares: list[float], ranks: list[HoldRank],

@@ -74,8 +74,9 @@ class FastVState(PolicyState):
 
 @dataclass(frozen=True)
 class FastVPolicy(Policy):
-    """FastV, Chen et al., ECCV 2024, https://arxiv.org/abs/2403.06764: after layer K the image tokens the last
-    prompt token attends to least are dropped for every later layer."""
+    """FastV: after layer K the image tokens the last prompt token attends to least are dropped for every later
+    layer. Paper: "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play Inference Acceleration for Large
+    Vision-Language Models" (Chen et al., ECCV 2024), https://arxiv.org/abs/2403.06764"""
 
     name = "fastv"
     label = "FastV"

@@ -92,8 +92,9 @@ class VisionZipState(PolicyState):
 
 @dataclass(frozen=True)
 class VisionZipPolicy(Policy):
-    """VisionZip, Yang et al., CVPR 2025, https://arxiv.org/abs/2412.04467: dominant image tokens kept and the
-    rest merged into contextual tokens in the vision tower, so the language model sees fewer image tokens."""
+    """VisionZip: dominant image tokens kept and the rest merged into contextual tokens in the vision tower, so the
+    language model sees fewer image tokens. Paper: "VisionZip: Longer is Better but Not Necessary in Vision
+    Language Models" (Yang et al., CVPR 2025), https://arxiv.org/abs/2412.04467"""
 
     name = "visionzip"
     label = "VisionZip"
