@@ -82,3 +82,17 @@ def test_word_grid_places_each_phrase_in_its_cell(embedded_tokenizer):
         else:
             assert set(block) == {fill}
     assert set(grid.reshape(-1).tolist()) <= set(word_grid.vocabulary(tok))
+
+
+def test_anchored_layout_starts_each_phrase_under_its_object(embedded_tokenizer):
+    tok = embedded_tokenizer
+    for seed in range(20):
+        scene = render_scene(seed, 64)
+        grid = np.array(word_grid.grid_ids(tok, scene, "anchored")).reshape(word_grid.SIDE, word_grid.SIDE)
+        cell_layout = word_grid.grid_ids(tok, scene, "cell")
+        assert sorted(grid.reshape(-1).tolist()) == sorted(cell_layout)  # the same tokens, placed elsewhere
+        for o in scene.objects:
+            colour = tok(f" {o.colour}", add_special_tokens=False)["input_ids"][0]
+            assert grid[int(o.cy * word_grid.SIDE), int(o.cx * word_grid.SIDE)] == colour
+    with pytest.raises(ValueError):
+        word_grid.grid_ids(tok, render_scene(0, 64), "spiral")

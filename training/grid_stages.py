@@ -106,12 +106,12 @@ def _scene(seed: int, loose_share: float) -> object:
 
 
 # ----------------------------------------------------------------------------------------------- stage W
-def _w_batch_loss(model, loaded, scenes, vocab_ids, vocab_emb, fill_weight: float):
+def _w_batch_loss(model, loaded, scenes, vocab_ids, vocab_emb, fill_weight: float, layout: str):
     from .train_embedded import patch_features
 
     pv = data.pixels(loaded, [s.image for s in scenes])
     out = model.model.multi_modal_projector(patch_features(model, pv))  # [B, 144, D]
-    target_ids = torch.tensor([word_grid.grid_ids(loaded.tokenizer, s) for s in scenes])
+    target_ids = torch.tensor([word_grid.grid_ids(loaded.tokenizer, s, layout) for s in scenes])
     cls = vocab_ids.index_of(target_ids)
     target = vocab_emb[cls]
     logits = F.normalize(out, dim=-1) @ F.normalize(vocab_emb, dim=-1).T / 0.05
@@ -179,7 +179,7 @@ def train_words(args) -> None:
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * f
         scenes = [_scene(base + step * args.batch + i, args.loose_share) for i in range(args.batch)]
-        loss, acc = _w_batch_loss(model, loaded, scenes, vocab, vocab_emb, args.fill_weight)
+        loss, acc = _w_batch_loss(model, loaded, scenes, vocab, vocab_emb, args.fill_weight, args.layout)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -214,12 +214,12 @@ def reader_branches(scene, rng: random.Random, desc_prob: float, max_branches: i
     return branches
 
 
-def grid_inputs(model, loaded, ids: torch.Tensor, scene, noise: float) -> torch.Tensor:
+def grid_inputs(model, loaded, ids: torch.Tensor, scene, noise: float, layout: str = "cell") -> torch.Tensor:
     """Input embeddings of a packed example with the image tokens replaced by the scene's word grid."""
     embed = model.get_input_embeddings()
     x = embed(ids)
     img = ids == loaded.image_token_id
-    grid = word_grid.grid_embeddings(embed, loaded.tokenizer, scene)
+    grid = word_grid.grid_embeddings(embed, loaded.tokenizer, scene, layout)
     if noise > 0:
         grid = grid + noise * torch.randn_like(grid)
     x = x.clone()
@@ -227,9 +227,9 @@ def grid_inputs(model, loaded, ids: torch.Tensor, scene, noise: float) -> torch.
     return x
 
 
-def reader_loss(model, loaded, scene, branches, noise: float):
+def reader_loss(model, loaded, scene, branches, noise: float, layout: str = "cell"):
     ids, pos, mask, sup = data.tree_example(loaded, branches)
-    x = grid_inputs(model, loaded, ids, scene, noise)
+    x = grid_inputs(model, loaded, ids, scene, noise, layout)
     hidden = model.model.language_model(inputs_embeds=x[None], attention_mask=mask[None, None],
                                         position_ids=pos[None], use_cache=False).last_hidden_state[0]
     at = torch.nonzero(sup[1:]).squeeze(1)
@@ -241,13 +241,13 @@ def reader_loss(model, loaded, scene, branches, noise: float):
 
 
 @torch.no_grad()
-def reader_accuracy(model, loaded, seeds: list[int]) -> dict[str, float]:
+def reader_accuracy(model, loaded, seeds: list[int], layout: str = "cell") -> dict[str, float]:
     """Teacher-forced answers (== greedy) from ground-truth grids on the scenes' own test-style questions."""
     right: dict[str, list[bool]] = {}
     for seed in seeds:
         scene = render_scene(seed, data.RENDER_SIZE)
         branches = [(qa.question, qa.answer) for qa in scene.qa]
-        _, logits, target, turn = reader_loss(model, loaded, scene, branches, 0.0)
+        _, logits, target, turn = reader_loss(model, loaded, scene, branches, 0.0, layout)
         hit = logits.argmax(-1) == target
         for k, qa in enumerate(scene.qa, start=1):
             right.setdefault(qa.qtype, []).append(bool(hit[turn == k][:-1].all()))
@@ -301,7 +301,8 @@ def train_reader(args) -> None:
             rng = random.Random(seed * 31 + args.seed)
             scene = render_scene(seed, 64)  # the reader never sees pixels: a small render gives the facts
             loss, *_ = reader_loss(model, loaded, scene, reader_branches(scene, rng, args.desc_prob,
-                                                                         args.max_branches), args.noise)
+                                                                         args.max_branches), args.noise,
+                                      args.layout)
             (loss / args.batch).backward()
             total += loss.item() / args.batch
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -313,7 +314,7 @@ def train_reader(args) -> None:
                 f"{time.time() - t0:.0f}s")
         if args.eval_every and (step + 1) % args.eval_every == 0:
             model.eval()
-            ev = reader_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]))
+            ev = reader_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]), args.layout)
             model.train()
             history[-1]["val"] = ev
             log("val answers from true grids: " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))

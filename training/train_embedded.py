@@ -441,6 +441,8 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--loose-share", type=float, default=0.2,
                     help="stage W: share of looser scenes (any size, anywhere)")
+    ap.add_argument("--layout", default="cell", choices=["cell", "anchored"],
+                    help="stages W/L: where a cell's phrase sits (training/word_grid.py)")
     ap.add_argument("--fill-weight", type=float, default=0.25, help="stage W: weight of the fill token's patches")
     ap.add_argument("--noise", type=float, default=0.05, help="stage L: std of the noise on the word grid")
     ap.add_argument("--max-branches", type=int, default=28, help="stages L/C: questions per scene at most")

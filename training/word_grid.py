@@ -8,6 +8,10 @@ what the cell holds, then the fill token "." on the patches left over:
     the word:   " word STOP top"                  (it spans its row; the phrase sits in the row's middle cell)
     empty:      "." on every patch
 
+The "anchored" layout puts the same phrase on the patch under the object's centre and the patches after it
+(raster order inside the cell, wrapping), so the patch that must say the colour is one that sees it; the
+printed word starts on the cell's second patch row. "cell" (above) is the layout of the first runs.
+
 Stage W trains tower + projector to emit the input embeddings of these tokens (no language-model forward);
 stage L teaches a LoRA adapter to answer questions from exactly these embeddings laid out as image tokens.
 Then the two halves meet in a short end-to-end stage on rendered images.
@@ -48,16 +52,36 @@ def fill_id(tokenizer) -> int:
     return _phrase_ids(tokenizer, FILL)[0]
 
 
-def grid_ids(tokenizer, scene: Scene) -> list[int]:
+LAYOUTS = ("cell", "anchored")
+
+
+def _first_patch(scene: Scene, cell: int, layout: str) -> int:
+    """Index (raster order inside the cell) of the patch where the cell's phrase starts."""
+    if layout == "cell":
+        return 0
+    r, c = divmod(cell, 3)
+    for o in scene.objects:
+        if REGIONS.index(o.region) == cell:
+            i = min(CELL - 1, max(0, int(o.cy * SIDE) - CELL * r))
+            j = min(CELL - 1, max(0, int(o.cx * SIDE) - CELL * c))
+            return i * CELL + j
+    return CELL  # the printed word: the cell's second row
+
+
+def grid_ids(tokenizer, scene: Scene, layout: str = "cell") -> list[int]:
     """The 144 target token ids of `scene` in the image tokens' raster order."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     grid = [[fill_id(tokenizer)] * SIDE for _ in range(SIDE)]
     for cell, phrase in cell_phrases(scene).items():
         r, c = divmod(cell, 3)
         ids = _phrase_ids(tokenizer, phrase)
         if len(ids) > CELL * CELL:
             raise ValueError(f"phrase {phrase!r} needs {len(ids)} tokens; a cell has {CELL * CELL}")
+        start = _first_patch(scene, cell, layout)
         for k, t in enumerate(ids):
-            grid[CELL * r + k // CELL][CELL * c + k % CELL] = t
+            at = (start + k) % (CELL * CELL)
+            grid[CELL * r + at // CELL][CELL * c + at % CELL] = t
     return [t for row in grid for t in row]
 
 
@@ -73,6 +97,6 @@ def vocabulary(tokenizer) -> list[int]:
     return [fill_id(tokenizer)] + rest
 
 
-def grid_embeddings(embed: torch.nn.Embedding, tokenizer, scene: Scene) -> torch.Tensor:
+def grid_embeddings(embed: torch.nn.Embedding, tokenizer, scene: Scene, layout: str = "cell") -> torch.Tensor:
     """[144, D]: the input embeddings the image tokens should carry for `scene`."""
-    return embed.weight[torch.tensor(grid_ids(tokenizer, scene))]
+    return embed.weight[torch.tensor(grid_ids(tokenizer, scene, layout))]
