@@ -7,9 +7,16 @@ per-step events. Batch size 1: one image and one conversation per session.
         ...
     for event in session.follow_up("And the colours?"):
         ...
+
+Timing. The batched run shares one forward per step among the methods, so only a method's own policy time
+(`MethodEvent.policy_s`, `compress_s`) is its own there. `time_alone=True` then also decodes every method on
+its own (its own prefill, the same settings; a follow-up from a copy of its cache) and streams those steps as
+`MethodEvent(alone=True)`: its TTFT, tokens/s and per-token latency measured alone. `batched=False` decodes
+every method alone instead of the batched run.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -67,6 +74,7 @@ class MethodState:
     finished: bool = False
     error: str | None = None
     ttft_s: float | None = None
+    compress_s: float | None = None  # the policy's time on this turn's input (the prompt, a follow-up's tokens)
     compute_s: float = 0.0  # forward + policy time spent on this turn's decode steps
     steps: int = 0
     generator: torch.Generator | None = None
@@ -127,7 +135,8 @@ class Engine:
     def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
                     generation: GenerationSettings | None = None,
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
-                    budget_mode: str = "published", query_agnostic: bool = False) -> "Session":
+                    budget_mode: str = "published", query_agnostic: bool = False, time_alone: bool = False,
+                    batched: bool = True) -> "Session":
         """`chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
         text, no turn markup): a document whose continuation is measured, as in language modelling. Such a
         session takes no image and has no follow-up turns.
@@ -140,7 +149,12 @@ class Engine:
         several questions: the image and any text before the user's question (the template's opening) are
         prefilled and compressed first, then the question is fed through every compressed cache and the answer
         decoded on it. Default (False): the whole prompt, question included, is prefilled and then compressed,
-        so the question is in the methods' observation window (query-aware)."""
+        so the question is in the methods' observation window (query-aware).
+
+        `time_alone=True`: after each turn's batched run, every method is decoded again on its own, from its
+        own prefill (a follow-up: from a copy of its cache), and timed alone. `batched=False`: every method
+        is decoded on its own, one after another, instead of the batched run (its timings are then all its
+        own). The answers are the same either way."""
         if isinstance(prompt, (list, tuple)):
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -154,8 +168,9 @@ class Engine:
             raise EngineError(str(exc)) from None
         if budget_mode not in BUDGET_MODES:
             raise EngineError(f"budget_mode must be one of {', '.join(BUDGET_MODES)}, got {budget_mode!r}")
-        if not isinstance(query_agnostic, bool):
-            raise EngineError(f"query_agnostic must be True or False, got {query_agnostic!r}")
+        for flag, value in (("query_agnostic", query_agnostic), ("time_alone", time_alone), ("batched", batched)):
+            if not isinstance(value, bool):
+                raise EngineError(f"{flag} must be True or False, got {value!r}")
         if query_agnostic and not chat_template:
             raise EngineError("a plain-text prompt (chat_template=False) has no question to hold back: "
                               "query_agnostic needs the chat template")
@@ -171,7 +186,8 @@ class Engine:
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
         return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs,
-                       chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic)
+                       chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic,
+                       time_alone=time_alone or not batched, batched=batched)
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
@@ -194,12 +210,18 @@ class Session:
     """One conversation: the image, the turns so far, and every method's own compressed cache.
 
     Every active method is one row of the runner's batch: each decode step feeds all of them in one model
-    call, then each policy compresses its own cache, then one event per method is yielded."""
+    call, then each policy compresses its own cache, then one event per method is yielded. With `time_alone`,
+    each method is then decoded again on its own and those events say `alone=True`; without `batched`, the
+    methods are decoded on their own only, one after another."""
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
                  budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
-                 chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False):
+                 chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False,
+                 time_alone: bool = False, batched: bool = True):
         self.engine = engine
+        self.batched = batched  # decode the methods as one batch (else each alone, one after another)
+        self.time_alone = time_alone or not batched  # every method's own timings are measured
+        self._timing: list[MethodState] = []  # copies being decoded alone after the batched run (their caches)
         self.budget_mode = budget_mode  # one of BUDGET_MODES, for every method of this session
         # True: the prompt before the question is compressed first, then the question is fed (see new_session)
         self.query_agnostic = query_agnostic
@@ -222,7 +244,7 @@ class Session:
         self.record = ComparisonRecord(
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
             knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
-            query_agnostic=query_agnostic)
+            query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone)
 
     def _recorded(self, events: Iterator[PrefillInfo | MethodEvent]) -> Iterator[PrefillInfo | MethodEvent]:
         self.record.active = True
@@ -233,6 +255,7 @@ class Session:
         finally:
             self.record.active = False
             self._buffers = None  # the padded step tensors live for one turn
+            self._timing = []  # so do the copies timed alone
 
     # -- public ------------------------------------------------------------------------------------------
     def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
@@ -247,9 +270,26 @@ class Session:
 
     def _first_turn(self, cancel: threading.Event | None) -> Iterator[PrefillInfo | MethodEvent]:
         yield self._prefill_all()
+        alone = not self.batched
         for state in self.states.values():
-            yield self._event(state, "start")
+            yield self._event(state, "start", alone=alone)
+        if alone:
+            for state in self.states.values():
+                yield from self._decode_all(cancel, [state], alone=True)
+            return
         yield from self._decode_all(cancel)
+        if not self.time_alone:
+            return
+        # every method again on its own: its own prefill, compression and decoding, timed alone
+        for name, done in self.states.items():
+            if done.error is not None or (cancel is not None and cancel.is_set()):
+                continue
+            twin = MethodState(name, done.policy)
+            self._timing = [twin]
+            self._prefill_states([twin], alone=True, analysis=False)
+            yield self._event(twin, "start", alone=True)
+            yield from self._decode_all(cancel, [twin], alone=True)
+            self._timing = []
 
     def follow_up(self, prompt: str, cancel: threading.Event | None = None) -> Iterator[MethodEvent]:
         """Next user turn: each method continues on its own compressed cache (all methods in one batch)."""
@@ -281,13 +321,43 @@ class Session:
         live = [s for s in self.states.values() if s.error is None]
         for state in self.states.values():
             if state.error is not None:
-                yield self._event(state, "error")
+                yield self._event(state, "error", alone=not self.batched)
         for state in live:
             state.answers.append(state.text)
+        if not self.batched:  # each method fed and decoded on its own, one after another
+            for state in live:
+                self._feed_turn([state], new_ids)
+                yield self._event(state, "error" if state.error is not None else "start", alone=True)
+                yield from self._decode_all(cancel, [state], alone=True)
+            return
+        # copies of every cache as the turn starts, to decode each method alone after the batched run
+        copies = [self._copy_state(s) for s in live] if self.time_alone else []
+        self._timing = copies
         self._feed_turn(live, new_ids)
         for state in live:
             yield self._event(state, "error" if state.error is not None else "start")
         yield from self._decode_all(cancel)
+        while copies:
+            twin = copies.pop(0)
+            self._timing = [twin, *copies]
+            if self.states[twin.name].error is not None or (cancel is not None and cancel.is_set()):
+                continue
+            self._feed_turn([twin], new_ids)
+            yield self._event(twin, "error" if twin.error is not None else "start", alone=True)
+            yield from self._decode_all(cancel, [twin], alone=True)
+        self._timing = []
+
+    @staticmethod
+    def _copy_state(state: MethodState) -> MethodState:
+        """An independent copy of a method's conversation: its cache, its policy's run state, its sampler."""
+        twin = copy.copy(state)
+        twin.cache = state.cache.clone() if state.cache is not None else None
+        twin.policy_state = copy.deepcopy(state.policy_state)
+        twin.turn_ids, twin.answers = list(state.turn_ids), list(state.answers)
+        if state.generator is not None:
+            twin.generator = torch.Generator(device="cpu")
+            twin.generator.set_state(state.generator.get_state())
+        return twin
 
     def release(self) -> None:
         """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again."""
@@ -296,12 +366,13 @@ class Session:
                 state.cache = None
             self.image = None
             self._buffers = None
+            self._timing = []
             self.released = True
 
     def cache_bytes(self) -> int:
         """Bytes held by this session's caches right now, the batched step's padded tensors included while a
         turn runs (0 once released)."""
-        held = sum(s.cache.stored_nbytes() for s in self.states.values() if s.cache is not None)
+        held = sum(s.cache.stored_nbytes() for s in [*self.states.values(), *self._timing] if s.cache is not None)
         return held + (self._buffers.nbytes() if self._buffers is not None else 0)
 
     def results(self) -> dict[str, dict[str, Any]]:
@@ -360,6 +431,25 @@ class Session:
 
     # -- internals ---------------------------------------------------------------------------------------
     def _prefill_all(self) -> PrefillInfo:
+        """Prefill and compress every method's cache: one shared prefill, or (not batched) one per method."""
+        loaded = self.engine.loaded
+        n, n_image, is_image, split, importance, curves, prefill_s = self._prefill_states(
+            list(self.states.values()), alone=not self.batched)
+        first = self.image_layout.views[0] if self.image_layout is not None else None
+        self.prefill = PrefillInfo(
+            prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
+            importance=importance.float().cpu().numpy(), is_image=is_image[0, :split].cpu().numpy(),
+            image_grid=(first.rows, first.cols) if first is not None else None, image_offset=self.image_offset,
+            prefill_s=prefill_s, image_layout=self.image_layout, curves=curves, compressed_tokens=split)
+        return self.prefill
+
+    def _prefill_states(self, states: list[MethodState], alone: bool, analysis: bool = True):
+        """Encode the prompt, prefill and compress each state's cache and sample its first token. `alone`: each
+        state gets its own prefill, recording only its own policy's statistics (its time to first token is
+        then all its own); else one prefill is shared (the last state takes its cache, the others a copy).
+        Returns (prompt tokens, image tokens, image flags, tokens compressed at once, importance [L, N_c], Lorenz
+        curves, prefill seconds: the shared one, or the first state's own); None without `analysis` (a method
+        timed alone again)."""
         loaded = self.engine.loaded
         text = (format_prompt(loaded, self.prompt, with_image=self.image is not None) if self.chat_template
                 else self.prompt)
@@ -377,26 +467,37 @@ class Session:
         # the tokens compressed at once: the whole prompt, or (query-agnostic) what comes before the question
         split = self._question_start(text, ids, is_image) if self.query_agnostic else n
 
+        def shared_prefill(policies):
+            return runner.prefill(loaded.model, context, context_image, vision_inputs(inputs), policies,
+                                  loaded.num_layers, loaded.device)
+
         # one prefill shared by every method that compresses its cache (it also gives the importance charts);
-        # a method that changes the prefill itself (prefill token reduction) runs its own below
+        # a method that changes the prefill itself (prefill token reduction) runs its own below. Alone, every
+        # method runs its own, recording only what its policy asks for.
         context, context_image = ids[:, :split], is_image[:, :split]
-        sharing = [s for s in self.states.values() if not s.policy.own_prefill()]
-        shared = runner.prefill(loaded.model, context, context_image, vision_inputs(inputs),
-                                [s.policy for s in sharing], loaded.num_layers, loaded.device)
-        self.bytes_per_token = shared.cache.nbytes() / split
-        importance = torch.stack([shared.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
+        sharing = [s for s in states if not s.policy.own_prefill()]
+        shared = None if alone else shared_prefill([s.policy for s in sharing])
+        analysed = shared  # the prefill whose column sums the importance charts show
+        if shared is not None:
+            self.bytes_per_token = shared.cache.nbytes() / split  # before any compression
         curves = {}  # method -> the importance its per-layer allocation used (its Lorenz curves)
 
-        for state in self.states.values():
+        for state in states:
             state.generator = torch.Generator(device="cpu").manual_seed(self.generation.seed)
             try:
-                prefilled = shared
                 if state.policy.own_prefill():
                     prefilled = runner.own_prefill(loaded.model, state.policy, context, context_image,
                                                    vision_inputs(inputs), loaded.num_layers, loaded.device,
                                                    loaded.image_token_id)
                     state.cache = prefilled.cache
+                elif alone:
+                    prefilled = shared_prefill([state.policy])
+                    state.cache = prefilled.cache
+                    if analysed is None and analysis:
+                        analysed = prefilled
+                        self.bytes_per_token = prefilled.cache.nbytes() / split
                 else:  # the last method to share the prefill takes its cache, the others a copy
+                    prefilled = shared
                     state.cache = shared.cache if state is sharing[-1] else shared.cache.clone()
                 own_n = prefilled.prompt_len
                 state.prompt_len = state.true_len = own_n
@@ -409,23 +510,25 @@ class Session:
                 used = state.policy.allocation_importance(state.policy_state)
                 if used is not None:
                     curves[state.name] = used.float().cpu().numpy()
-                state.ttft_s = prefilled.seconds + (runner.now(loaded.device) - t1)
+                state.compress_s = runner.now(loaded.device) - t1
+                state.ttft_s = prefilled.seconds + state.compress_s
             except Exception as exc:  # one method failing must not stop the others
                 self._fail(state, exc)
-        if split < n:
-            self._feed_question(ids[0, split:].tolist())
-        for state in self.states.values():
+        if split < n:  # each method alone is fed the question on its own
+            for group in ([[s] for s in states] if alone else [states]):
+                self._feed_question(ids[0, split:].tolist(), group)
+        for state in states:
             if state.error is None:
                 state.pending = self._sample(state, state.first_logits)
                 state.turn_ids = [state.pending]
                 state.text = self._detok(state.turn_ids)
-        first = self.image_layout.views[0] if self.image_layout is not None else None
-        self.prefill = PrefillInfo(
-            prompt_tokens=n, image_tokens=n_image, num_layers=loaded.num_layers,
-            importance=importance.float().cpu().numpy(), is_image=is_image[0, :split].cpu().numpy(),
-            image_grid=(first.rows, first.cols) if first is not None else None, image_offset=self.image_offset,
-            prefill_s=shared.seconds, image_layout=self.image_layout, curves=curves, compressed_tokens=split)
-        return self.prefill
+        if not analysis:
+            return None
+        if analysed is None:  # every method ran a prefill of its own: the charts' analysis is still wanted
+            analysed = shared_prefill([])
+            self.bytes_per_token = analysed.cache.nbytes() / split
+        importance = torch.stack([analysed.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
+        return n, n_image, is_image, split, importance, curves, analysed.seconds
 
     def _question_start(self, text: str, ids: torch.Tensor, is_image: torch.Tensor) -> int:
         """Query-agnostic mode: how many of the prompt's tokens come before the user's question (the template's
@@ -448,19 +551,21 @@ class Session:
                               "model's prompt the question does not follow the image; run without it")
         return split
 
-    def _feed_question(self, question: list[int]) -> None:
-        """Query-agnostic mode: feed the question through every compressed cache (one batched forward); each
-        method's first answer token comes from its own logits, its time to first token includes this feed."""
-        live = [s for s in self.states.values() if s.error is None]
+    def _feed_question(self, question: list[int], states: list[MethodState]) -> None:
+        """Query-agnostic mode: feed the question through the states' compressed caches (one batched forward);
+        each method's first answer token comes from its own logits, its time to first token includes this feed
+        (and its compression time the policy's work on the question)."""
+        live = [s for s in states if s.error is None]
         if not live:
             return
         device = self.engine.loaded.device
         t0 = runner.now(device)
-        logits, _, _ = self._advance(live, [list(question)] * len(live), step=0)
+        logits, _, policy_s = self._advance(live, [list(question)] * len(live), step=0)
         elapsed = runner.now(device) - t0
         for r, state in enumerate(live):
             if state.error is None:
                 state.ttft_s += elapsed
+                state.compress_s = (state.compress_s or 0.0) + policy_s.get(state.name, 0.0)
                 state.first_logits = logits[r]
 
     def _layout(self, n_image: int) -> ImageLayout | None:
@@ -482,12 +587,13 @@ class Session:
         device = self.engine.loaded.device
         t0 = runner.now(device)
         chunks = [self._carry_over(s) + new_ids for s in states]
-        logits, _, _ = self._advance(states, chunks, step=0)
+        logits, _, policy_s = self._advance(states, chunks, step=0)
         elapsed = runner.now(device) - t0
         for r, state in enumerate(states):
             if state.error is not None:
                 continue
             state.ttft_s = elapsed
+            state.compress_s = policy_s.get(state.name)
             state.compute_s, state.steps, state.finished = 0.0, 0, False
             state.pending = self._sample(state, logits[r])
             state.turn_ids = [state.pending]
@@ -530,30 +636,33 @@ class Session:
             policy_s[state.name] = runner.now(device) - t1
         return out.logits, forward_s, policy_s
 
-    def _decode_all(self, cancel: threading.Event | None) -> Iterator[MethodEvent]:
-        """Every active method decodes one token per step, all in one batch; one event per method per step."""
+    def _decode_all(self, cancel: threading.Event | None, states: list[MethodState] | None = None,
+                    alone: bool = False) -> Iterator[MethodEvent]:
+        """Every active method (of `states`, default all) decodes one token per step, all in one batch; one
+        event per method per step. `alone`: the events say the states were decoded on their own."""
+        states = list(self.states.values()) if states is None else states
         max_new = self.generation.max_new_tokens
-        for state in self.states.values():
+        for state in states:
             if state.error is None and self._is_done(state, max_new):
                 state.finished = True
-        for state in self.states.values():
+        for state in states:
             if state.error is None:
-                yield self._event(state, "done" if state.finished else "token", delta=state.text)
+                yield self._event(state, "done" if state.finished else "token", delta=state.text, alone=alone)
         while True:
-            active = [s for s in self.states.values() if not s.finished and s.error is None]
+            active = [s for s in states if not s.finished and s.error is None]
             if not active:
                 return
             if cancel is not None and cancel.is_set():
                 for s in active:
                     s.finished = True
-                    yield self._event(s, "cancelled")
+                    yield self._event(s, "cancelled", alone=alone)
                 return
             logits, forward_s, policy_s = self._advance(active, [[s.pending] for s in active],
                                                         step=len(active[0].turn_ids))
             greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
             for r, state in enumerate(active):
                 if state.error is not None:
-                    yield self._event(state, "error")
+                    yield self._event(state, "error", alone=alone)
                     continue
                 own_s = policy_s.get(state.name, 0.0)
                 state.compute_s += forward_s + own_s
@@ -565,7 +674,7 @@ class Session:
                 state.text = text
                 state.finished = self._is_done(state, max_new)
                 yield self._event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
-                                  policy_s=own_s, batch_size=len(active))
+                                  policy_s=own_s, batch_size=len(active), alone=alone)
 
     def _is_done(self, state: MethodState, max_new: int) -> bool:
         ended = state.pending in self.engine.eos_ids and not self.generation.ignore_eos
@@ -591,7 +700,7 @@ class Session:
         state.finished = True
 
     def _event(self, state: MethodState, kind: str, delta: str = "", latency: float = 0.0,
-               policy_s: float = 0.0, batch_size: int = 1) -> MethodEvent:
+               policy_s: float = 0.0, batch_size: int = 1, alone: bool = False) -> MethodEvent:
         cache = state.cache
         return MethodEvent(
             method=state.name, label=state.policy.label, kind=kind, turn=max(self.turn, 0),
@@ -601,8 +710,8 @@ class Session:
             full_len=state.true_len + state.reduced_by,
             kv_bytes=cache.nbytes() if cache is not None else 0,
             full_kv_bytes=int(round(self.bytes_per_token * (state.true_len + state.reduced_by))),
-            step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s,
+            step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s, compress_s=state.compress_s,
             tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
             error=state.error, extras=state.policy.extras(state.policy_state), batch_size=batch_size,
-            stage=state.policy.stage,
+            stage=state.policy.stage, alone=alone,
         )

@@ -111,12 +111,17 @@ class MethodEvent:
     full_len: int = 0  # N_t: true sequence length (what an uncompressed cache would hold)
     kv_bytes: int = 0  # bytes of this method's cache tensors (packed storage counted as stored)
     full_kv_bytes: int = 0  # bytes an uncompressed cache of full_len tokens takes in this model
-    step_latency_s: float = 0.0  # model forward time of the last step
-    policy_s: float = 0.0  # time the policy spent deciding / compressing in the last step
+    step_latency_s: float = 0.0  # model forward time of the last step (shared by `batch_size` methods)
+    policy_s: float = 0.0  # this method's own policy time in the last step (planning, merging, quantising)
     ttft_s: float | None = None  # time to first token of this turn (prefill + compression + 1st step)
-    tokens_per_s: float | None = None  # decode throughput of this turn so far
+    tokens_per_s: float | None = None  # decode throughput of this turn so far (forward + own policy time)
     error: str | None = None
     batch_size: int = 1  # methods decoded together in this step's forward (its latency is shared by them)
+    # this method's own policy time on the turn's input: compressing the prompt, or a follow-up's tokens
+    compress_s: float | None = None
+    # the method was decoded on its own (the session's time-alone pass, or a session that is not batched):
+    # every timing of this event is its own
+    alone: bool = False
     extras: dict[str, Any] = field(default_factory=dict)  # method specific facts (thresholds, notes)
     stage: str = ""  # where the method saves memory (policies.STAGES), as its policy declares
 

@@ -43,12 +43,43 @@ class Series:
 
 
 @dataclass
+class BatchSteps:
+    """The batched run's shared forward, once per decode step (not once per method): what the batch paid."""
+
+    steps: list[int] = field(default_factory=list)  # running step index over all turns (1, 2, ...)
+    forward_s: list[float] = field(default_factory=list)
+    batch_size: list[int] = field(default_factory=list)  # methods decoded together in that step
+    turn: list[int] = field(default_factory=list)
+    _last_point: tuple[int, int] | None = None
+
+    def add(self, turn: int, step: int, forward_s: float, batch_size: int) -> None:
+        if (turn, step) != self._last_point:  # every method of the step reports the same forward
+            self._last_point = (turn, step)
+            self.steps.append(len(self.steps) + 1)
+            self.forward_s.append(float(forward_s))
+            self.batch_size.append(int(batch_size))
+            self.turn.append(turn + 1)
+
+    def summary(self, turn: int) -> dict[str, Any] | None:
+        """The shared forward of one turn's batched steps (turn counted from 1), or None if it had none."""
+        mine = [(f, b) for f, b, t in zip(self.forward_s, self.batch_size, self.turn) if t == turn]
+        if not mine:
+            return None
+        return {"methods": max(b for _, b in mine), "steps": len(mine),
+                "forward_ms_per_step": round(1000 * sum(f for f, _ in mine) / len(mine), 3)}
+
+
+@dataclass
 class Turn:
     user: str
     answer: str = ""
     status: str = "waiting"  # waiting | streaming | done | stopped | error
     error: str | None = None
     last: MethodEvent | None = None  # latest event of this turn
+    policy_s: float = 0.0  # the method's own policy time over this turn's decode steps
+    decode_steps: int = 0
+    latency_s: list[float] = field(default_factory=list)  # forward + own policy of each decode step
+    alone: "Turn | None" = None  # the same turn decoded on its own (the time-alone pass), if it ran
 
 
 @dataclass
@@ -58,11 +89,15 @@ class Track:
     turns: list[Turn] = field(default_factory=list)
     series: Series | None = None
     last: MethodEvent | None = None  # latest event with telemetry (any turn)
+    alone_series: Series | None = None  # the per-token telemetry of the method decoded on its own
     _last_point: tuple[int, int] | None = None  # (turn, step) last appended to the series
+    _last_alone_point: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.series is None:
             self.series = Series(label=self.label)
+        if self.alone_series is None:
+            self.alone_series = Series(label=self.label)
 
     @property
     def turn(self) -> Turn | None:
@@ -74,11 +109,15 @@ class ComparisonRecord:
 
     def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
                  settings: dict[str, Any] | None = None, knobs: dict[str, dict[str, Any]] | None = None,
-                 model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False):
+                 model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False,
+                 batched: bool = True, alone: bool = False):
         self.methods = list(methods)
         self.budget = float(budget)
         self.budget_mode = budget_mode  # "published" or "equal_memory" (prompt-only methods held at r·N_t)
         self.query_agnostic = bool(query_agnostic)  # compressed before the question was fed
+        self.batched = batched  # the methods decode as one batch (sharing each step's forward)
+        self.alone = alone or not batched  # every method is (also) decoded and timed on its own
+        self.batch = BatchSteps()
         self.settings = dict(settings or {})
         self.knobs = {m: dict(k) for m, k in (knobs or {}).items()}
         self.model = dict(model or {})
@@ -114,6 +153,24 @@ class ComparisonRecord:
         if track is None or not track.turns:
             return
         turn = track.turns[min(ev.turn, len(track.turns) - 1)]
+        if ev.alone:  # the method on its own: its timings; also its answer when nothing ran batched
+            if turn.alone is None:
+                turn.alone = Turn(user=turn.user)
+            self._update_turn(turn.alone, ev)
+            if self._new_point(track, ev, alone=True):
+                self._append(track.alone_series, turn.alone, ev)
+            if self.batched:
+                return
+        self._update_turn(turn, ev)
+        if ev.kept_per_layer:
+            track.last = ev
+        if self._new_point(track, ev, alone=False):
+            self._append(track.series, turn, ev)
+            if not ev.alone and ev.step_latency_s > 0:
+                self.batch.add(ev.turn, ev.step, ev.step_latency_s, ev.batch_size)
+
+    @staticmethod
+    def _update_turn(turn: Turn, ev: MethodEvent) -> None:
         status = STATUS_OF_KIND.get(ev.kind, turn.status)
         if ev.kind == "error" or ev.error:  # a method that failed in the prefill still gets a "start" event
             status = "error"
@@ -123,18 +180,33 @@ class ComparisonRecord:
         turn.status = status
         if ev.kept_per_layer:
             turn.last = ev
-            track.last = ev
-        if ev.kind in ("start", "token", "done") and ev.step > 0 and ev.kept_per_layer:
-            point = (ev.turn, ev.step)
-            if point != track._last_point:
-                track._last_point = point
-                s = track.series
-                s.steps.append(len(s.steps) + 1)
-                s.kv_bytes.append(int(ev.kv_bytes))
-                s.full_kv_bytes.append(int(ev.full_kv_bytes))
-                s.latency_s.append(float(ev.step_latency_s))
-                s.policy_s.append(float(ev.policy_s))
-                s.turn.append(ev.turn + 1)
+
+    @staticmethod
+    def _new_point(track: Track, ev: MethodEvent, alone: bool) -> bool:
+        """Is this event a step not yet in the (main or alone) series? Each step is appended once."""
+        if ev.kind not in ("start", "token", "done") or ev.step <= 0 or not ev.kept_per_layer:
+            return False
+        point = (ev.turn, ev.step)
+        if point == (track._last_alone_point if alone else track._last_point):
+            return False
+        if alone:
+            track._last_alone_point = point
+        else:
+            track._last_point = point
+        return True
+
+    @staticmethod
+    def _append(s: Series, turn: Turn, ev: MethodEvent) -> None:
+        s.steps.append(len(s.steps) + 1)
+        s.kv_bytes.append(int(ev.kv_bytes))
+        s.full_kv_bytes.append(int(ev.full_kv_bytes))
+        s.latency_s.append(float(ev.step_latency_s))
+        s.policy_s.append(float(ev.policy_s))
+        s.turn.append(ev.turn + 1)
+        if ev.step_latency_s > 0:  # a decode step (the turn's first token comes from the prefill)
+            turn.policy_s += float(ev.policy_s)
+            turn.decode_steps += 1
+            turn.latency_s.append(float(ev.step_latency_s) + float(ev.policy_s))
 
     def stop_all(self, status: str = "stopped") -> None:
         """Mark every unfinished answer of the current turn (after a stop, a crash or a request error)."""
@@ -169,6 +241,31 @@ class ComparisonRecord:
 
     def series(self) -> dict[str, Series]:
         return {m: t.series for m, t in self.tracks.items()}
+
+    def alone_series(self) -> dict[str, Series]:
+        """Per method, the per-token telemetry of its decoding on its own (empty series when not timed alone)."""
+        return {m: t.alone_series for m, t in self.tracks.items()}
+
+    def alone_turn(self, method: str, turn: int = -1) -> Turn | None:
+        """This method's run of one turn on its own (None when it was not timed alone)."""
+        try:
+            return self.tracks[method].turns[turn].alone
+        except (KeyError, IndexError):
+            return None
+
+    def alone_tokens_per_s(self, method: str, turn: int = -1) -> float | None:
+        run = self.alone_turn(method, turn)
+        ev = run.last if run is not None else None
+        return ev.tokens_per_s if ev is not None and run.status == "done" else None
+
+    def speedup(self, method: str, turn: int = -1) -> float | None:
+        """Decode throughput of this method alone over Full's alone (the papers' speed-up), once both finished."""
+        mine, full = self.alone_tokens_per_s(method, turn), self.alone_tokens_per_s("full", turn)
+        return mine / full if mine and full else None
+
+    def batch_summary(self, turn: int | None = None) -> dict[str, Any] | None:
+        """The batched run's shared forward in one turn (default the current one): methods, steps, mean ms."""
+        return self.batch.summary((self.turn_index if turn is None else turn) + 1)
 
     def latest(self) -> dict[str, MethodEvent | None]:
         return {m: t.last for m, t in self.tracks.items()}
@@ -210,8 +307,17 @@ class ComparisonRecord:
             "full_kv_bytes": ev.full_kv_bytes if ev is not None else None,
             "kv_mb": round(ev.kv_bytes / MB, 4) if ev is not None else None,
             "kv_ratio": round(ev.kv_ratio, 4) if ev is not None else None,
+            # the main run's throughput and TTFT: batched (the step's forward is shared by the batch, see
+            # "timing" at the top), or the method's own when the session decoded every method alone
+            "timing": "batched" if self.batched else "alone",
             "tokens_per_s": round(ev.tokens_per_s, 2) if ev is not None and ev.tokens_per_s else None,
             "ttft_s": round(ev.ttft_s, 4) if ev is not None and ev.ttft_s is not None else None,
+            # the method's own cost, measured around its policy calls in the main run
+            "policy_ms_per_token": round(1000 * cur.policy_s / cur.decode_steps, 4) if cur and cur.decode_steps
+            else None,
+            "compress_ms": round(1000 * ev.compress_s, 3) if ev is not None and ev.compress_s is not None else None,
+            "alone": self.alone_summary(method),
+            "speedup_vs_full": _round(self.speedup(method), 3),
             "rouge_l_vs_full": round(rouge, 4) if rouge is not None else None,
             # every turn's ROUGE-L against Full's answer to it (None where either did not finish)
             "rouge_l_per_turn": [None if x is None else round(x, 4) for x in
@@ -223,6 +329,28 @@ class ComparisonRecord:
             "error": next((x.error for x in reversed(t.turns) if x.error), None),
         }
 
+    def alone_summary(self, method: str) -> dict[str, Any] | None:
+        """The current turn decoded on its own: TTFT, tokens/s, per-token latency (forward + policy), and
+        whether the answer is the main run's."""
+        run = self.alone_turn(method)
+        if run is None:
+            return None
+        ev, main = run.last, self.tracks[method].turn
+        done = run.status == "done"
+        return {
+            "status": run.status,
+            "tokens": ev.step if ev is not None else 0,
+            "ttft_s": _round(ev.ttft_s if ev is not None else None, 4),
+            "tokens_per_s": _round(ev.tokens_per_s if ev is not None else None, 2),
+            "ms_per_token": _round(1000 * sum(run.latency_s) / len(run.latency_s) if run.latency_s else None, 3),
+            "policy_ms_per_token": _round(1000 * run.policy_s / run.decode_steps if run.decode_steps else None, 4),
+            "latency_ms": [round(1000 * x, 3) for x in run.latency_s],
+            # after a batched run: did the method alone give the same answer (None while either is unfinished)
+            "same_answer": run.answer == main.answer if self.batched and done and main is not None
+            and main.status == "done" else None,
+            "error": run.error,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready results: the CLI's --json, the app's `results` output and exported results.json."""
         pre = self.prefill
@@ -232,6 +360,9 @@ class ComparisonRecord:
             "budget": self.budget,
             "budget_mode": self.budget_mode,
             "query_agnostic": self.query_agnostic,
+            # how the figures were timed: the batched run (its shared forward once, here) and/or each method
+            # decoded on its own (each method's "alone")
+            "timing": {"batched": self.batched, "alone": self.alone, "batch": self.batch_summary()},
             "settings": jsonable(self.settings),
             "knobs": jsonable(self.knobs),
             "prompts": list(self.prompts),
@@ -248,6 +379,10 @@ class ComparisonRecord:
             },
             "methods": {m: self.method_summary(m) for m in self.methods},
         }
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def jsonable(x: Any) -> Any:
