@@ -50,7 +50,19 @@ def test_compare_streams_results_for_several_methods(url, image_file):
     assert "Done" in final[0]
     # the panels: header HTML with badges, chat with the prompt and the answer
     heads = dict(zip(METHODS, final[1:1 + len(METHODS)]))  # one header per offered method, registry order
-    assert "of full" in heads["prefixkv"] and "tok/s" in heads["prefixkv"]
+    assert "of full" in heads["prefixkv"] and "ms/token" in heads["prefixkv"]  # its own policy time
+    assert "tok/s" not in heads["prefixkv"] and results["methods"]["prefixkv"]["alone"] is None
+    assert results["timing"]["batch"]["methods"] == 3  # the shared forward, once
+
+    # the same comparison with every method also timed alone
+    assert "time_alone" in names
+    final = client.predict(handle_file(image_file), "Describe the picture.", ["full", "h2o"], 0.3, 6,
+                           time_alone=True, api_name="/compare")
+    timed = final[-1]
+    assert timed["timing"]["alone"] and timed["methods"]["full"]["speedup_vs_full"] == 1.0
+    assert timed["methods"]["h2o"]["alone"]["same_answer"] is True and timed["methods"]["h2o"]["speedup_vs_full"] > 0
+    heads = dict(zip(METHODS, final[1:1 + len(METHODS)]))
+    assert "tok/s" in heads["h2o"] and "× Full" in heads["h2o"] and "TTFT alone" in heads["h2o"]
 
     follow = client.predict("And the colours?", api_name="/follow_up")
     assert follow[-1]["prompts"] == ["Describe the picture.", "And the colours?"]

@@ -176,4 +176,33 @@ def test_token_reduction_and_head_wise_methods_fill_every_chart(ctl, noise_image
     assert "patches kept" in captions["VisionZip"]
     if not equal_memory:  # (held at r·N_t, its prompt may lose the contextual tokens too)
         assert "merged into contextual tokens" in captions["VisionZip"]  # the patches its language model sees
+
+
+def test_time_each_method_alone(ctl, noise_image):
+    """The switch: after the batched run every method is decoded on its own; the phase says so while it runs,
+    the table and the latency chart then show each method's own figures; a follow-up is timed alone too."""
+    from ui.controller import TABLE_HEADERS, SessionBox
+
+    box = SessionBox()
+    outs, comp = _run(ctl, box, noise_image, ["full", "h2o", "snapkv"], max_new=4, time_alone=True)
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert "Done" in final["status"] and "also timed alone" in final["status"]
+    table = {row[0]: dict(zip(TABLE_HEADERS, row)) for row in final["table"]}
+    assert table["Full"]["× Full (alone)"] == "1.00" and table["H2O"]["tok/s alone"] != "–"
+    assert table["SnapKV"]["Policy (ms/token)"] != "–" and table["SnapKV"]["TTFT alone (ms)"] != "–"
+    latency = final["latency"]
+    assert "decoded alone" in latency.layout.title.text
+    assert [t.name for t in latency.data][1:] == ["Full", "H2O", "SnapKV"]
+    for r in final["results"]["methods"].values():
+        assert r["alone"]["same_answer"] is True and r["speedup_vs_full"] is not None
+    comp.tracks["snapkv"].turn.alone.status = "streaming"  # as while the last method is timed alone
+    assert ctl._phase(comp) == "Timing each method alone: 2 of 3 measured"
+    comp.tracks["snapkv"].turn.alone.status = "done"
+    outs = list(ctl.follow_up("And the colours?", box))
+    results = dict(zip(ctl.output_keys, outs[-1]))["results"]
+    for r in results["methods"].values():
+        assert r["alone"]["same_answer"] is True and len(r["answers"]) == 2
+    assert box.run.session._timing == []
+    with pytest.raises(gr.Error, match="time_alone must be true or false"):
+        list(ctl.compare(noise_image, "Describe.", ["full"], 0.3, 2, box=SessionBox(), time_alone="yes"))
     assert _wait_unlocked(ctl.engine)

@@ -8,6 +8,7 @@ from PIL import Image
 
 from prefixkv_core.events import MethodEvent, PrefillInfo
 from prefixkv_core.policies import METHODS, REGISTRY, method_colours
+from prefixkv_core.record import BatchSteps
 from ui import charts
 from ui.lorenz_np import gini, retention_curves
 from ui.theme import colour
@@ -95,11 +96,36 @@ def test_memory_and_latency_figures():
     assert names == ["uncompressed", "H2O", "PrefixKV"]  # reference line when Full is not selected
     assert list(mem.data[1].y) == pytest.approx([1.0, 1.1, 1.1])
     assert mem.data[1].line.color == colour("h2o") and mem.layout.yaxis.title.text == "KV cache (MB)"
-    lat = charts.latency_figure({"h2o": s1, "prefixkv": s2})
-    assert list(lat.data[0].x) == [2, 3]  # the prefill-made first token has no step latency
-    assert list(lat.data[0].y) == pytest.approx([21.0, 31.0])
-    assert lat.layout.yaxis.title.text == "latency per token (ms)"
     assert charts.memory_figure({}).layout.annotations  # placeholder
+
+
+def test_latency_figure_shows_the_shared_forward_once_and_each_methods_own_time():
+    s1 = charts.Series("H2O", steps=[1, 2, 3], kv_bytes=[1, 1, 1], full_kv_bytes=[3, 3, 3],
+                       latency_s=[0.0, 0.02, 0.03], policy_s=[0.0, 0.001, 0.001], turn=[1, 1, 1])
+    s2 = charts.Series("PrefixKV", steps=[1, 2, 3], kv_bytes=[1, 1, 1], full_kv_bytes=[3, 3, 3],
+                       latency_s=[0.0, 0.02, 0.03], policy_s=[0.0, 0.004, 0.002], turn=[1, 1, 1])
+    batch = BatchSteps()
+    for step, forward in ((2, 0.02), (3, 0.03)):
+        batch.add(0, step, forward, 2)
+        batch.add(0, step, forward, 2)  # the second method of the same step adds nothing
+    # batched only: the forward once (top), each method's own policy time (bottom)
+    lat = charts.latency_figure({"h2o": s1, "prefixkv": s2}, batch)
+    assert [t.name for t in lat.data] == ["shared forward", "H2O", "PrefixKV"]
+    assert list(lat.data[0].y) == pytest.approx([20.0, 30.0]) and list(lat.data[0].customdata) == [2, 2]
+    assert list(lat.data[1].x) == [2, 3]  # the prefill-made first token has no step
+    assert list(lat.data[2].y) == pytest.approx([4.0, 2.0]) and lat.data[2].yaxis == "y2"
+    assert "shared forward" in lat.layout.title.text and "own policy time" in lat.layout.title.text
+    # timed alone: one line per method, its forward + its policy, and the batched step for reference
+    a1 = charts.Series("H2O", steps=[1, 2, 3], kv_bytes=[1, 1, 1], full_kv_bytes=[3, 3, 3],
+                       latency_s=[0.0, 0.010, 0.012], policy_s=[0.0, 0.001, 0.001], turn=[1, 1, 1])
+    a2 = charts.Series("PrefixKV", steps=[1, 2, 3], kv_bytes=[1, 1, 1], full_kv_bytes=[3, 3, 3],
+                       latency_s=[0.0, 0.008, 0.009], policy_s=[0.0, 0.004, 0.002], turn=[1, 1, 1])
+    lat = charts.latency_figure({"h2o": s1, "prefixkv": s2}, batch, {"h2o": a1, "prefixkv": a2})
+    assert [t.name for t in lat.data] == ["batched run: one forward, shared", "H2O", "PrefixKV"]
+    assert list(lat.data[1].y) == pytest.approx([11.0, 13.0]) and list(lat.data[2].y) == pytest.approx([12.0, 11.0])
+    assert lat.data[1].line.color == colour("h2o") and "decoded alone" in lat.layout.title.text
+    assert lat.layout.yaxis.title.text == "latency per token (ms)"
+    assert charts.latency_figure({}).layout.annotations  # placeholder
 
 
 def test_quality_figure():
@@ -143,10 +169,10 @@ def _comparison():
     for method, label, kv, stage in (("full", "Full", 400, "none"), ("h2o", "H2O", 120, "KV eviction")):
         comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, stage=stage))
         comp.apply(_ev(method, label, [10, 10], [4, 4], 11, kind="token", step=2, text="A cat",
-                       kv=kv, step_latency_s=0.01, stage=stage))
+                       kv=kv, step_latency_s=0.01, policy_s=0.002, batch_size=2, compress_s=0.004, stage=stage))
         comp.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3,
                        text="A cat sits" if method == "full" else "A cat", kv=kv, step_latency_s=0.01,
-                       tokens_per_s=50.0, ttft_s=0.2, stage=stage))
+                       policy_s=0.002, tokens_per_s=50.0, ttft_s=0.2, batch_size=2, compress_s=0.004, stage=stage))
     return comp
 
 
@@ -165,13 +191,32 @@ def test_runstate_series_rouge_and_json():
     assert len(comp.prompts) == 1 and len(comp.tracks["h2o"].turns) == 1
 
 
+def _timed_alone(comp):
+    """The same turn decoded again, each method on its own (the events of the time-alone pass)."""
+    comp.alone = True
+    for method, label, kv, speed in (("full", "Full", 400, 50.0), ("h2o", "H2O", 120, 40.0)):
+        comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, alone=True,
+                       ttft_s=0.15))
+        comp.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3, kv=kv, step_latency_s=0.02,
+                       policy_s=0.001, text="A cat sits" if method == "full" else "A cat", tokens_per_s=speed,
+                       ttft_s=0.15, alone=True))
+    return comp
+
+
 def test_panels_badges_and_chat():
-    from ui.panels import chat_messages, clean, header_html
+    from ui.panels import chat_messages, clean, header_html, status_line
 
     comp = _comparison()
     head = header_html(comp.tracks["h2o"], "every step", comp)
-    for text in ("H2O", "KV 0.1 kB · 30% of full", "50.0 tok/s", "TTFT 200 ms", "ROUGE-L 0.800 vs Full"):
-        assert text in head
+    for text in ("H2O", "KV 0.1 kB · 30% of full", "policy 2.00 ms/token", "compress 4.00 ms",
+                 "ROUGE-L 0.800 vs Full"):
+        assert text in head, text
+    # batched: the shared forward is not any method's; it is in the status line once
+    assert "tok/s" not in head and "TTFT" not in head
+    assert "2 methods share one forward of 10 ms per token" in status_line(comp)
+    head = header_html(_timed_alone(comp).tracks["h2o"], "every step", comp)
+    assert "alone 40.0 tok/s · 0.80× Full" in head and "TTFT alone 150 ms" in head
+    assert "× Full" not in header_html(comp.tracks["full"], "none", comp)
     assert "ROUGE-L reference" in header_html(comp.tracks["full"], "none", comp)
     msgs = chat_messages(comp.tracks["h2o"])
     assert msgs == [{"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A cat"}]
@@ -208,8 +253,19 @@ def test_export_tables_and_files(tmp_path):
     assert data["methods"]["h2o"]["stage"] == "KV eviction"  # each method's stage, as its policy declares it
     tex = results_latex(data)
     assert r"\toprule" in tex and "H2O & KV eviction & " in tex and r"\bottomrule" in tex
+    assert "Policy (ms/token)" in tex and "alone" not in tex.split(r"\midrule")[0].split("Policy")[1]
+    assert "shared by 2 methods" in tex  # the caption says how the figures were timed
     md = transcript_markdown(data)
     assert "## Turn 1" in md and "What is this?" in md and "A cat sits" in md and "| H2O | KV eviction |" in md
+    # timed alone: the table adds each method's own TTFT, throughput and speed-up over Full
+    alone = _timed_alone(_comparison()).to_dict()
+    header, *rows = results_csv(alone).splitlines()
+    row = dict(zip(header.split(","), next(r for r in rows if r.startswith("h2o")).split(",")))
+    assert row["timing"] == "batched" and row["alone_tokens_per_s"] == "40.0" and row["speedup_vs_full_alone"] == "0.8"
+    assert row["policy_ms_per_token"] == "2.0" and row["alone_same_answer"] == "True"
+    tex = results_latex(alone)
+    assert r"Speed-up alone" in tex and r"0.80$\times$" in tex and "decoded alone" in tex
+    assert "| 0.8x |" in transcript_markdown(alone)
     fig = charts.memory_figure(comp.series())
     res = export_all({"kv-memory": fig}, data, formats=["html"], out_root=str(tmp_path),
                      images={"overlay": Image.new("RGB", (8, 8))})

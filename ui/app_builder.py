@@ -37,11 +37,15 @@ DEFAULT_PROMPT = "Describe this image in detail."
 
 HELP = """
 **Panels.** Every method answers the same prompt from the same prefill, each on its own compressed KV
-cache (FastV and VisionZip, prefill token reductions, run a prefill of their own); all methods decode
-together, one batched forward per token. Under each name: where the method saves memory (its stage) and
-when it compresses. Badges: KV-cache size (MB, and % of an
-uncompressed cache of the same length), decode throughput (tokens/s of model + policy time; the batch
-shares each step's forward), time to first token (shared prefill + compression + first step) and, once both answers are complete, ROUGE-L F1 against the Full answer.
+cache (FastV and VisionZip, prefill token reductions, run a prefill of their own). Under each name: where
+the method saves memory (its stage) and when it compresses. All methods decode together, one batched
+forward per token; that forward is shared, so it is shown once, in the line above the panels; each panel
+shows what is the method's own: its KV-cache size (MB, and % of an uncompressed cache of the same length),
+its policy's time per token (planning, merging, quantising) and its compression of the prompt, and, once
+both answers are complete, ROUGE-L F1 against the Full answer. With **Time each method alone**, every
+method is then decoded again on its own (its own prefill, the same settings; a follow-up from a copy of its
+cache): the panel adds its time to first token, tokens/s and speed-up over Full, all measured alone. The
+answers are the same either way.
 
 **Retained KV entries per layer.** One small chart per method: bar height = entries kept in that layer /
 entries an uncompressed cache would hold; the solid part is image tokens, the hatched part text tokens.
@@ -64,7 +68,8 @@ language model fewer image tokens: its dominant patches are lit, the patches mer
 tokens half lit and hatched.
 
 **KV-cache size while decoding / per-token latency.** Per generated token over all turns: cache
-megabytes, and the model forward time plus the policy's own time in milliseconds.
+megabytes; and the latency: in the batched run the shared forward once, over each method's own policy time;
+timed alone, one line per method (its forward + its policy), with the batched step dotted for reference.
 
 **Answer quality vs KV-cache size.** Final KV share of uncompressed (x) against ROUGE-L to Full (y): up and
 to the left is better.
@@ -145,6 +150,9 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                                            info=_equal_memory_info(described))
                 query_agnostic = gr.Checkbox(False, label="Query-agnostic", elem_id="query-agnostic",
                                              info=QUERY_AGNOSTIC_INFO)
+                time_alone = gr.Checkbox(False, label="Time each method alone", elem_id="time-alone",
+                                         info="after the batched run, decode every method again on its own: its "
+                                              "own TTFT, tokens/s, latency curve and speed-up over Full")
                 max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
                                     elem_id="max-new")
                 with gr.Accordion("Sampling", open=False):
@@ -204,7 +212,9 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
         with gr.Row(equal_height=False):
             memory_plot = gr.Plot(empty["kv-memory"], show_label=False, elem_id="chart-memory")
             latency_plot = gr.Plot(empty["latency"], show_label=False, elem_id="chart-latency")
-        table = gr.Dataframe(headers=list(_table_headers()), value=[], label="Metrics (final step of the last turn)",
+        table = gr.Dataframe(headers=list(_table_headers()), value=[],
+                             label="Metrics (last turn): policy = the method's own time in the run; TTFT, tok/s "
+                                   "and × Full = the method decoded alone (Time each method alone)",
                              interactive=False, wrap=True, elem_id="metrics-table")
 
         with gr.Accordion("Export for papers", open=True):
@@ -231,7 +241,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                                  ("max_new_tokens", max_new), ("do_sample", do_sample), ("temperature", temperature),
                                  ("top_p", top_p), ("seed", seed), ("question", followup), ("formats", formats),
                                  ("layer", overlay_layer), ("layers", lorenz_layers), ("equal_memory", equal_memory),
-                                 ("query_agnostic", query_agnostic),
+                                 ("query_agnostic", query_agnostic), ("time_alone", time_alone),
                                  *knob_widgets.items()]:
             guard_input(component, field)
         engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
@@ -244,7 +254,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                 trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
                 .then(ctl.compare, compare_inputs, outputs,
                       inputs_kwargs={"equal_memory": equal_memory, "query_agnostic": query_agnostic,
-                                     **knob_widgets},
+                                     "time_alone": time_alone, **knob_widgets},
                       api_name="compare" if not run_events else False, **engine_queue))
         ask_events = []
         for trigger in (ask_btn.click, followup.submit):

@@ -12,7 +12,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from prefixkv_core.record import MB, Series  # noqa: F401 - both part of this module's vocabulary
+from prefixkv_core.record import MB, BatchSteps, Series  # noqa: F401 - part of this module's vocabulary
 
 from .lorenz_np import bisect_threshold, gini, retention_curves
 from .theme import FONT, GRID, colour, layer_colours, tint
@@ -242,25 +242,66 @@ def memory_figure(series: Mapping[str, Series]) -> go.Figure:
     return _style(fig, title, "generated tokens (all turns)", "KV cache (MB)", yaxis=dict(rangemode="tozero"))
 
 
-def latency_figure(series: Mapping[str, Series], include_policy: bool = True) -> go.Figure:
-    """Per-token latency of each method: model forward (+ the policy's own time) in milliseconds."""
-    title = "Per-token latency" + (" (forward + policy)" if include_policy else " (forward)")
-    fig = _fig()
-    any_points = False
-    for method, s in series.items():
-        lat = np.asarray(s.latency_s, dtype=float) + (np.asarray(s.policy_s, dtype=float) if include_policy else 0)
-        steps = np.asarray(s.steps)
-        ok = np.asarray(s.latency_s, dtype=float) > 0  # the first token of a turn comes from the prefill
-        if not ok.any():
-            continue
-        any_points = True
-        fig.add_scatter(x=steps[ok], y=lat[ok] * 1000, mode="lines+markers", name=s.label,
-                        line=dict(color=colour(method), width=1.6), marker=dict(size=3),
-                        hovertemplate=f"{s.label}<br>token %{{x}}<br>%{{y:.1f}} ms<extra></extra>")
-    if not any_points:
+def _decode_steps(s: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token index, forward s, policy s) of the decode steps (a turn's first token comes from the prefill)."""
+    lat, pol, steps = (np.asarray(x, dtype=float) for x in (s.latency_s, s.policy_s, s.steps))
+    ok = lat > 0
+    return steps[ok], lat[ok], pol[ok]
+
+
+def latency_figure(series: Mapping[str, Series], batch: BatchSteps | None = None,
+                   alone: Mapping[str, Series] | None = None) -> go.Figure:
+    """Per-token latency that tells the methods apart.
+
+    Timed alone (`alone`: each method decoded on its own): one line per method, its forward + its policy's
+    time, with the batched run's shared step for reference. Batched only: the batch's shared forward once (it
+    is not any one method's cost) over each method's own policy time per token."""
+    alone = {m: s for m, s in (alone or {}).items() if (np.asarray(s.latency_s, dtype=float) > 0).any()}
+    batched = batch is not None and len(batch.steps) > 0
+    if alone:
+        title = "Per-token latency, each method decoded alone (forward + its policy)"
+        fig = _fig()
+        if batched:
+            fig.add_scatter(x=batch.steps, y=np.asarray(batch.forward_s) * 1000, mode="lines",
+                            name="batched run: one forward, shared", customdata=batch.batch_size,
+                            line=dict(color="#9a9a9a", dash="dot", width=1.5),
+                            hovertemplate="batched step %{x}<br>forward %{y:.1f} ms, shared by %{customdata} "
+                                          "methods<extra></extra>")
+        for method, s in alone.items():
+            steps, lat, pol = _decode_steps(s)
+            fig.add_scatter(x=steps, y=(lat + pol) * 1000, mode="lines+markers", name=s.label,
+                            line=dict(color=colour(method), width=1.6), marker=dict(size=3),
+                            customdata=np.stack([lat * 1000, pol * 1000], axis=-1),
+                            hovertemplate=f"{s.label} alone<br>token %{{x}}<br>%{{y:.1f}} ms (forward "
+                                          "%{customdata[0]:.1f} + policy %{customdata[1]:.2f})<extra></extra>")
+        return _style(fig, title, "generated tokens (all turns)", "latency per token (ms)",
+                      yaxis=dict(rangemode="tozero"))
+    title = "Per-token latency of the batched run: the shared forward, and each method's own policy time"
+    points = {m: _decode_steps(s) for m, s in series.items()}
+    points = {m: p for m, p in points.items() if p[0].size}
+    if not batched and not points:
         return placeholder(title)
-    return _style(fig, title, "generated tokens (all turns)", "latency per token (ms)",
-                  yaxis=dict(rangemode="tozero"))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.45, 0.55],
+                        figure=_fig(), subplot_titles=["one forward per step, shared by the batch",
+                                                       "each method's own policy time"])
+    if batched:
+        fig.add_scatter(x=batch.steps, y=np.asarray(batch.forward_s) * 1000, mode="lines+markers",
+                        name="shared forward", line=dict(color="#555", width=1.6), marker=dict(size=3),
+                        customdata=batch.batch_size, row=1, col=1,
+                        hovertemplate="step %{x}<br>forward %{y:.1f} ms, shared by %{customdata} methods"
+                                      "<extra></extra>")
+    for method, (steps, _, pol) in points.items():
+        s = series[method]
+        fig.add_scatter(x=steps, y=pol * 1000, mode="lines+markers", name=s.label, row=2, col=1,
+                        line=dict(color=colour(method), width=1.6), marker=dict(size=3),
+                        hovertemplate=f"{s.label}<br>token %{{x}}<br>policy %{{y:.2f}} ms<extra></extra>")
+    for a in fig.layout.annotations:
+        a.font = dict(size=12, color="#555")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_yaxes(title_text="forward (ms)", row=1, col=1)
+    fig.update_yaxes(title_text="policy (ms)", row=2, col=1)
+    fig.update_xaxes(title_text="generated tokens (all turns)", row=2, col=1)
+    return _style(fig, title, height=460, subplots=True)
 
 
 def _shared_labels(points: Mapping[str, tuple[str, float, float]], near: float = 0.04) -> dict[str, str]:

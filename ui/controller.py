@@ -25,7 +25,7 @@ from . import charts, queue_probe
 from .export import ALL_FORMATS, export_all
 from .export_store import ExportStore
 from .inputs import (DEFAULT_LIMITS, KnobSpec, check_budget_mode, check_query_agnostic, check_request, check_sampling,
-                     collect_knobs, downscale, refuse, upload_folder)
+                     check_switch, collect_knobs, downscale, refuse, upload_folder)
 from .overlay import caption, crops_to_square, overlay
 from .panels import banner_markdown, chat_messages, header_html, status_line
 from .runstate import Comparison, OverlayMaps, Track
@@ -38,7 +38,9 @@ TEXT_EVERY_S = 0.25  # panels (answers, badges) refresh at most this often while
 CHART_EVERY_S = 1.0  # charts refresh at most this often; the final state is always drawn
 OVERLAY_EVERY_S = 1.5  # the worker samples the kept-patch maps this often
 OVERLAY_DISPLAY_SIDE = 1024
-TABLE_HEADERS = ["Method", "KV (MB)", "KV % of full", "Kept ratio", "ROUGE-L vs Full", "TTFT (ms)", "tok/s", "Status"]
+# the method's own policy time (batched or alone), then what it costs decoded on its own (Time each method alone)
+TABLE_HEADERS = ["Method", "KV (MB)", "KV % of full", "Kept ratio", "ROUGE-L vs Full", "Policy (ms/token)",
+                 "Compress (ms)", "TTFT alone (ms)", "tok/s alone", "× Full (alone)", "Status"]
 FIGURE_NAMES = ("retained-per-layer", "lorenz", "kv-memory", "latency", "quality-vs-memory")
 ENGINE_QUEUE = "engine"  # the concurrency id of Compare and follow-ups (app_builder.py)
 
@@ -132,7 +134,8 @@ class Controller:
             "retained-per-layer": self.bars(comp),
             "lorenz": self.lorenz(comp, box),
             "kv-memory": charts.memory_figure(comp.series()) if comp else charts.placeholder("KV-cache size while decoding"),
-            "latency": charts.latency_figure(comp.series()) if comp else charts.placeholder("Per-token latency"),
+            "latency": charts.latency_figure(comp.series(), comp.batch, comp.alone_series()) if comp
+            else charts.placeholder("Per-token latency"),
             "quality-vs-memory": charts.quality_figure(comp.quality_points()) if comp
             else charts.placeholder("Answer quality vs KV-cache size"),
         }
@@ -181,9 +184,11 @@ class Controller:
             s = comp.method_summary(m)
             kept = s["kept_per_layer"]
             ratio = (sum(kept) / len(kept) / s["full_len"]) if kept and s["full_len"] else None
+            alone = s["alone"] or {}
             rows.append([s["label"], _fmt(s["kv_mb"], ".3f"), _fmt(s["kv_ratio"], ".1f", 100), _fmt(ratio, ".2f"),
-                         _fmt(s["rouge_l_vs_full"], ".3f"), _fmt(s["ttft_s"], ".0f", 1000),
-                         _fmt(s["tokens_per_s"], ".1f"), s["status"]])
+                         _fmt(s["rouge_l_vs_full"], ".3f"), _fmt(s["policy_ms_per_token"], ".2f"),
+                         _fmt(s["compress_ms"], ".1f"), _fmt(alone.get("ttft_s"), ".0f", 1000),
+                         _fmt(alone.get("tokens_per_s"), ".1f"), _fmt(s["speedup_vs_full"], ".2f"), s["status"]])
         return rows
 
     def render(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool = True,
@@ -230,7 +235,11 @@ class Controller:
         done = sum(t.status in ("done", "stopped", "error") for t in cur)
         if comp.prefill is None:
             return "Prefill: encoding the image and prompt once for every method…"
-        return f"Generating: {done} of {len(cur)} methods finished"
+        if done < len(cur) or not comp.alone:
+            return f"Generating: {done} of {len(cur)} methods finished"
+        runs = [t.alone for t in cur if t.status == "done"]
+        timed = sum(r is not None and r.status in ("done", "stopped", "error") for r in runs)
+        return f"Timing each method alone: {timed} of {len(runs)} measured"
 
     def _stream(self, box: SessionBox, comp: Comparison, factory: Callable, first_turn: bool) -> Iterator[list[Any]]:
         box.pending = False
@@ -338,7 +347,7 @@ class Controller:
 
     def compare(self, image, prompt, methods, budget, max_new_tokens, do_sample=False, temperature=0.7, top_p=0.9,
                 seed=0, box=None, request: gr.Request = None, equal_memory=False, query_agnostic=False,
-                **knob_values) -> Iterator[list[Any]]:
+                time_alone=False, **knob_values) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
         owner = self._owner(box, request)
         if self._stopped_while_queued(box):
@@ -355,6 +364,7 @@ class Controller:
             do_sample, temperature, top_p, seed = check_sampling(do_sample, temperature, top_p, seed)
             budget_mode = check_budget_mode(equal_memory)
             query_agnostic = check_query_agnostic(query_agnostic)
+            time_alone = check_switch("time_alone", time_alone)
             settings = GenerationSettings(max_new_tokens=max_new, do_sample=do_sample, temperature=temperature,
                                           top_p=top_p, seed=seed)
             knobs = collect_knobs(self.knob_specs, knob_values, methods)
@@ -364,7 +374,8 @@ class Controller:
             tokens = check_prompt(self.limits, self.loaded, prompt, with_image=image is not None, max_new_tokens=max_new,
                                   image_size=image.size if image is not None else None)
             session = self.engine.new_session(image, prompt, methods, budget, settings, knobs,
-                                              budget_mode=budget_mode, query_agnostic=query_agnostic)  # no caches yet
+                                              budget_mode=budget_mode, query_agnostic=query_agnostic,
+                                              time_alone=time_alone)  # no caches yet
             if box.run is not None and box.run.active:
                 box.run.cancel.set()  # its caches are dropped next: the engine must let go of them first
             self.registry.reserve(owner, estimate_run_bytes(self.loaded, tokens, len(methods), budget))
@@ -382,7 +393,8 @@ class Controller:
                           {"max_new_tokens": max_new, "do_sample": settings.do_sample, "temperature": settings.temperature,
                            "top_p": settings.top_p, "seed": settings.seed}, knobs,
                           image=downscale(image, OVERLAY_DISPLAY_SIDE) if image is not None else None,
-                          model=self.model_info(), budget_mode=budget_mode, query_agnostic=query_agnostic)
+                          model=self.model_info(), budget_mode=budget_mode, query_agnostic=query_agnostic,
+                          alone=time_alone)
         comp.session = session
         self.registry.add(owner, session, stop=lambda: comp.cancel.set(),
                           forget=lambda reason: self._let_go(comp, reason))
@@ -438,6 +450,8 @@ class Controller:
                                    conversation_tokens=self._conversation_tokens(comp),
                                    max_new_tokens=int(comp.settings.get("max_new_tokens", self.limit)))
             growth = kv_bytes_per_token(self.loaded) * added * len(comp.methods)
+            if comp.alone:  # every cache is copied as the turn starts, to decode each method alone afterwards
+                growth = 2 * growth + comp.session.cache_bytes()
             self.registry.reserve(owner, growth, keep_own=True)
         except LimitError as exc:
             box.pending = False

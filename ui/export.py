@@ -85,19 +85,45 @@ def slug(text: str) -> str:
 
 # -- tables ----------------------------------------------------------------------------------------------------
 
+def timing_note(results: Mapping[str, Any]) -> str:
+    """One sentence saying how the timings were taken (for the table caption and the transcript)."""
+    timing = results.get("timing") or {}
+    batch = timing.get("batch")
+    parts = []
+    if timing.get("batched", True):
+        shared = (f"; their one forward per token took {batch['forward_ms_per_step']:.1f} ms, shared by "
+                  f"{batch['methods']} methods" if batch else "")
+        parts.append(f"The methods decoded as one batch{shared}; policy = each method's own policy time per "
+                     "token in that run")
+    else:
+        parts.append("Each method decoded on its own; policy = its own policy time per token")
+    if timing.get("alone"):
+        parts.append("TTFT, tokens/s and speed-up (tokens/s over Full's) were measured with each method decoded "
+                     "alone, from its own prefill")
+    else:
+        parts.append("per-method TTFT and tokens/s were not measured (time each method alone for them)")
+    return ". ".join(parts) + "."
+
+
 def result_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per method from Comparison.to_dict()."""
+    """One flat row per method from Comparison.to_dict(). `ttft_s` / `tokens_per_s` are the main run's (its
+    `timing`: batched, sharing each step's forward, or alone); the `alone_*` columns the method on its own."""
     rows = []
     for method, r in results.get("methods", {}).items():
         kept = r.get("kept_per_layer") or []
         full_len = r.get("full_len") or 0
         mean_kept = (sum(kept) / len(kept) / full_len) if kept and full_len else None
+        alone = r.get("alone") or {}
         rows.append({
             "method": method, "label": r.get("label"), "stage": r.get("stage"), "status": r.get("status"),
             "tokens": r.get("tokens"),
             "kv_mb": r.get("kv_mb"), "kv_ratio": r.get("kv_ratio"),
             "kept_ratio_mean": round(mean_kept, 4) if mean_kept is not None else None,
-            "tokens_per_s": r.get("tokens_per_s"), "ttft_s": r.get("ttft_s"),
+            "policy_ms_per_token": r.get("policy_ms_per_token"), "compress_ms": r.get("compress_ms"),
+            "timing": r.get("timing"), "tokens_per_s": r.get("tokens_per_s"), "ttft_s": r.get("ttft_s"),
+            "alone_ttft_s": alone.get("ttft_s"), "alone_tokens_per_s": alone.get("tokens_per_s"),
+            "alone_ms_per_token": alone.get("ms_per_token"), "speedup_vs_full_alone": r.get("speedup_vs_full"),
+            "alone_same_answer": alone.get("same_answer"),
             "rouge_l_vs_full": r.get("rouge_l_vs_full"),
             "threshold": (r.get("extras") or {}).get("threshold"), "error": r.get("error"),
         })
@@ -160,31 +186,40 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def results_latex(results: Mapping[str, Any]) -> str:
-    """A booktabs table: the method's stage, KV size, share of full, mean kept ratio, ROUGE-L vs Full, TTFT,
-    throughput."""
+    """A booktabs table: the method's stage, KV size, share of full, mean kept ratio, ROUGE-L vs Full, the
+    method's own policy time and, when each method was timed alone, its TTFT, throughput and speed-up over Full;
+    the caption says how."""
     rows = result_rows(results)
     model = latex_escape(results.get("model") or "the model")
     budget = results.get("budget")
+    alone = bool((results.get("timing") or {}).get("alone"))
+    head = r"Method & Stage & KV (MB) & KV (\% of full) & Kept ratio & ROUGE-L & Policy (ms/token)"
+    if alone:
+        head += r" & TTFT alone (ms) & Tokens/s alone & Speed-up alone"
     lines = [
         r"% requires \usepackage{booktabs}",
         r"\begin{table}[t]",
         r"  \centering",
         rf"  \caption{{KV-cache compression on {model} at budget $r = {budget:.2f}$, "
-        rf"{latex_escape(run_mode(results))} (ROUGE-L against the uncompressed answer).}}",
+        rf"{latex_escape(run_mode(results))} (ROUGE-L against the uncompressed answer). "
+        rf"{latex_escape(timing_note(results))}}}",
         r"  \label{tab:kv-compression}",
-        r"  \begin{tabular}{llrrrrrr}",
+        r"  \begin{tabular}{ll" + "r" * (8 if alone else 5) + "}",
         r"    \toprule",
-        r"    Method & Stage & KV (MB) & KV (\% of full) & Kept ratio & ROUGE-L & TTFT (ms) & Tokens/s \\",
+        f"    {head} \\\\",
         r"    \midrule",
     ]
     for row in rows:
-        ttft = None if row["ttft_s"] is None else row["ttft_s"] * 1000
         ratio = None if row["kv_ratio"] is None else row["kv_ratio"] * 100
-        lines.append(
-            f"    {latex_escape(row['label'])} & {latex_escape(row['stage'] or '--')} & {_num(row['kv_mb'], '.3f')} & "
-            f"{_num(ratio, '.1f')} & "
-            f"{_num(row['kept_ratio_mean'], '.2f')} & {_num(row['rouge_l_vs_full'], '.3f')} & "
-            f"{_num(ttft, '.0f')} & {_num(row['tokens_per_s'], '.1f')} \\\\")
+        cells = [latex_escape(row["label"]), latex_escape(row["stage"] or "--"), _num(row["kv_mb"], ".3f"),
+                 _num(ratio, ".1f"), _num(row["kept_ratio_mean"], ".2f"), _num(row["rouge_l_vs_full"], ".3f"),
+                 _num(row["policy_ms_per_token"], ".2f")]
+        if alone:
+            ttft = None if row["alone_ttft_s"] is None else row["alone_ttft_s"] * 1000
+            speed = row["speedup_vs_full_alone"]
+            cells += [_num(ttft, ".0f"), _num(row["alone_tokens_per_s"], ".1f"),
+                      "--" if speed is None else f"{speed:.2f}$\\times$"]
+        lines.append("    " + " & ".join(cells) + " \\\\")
     lines += [r"    \bottomrule", r"  \end{tabular}", r"\end{table}", ""]
     return "\n".join(lines)
 
@@ -210,16 +245,20 @@ def transcript_markdown(results: Mapping[str, Any]) -> str:
             answers = r.get("answers") or []
             answer = answers[i] if i < len(answers) else ""
             out += [f"### {r.get('label', method)}", "", (answer.strip() or "_(no answer)_"), ""]
-    out += ["## Final metrics", "",
-            "| method | stage | KV (MB) | KV % of full | ROUGE-L vs Full | TTFT (s) | tokens/s | status |",
-            "|---|---|---:|---:|---:|---:|---:|---|"]
+    out += ["## Final metrics", "", timing_note(results), "",
+            "| method | stage | KV (MB) | KV % of full | ROUGE-L vs Full | policy (ms/token) | TTFT alone (s) | "
+            "tokens/s alone | speed-up alone | status |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def cell(v: Any, suffix: str = "") -> str:
+        return "" if v is None else f"{v}{suffix}"
+
     for row in result_rows(results):
-        ratio = "" if row["kv_ratio"] is None else f"{row['kv_ratio'] * 100:.1f}"
-        out.append(f"| {row['label']} | {row['stage'] or ''} | {row['kv_mb'] if row['kv_mb'] is not None else ''} | "
-                   f"{ratio} | "
-                   f"{row['rouge_l_vs_full'] if row['rouge_l_vs_full'] is not None else ''} | "
-                   f"{row['ttft_s'] if row['ttft_s'] is not None else ''} | "
-                   f"{row['tokens_per_s'] if row['tokens_per_s'] is not None else ''} | {row['status']} |")
+        ratio = None if row["kv_ratio"] is None else f"{row['kv_ratio'] * 100:.1f}"
+        out.append(f"| {row['label']} | {row['stage'] or ''} | {cell(row['kv_mb'])} | {cell(ratio)} | "
+                   f"{cell(row['rouge_l_vs_full'])} | {cell(row['policy_ms_per_token'])} | "
+                   f"{cell(row['alone_ttft_s'])} | {cell(row['alone_tokens_per_s'])} | "
+                   f"{cell(row['speedup_vs_full_alone'], 'x')} | {row['status']} |")
     return "\n".join(out) + "\n"
 
 
@@ -292,7 +331,8 @@ def export_all(figures: Mapping[str, go.Figure], results: Mapping[str, Any], for
     mode = run_mode(results)  # every caption and title says which mode produced the figure
     titles = {name: f"{fig.layout.title.text or name} [{mode}]" for name, fig in figures.items()}
     (base / "figures" / "captions.md").write_text(
-        "\n".join(f"- `{slug(n)}`: {re.sub('<[^>]+>', '', t)}" for n, t in titles.items()) + "\n")
+        "\n".join(f"- `{slug(n)}`: {re.sub('<[^>]+>', '', t)}" for n, t in titles.items())
+        + f"\n\nTiming: {timing_note(results)}\n")
     for name, img in (images or {}).items():
         path = fig_dir / f"{slug(name)}.png"
         img.save(path)

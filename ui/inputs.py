@@ -410,6 +410,15 @@ def check_query_agnostic(query_agnostic: Any) -> bool:
     return query_agnostic
 
 
+def check_switch(field: str, value: Any) -> bool:
+    """An on/off switch of a request (None is off)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise refuse(f"{field} must be true or false, got {_short(value)}")
+    return value
+
+
 def check_sampling(do_sample: Any, temperature: Any, top_p: Any, seed: Any) -> tuple[bool, float, float, int]:
     """Sampling settings of a request; None takes the default."""
     do_sample = False if do_sample is None else do_sample

@@ -34,8 +34,45 @@ def facts_note(extras: dict[str, Any] | None) -> str:
     return " · ".join(f.text() for f in facts_from_extras(extras))
 
 
+def _seconds(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"
+
+
+def timing_badges(track: Track, comparison: Comparison) -> list[str]:
+    """What this method cost on its own. In the batched run only its policy time is its own (the forward is
+    shared, and shown once in the status line); timed alone, its TTFT, tokens/s and speed-up over Full."""
+    badges = []
+    turn = track.turn
+    if turn is not None and turn.decode_steps:
+        badges.append(_badge(f"policy {_ms(1000 * turn.policy_s / turn.decode_steps)}/token", "policy"))
+    ev = turn.last if turn is not None else None
+    if ev is not None and ev.compress_s is not None and comparison.batched:
+        badges.append(_badge(f"compress {_ms(1000 * ev.compress_s)}", "policy"))
+    run = turn.alone if turn is not None else None
+    if run is None:
+        if comparison.alone and comparison.batched and turn is not None and turn.status == "done" \
+                and comparison.active:
+            badges.append(_badge("timing alone: waiting", "alone"))
+        return badges
+    if run.status == "streaming":
+        badges.append(_badge("timing alone…", "alone"))
+    last = run.last
+    if last is not None and last.tokens_per_s:
+        speed = comparison.speedup(track.method)
+        note = f" · {speed:.2f}× Full" if speed is not None and track.method != "full" else ""
+        badges.append(_badge(f"alone {last.tokens_per_s:.1f} tok/s{note}", "alone"))
+    if last is not None and last.ttft_s is not None:
+        badges.append(_badge(f"TTFT alone {_seconds(last.ttft_s)}", "alone"))
+    return badges
+
+
 def header_html(track: Track, summary: str, comparison: Comparison | None, uses_budget: bool = True) -> str:
-    """Method name, one-line description, badges: state, KV size (MB and % of full), tokens/s, TTFT, ROUGE-L."""
+    """Method name, one-line description, badges: state, KV size (MB and % of full), the method's own policy
+    time, its TTFT / tokens/s / speed-up over Full when timed alone, ROUGE-L."""
     name = html.escape(track.label)
     turn = track.turn
     status = turn.status if turn is not None and comparison is not None else "waiting"
@@ -43,10 +80,8 @@ def header_html(track: Track, summary: str, comparison: Comparison | None, uses_
     ev = track.last if comparison is not None else None
     if ev is not None:
         badges.append(_badge(f"KV {_fmt_mb(ev.kv_bytes)} · {ev.kv_ratio:.0%} of full", "kv"))
-        if ev.tokens_per_s:
-            badges.append(_badge(f"{ev.tokens_per_s:.1f} tok/s"))
-        if ev.ttft_s is not None:
-            badges.append(_badge(f"TTFT {ev.ttft_s * 1000:.0f} ms" if ev.ttft_s < 1 else f"TTFT {ev.ttft_s:.2f} s"))
+    if comparison is not None:
+        badges += timing_badges(track, comparison)
     if comparison is not None:
         if track.method == "full":
             if "full" in comparison.tracks and len(comparison.tracks) > 1:
@@ -94,8 +129,16 @@ def status_line(comparison: Comparison | None, phase: str | None = None) -> str:
         parts.append(phase)
     pre = comparison.prefill
     if pre is not None:
+        prefill = (f"shared prefill {pre.prefill_s:.2f} s" if comparison.batched
+                   else f"prefill {pre.prefill_s:.2f} s (each method its own)")
         parts.append(f"prompt {pre.prompt_tokens} tokens ({pre.image_tokens} image) · {pre.num_layers} layers · "
-                     f"shared prefill {pre.prefill_s:.2f} s")
+                     + prefill)
+    batch = comparison.batch_summary()
+    if batch is not None:  # the forward every method of the batch shared: one figure, not one per panel
+        parts.append(f"batched: {batch['methods']} methods share one forward of {batch['forward_ms_per_step']:.0f} "
+                     f"ms per token")
+    if comparison.alone:
+        parts.append("each method also timed alone" if comparison.batched else "each method decoded alone")
     parts.append(f"budget r = {comparison.budget:.2f} ({comparison.mode_title()})")
     if pre is not None and comparison.query_agnostic and pre.compressed_tokens is not None:
         parts.append(f"{pre.compressed_tokens} tokens compressed before the question")

@@ -32,9 +32,11 @@ class Comparison(ComparisonRecord):
 
     def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
                  settings: dict[str, Any], knobs: dict[str, dict[str, Any]], image=None,
-                 model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False):
+                 model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False,
+                 alone: bool = False):
         self.cancel = threading.Event()
-        super().__init__(methods, labels, prompt, budget, settings, knobs, model, budget_mode, query_agnostic)
+        super().__init__(methods, labels, prompt, budget, settings, knobs, model, budget_mode, query_agnostic,
+                         alone=alone)
         self.image = image  # PIL image (display copy) or None
         self.session = None  # prefixkv_core.Session, set by the app once created
         self.overlay_layer = 0

@@ -68,6 +68,7 @@ def css() -> str:
           font-variant-numeric: tabular-nums; }}
 .badge.kv {{ background: #eef6ff; border-color: #cfe3ff; }}
 .badge.rouge {{ background: #f2fbf4; border-color: #cdebd5; }}
+.badge.alone {{ background: #fdf3ea; border-color: #f3d6bb; }}
 .badge.state-streaming {{ background: #fff8e6; border-color: #ffe2a8; }}
 .badge.state-done {{ background: #eefaf0; border-color: #c7eccf; }}
 .badge.state-error {{ background: #fdecec; border-color: #f5c2c2; color: #a40000; }}
