@@ -43,9 +43,11 @@ def cmd_compare(args) -> int:
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _knobs(args.knob),
                                  budget_mode="equal_memory" if args.equal_memory else "published",
-                                 query_agnostic=args.query_agnostic)
+                                 query_agnostic=args.query_agnostic, time_alone=args.time_alone is not None,
+                                 batched=args.time_alone != "only")
     names = list(session.states)
-    bar = tqdm(total=len(names) * args.max_new_tokens, desc="decoding", disable=args.quiet)
+    passes = 2 if args.time_alone == "after" else 1  # the batched run, then every method alone
+    bar = tqdm(total=len(names) * args.max_new_tokens * passes, desc="decoding", disable=args.quiet)
     for event in session.run():
         if isinstance(event, MethodEvent) and event.kind in ("token", "done"):
             bar.update(1)
@@ -60,11 +62,29 @@ def cmd_compare(args) -> int:
         question = "query-agnostic: compressed before the question" if payload["query_agnostic"] else \
             "query-aware: compressed with the question"
         print(f"budget r = {args.budget:g}, {payload['budget_mode'].replace('_', ' ')} mode, {question}")
+        batch = payload["timing"]["batch"]
+        if batch:
+            print(f"batched: {batch['methods']} methods share one forward of {batch['forward_ms_per_step']:.1f} ms "
+                  "per token (policy times below are each method's own)")
+        if payload["timing"]["alone"]:
+            print("alone: each method decoded on its own, from its own prefill (TTFT, tokens/s, speed-up over Full)")
         for name, r in results.items():
             ratio = r["kv_bytes"] / r["full_kv_bytes"] if r["full_kv_bytes"] else 1.0
             rl = "" if r["rouge_l_vs_full"] is None else f"  ROUGE-L {r['rouge_l_vs_full']:.3f}"
-            print(f"[{name}] KV {ratio:6.1%}{rl}  {r['error'] or r['text']!r}")
+            print(f"[{name}] KV {ratio:6.1%}{rl}{_timing_text(r)}  {r['error'] or r['text']!r}")
     return 0
+
+
+def _timing_text(r: dict[str, Any]) -> str:
+    """A method's own timings: its policy time per token, and what it took alone when it was timed alone."""
+    out = "" if r["policy_ms_per_token"] is None else f"  policy {r['policy_ms_per_token']:.2f} ms/token"
+    alone = r.get("alone") or {}
+    if alone.get("tokens_per_s"):
+        speed = "" if r["speedup_vs_full"] is None else f" ({r['speedup_vs_full']:.2f}x Full)"
+        out += f"  alone {alone['tokens_per_s']:.1f} tok/s{speed}"
+    if alone.get("ttft_s") is not None:
+        out += f", TTFT {alone['ttft_s'] * 1000:.0f} ms"
+    return out
 
 
 def cmd_calibrate(args) -> int:
@@ -130,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compress the image and any text before the question first, then feed the question and "
                         "answer on the compressed cache, as in a chat about one image (default: compress with the "
                         "question in the prompt)")
+    p.add_argument("--time-alone", nargs="?", const="after", choices=("after", "only"), default=None,
+                   metavar="only",
+                   help="also decode every method on its own, from its own prefill, and report its TTFT, tokens/s "
+                        "and speed-up over Full measured alone (after the batched comparison; '--time-alone only': "
+                        "instead of it)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per method")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")

@@ -188,3 +188,29 @@ def test_record_keeps_the_shared_forward_once_per_step():
     out = record.to_dict()["methods"]
     assert [out[m]["policy_ms_per_token"] for m in methods] == [1.0, 2.0, 3.0]
     assert all(out[m]["alone"] is None and out[m]["speedup_vs_full"] is None for m in methods)
+
+
+def test_cli_time_alone(tmp_path, noise_image, capsys, one_torch_thread):
+    import json
+
+    from prefixkv_core.__main__ import main
+
+    image = tmp_path / "img.png"
+    noise_image.save(image)
+    out = tmp_path / "out.json"
+    args = ["compare", "--model", "tiny-llama", "--image", str(image), "--prompt", "Describe the image.",
+            "--methods", "full,h2o", "--budget", "0.3", "--max-new-tokens", "4", "--json", str(out)]
+    assert main(args + ["--time-alone"]) == 0
+    printed = capsys.readouterr().out
+    assert "share one forward" in printed and "alone" in printed and "x Full" in printed
+    data = json.loads(out.read_text())
+    assert data["timing"]["batched"] and data["timing"]["alone"]
+    assert data["methods"]["full"]["speedup_vs_full"] == 1.0 and data["methods"]["h2o"]["alone"]["same_answer"]
+    assert main(args + ["--time-alone", "only"]) == 0
+    data = json.loads(out.read_text())
+    assert data["timing"] == {"batched": False, "alone": True, "batch": None}
+    assert data["methods"]["h2o"]["timing"] == "alone"
+    assert main(args) == 0
+    data = json.loads(out.read_text())
+    assert not data["timing"]["alone"] and data["methods"]["h2o"]["alone"] is None
+    assert data["methods"]["h2o"]["policy_ms_per_token"] is not None
