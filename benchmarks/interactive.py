@@ -6,9 +6,14 @@ Measured side by side in one process, repeats interleaved (the machines are shar
    divided by that of Full alone through the same engine (goal >= 3x on the embedded model, aim 5x);
 2. wall time of the whole comparison, from the request to the last token, shared prefill included;
 3. Full alone through the runner / plain `model.generate`, per decoded token (goal >= 0.95);
-4. for reference, the same methods run one after another (what the comparison cost before batching).
+4. for reference, the same methods run one after another (what the comparison cost before batching);
+5. with --time-alone, what each method costs on its own: in the batched run its own policy time per token
+   (the forward is shared and reported once), and decoded alone (the session's batched=False: each method
+   from its own prefill) its TTFT, tokens/s, ms per token and speed-up over Full (tokens/s ratio), with a
+   check that its answer is the batched one. The one-after-another wall time then comes from that run.
 
     python benchmarks/interactive.py --model embedded --budget 0.3 --new-tokens 64
+    python benchmarks/interactive.py --model embedded --threads 1 --new-tokens 16 --time-alone
 """
 from __future__ import annotations
 
@@ -52,9 +57,31 @@ def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], bud
     t_end = now(device)
     steps = sum(len(s.turn_ids) - 1 for s in session.states.values() if s.error is None)
     decode_s = t_end - decode_start
+    record = session.record.to_dict()
     return {"total_s": t_end - t0, "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
             "decode_tokens": steps, "decode_tokens_per_s": steps / decode_s if decode_s > 0 else None,
-            "prompt_tokens": session.prefill.prompt_tokens, "errors": errors}
+            "prompt_tokens": session.prefill.prompt_tokens, "errors": errors, "batch": record["timing"]["batch"],
+            "methods": {m: {"policy_ms_per_token": r["policy_ms_per_token"], "compress_ms": r["compress_ms"],
+                            "text": r["text"]} for m, r in record["methods"].items()}}
+
+
+def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+    """Every method decoded on its own, one after another, each from its own prefill (`batched=False`): the
+    session's own per-method TTFT, tokens/s and per-token latency, and the wall time of the whole run."""
+    device = engine.loaded.device
+    settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
+    t0 = now(device)
+    session = engine.new_session(image, prompt, methods, budget, settings, batched=False)
+    for _ in session.run():
+        pass
+    total = now(device) - t0
+    out = {}
+    for m, r in session.record.to_dict()["methods"].items():
+        alone = r["alone"] or {}
+        out[m] = {"ttft_s": alone.get("ttft_s"), "tokens_per_s": alone.get("tokens_per_s"),
+                  "ms_per_token": alone.get("ms_per_token"), "policy_ms_per_token": alone.get("policy_ms_per_token"),
+                  "speedup_vs_full": r["speedup_vs_full"], "text": r["text"], "error": r["error"]}
+    return {"total_s": total, "methods": out}
 
 
 def main(argv=None) -> int:
@@ -69,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; medians are reported")
     ap.add_argument("--no-sequential", action="store_true", help="skip the one-after-another reference run")
+    ap.add_argument("--time-alone", action="store_true",
+                    help="also time every method decoded on its own (TTFT, tokens/s, speed-up over Full); it "
+                         "replaces the one-after-another reference run")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args(argv)
@@ -82,17 +112,36 @@ def main(argv=None) -> int:
     inputs = encode(loaded, image, format_prompt(loaded, args.prompt, with_image=True))
     timed_comparison(engine, image, args.prompt, methods, args.budget, 4)  # warm-up
 
-    together, alone, generate, sequential = [], [], [], []
+    together, alone, generate, sequential, each = [], [], [], [], []
     for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
         together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
         alone.append(timed_comparison(engine, image, args.prompt, ["full"], args.budget, args.new_tokens))
         generate.append(time_generate(loaded, inputs, args.new_tokens))
-        if not args.no_sequential:
+        if args.time_alone:
+            each.append(timed_alone(engine, image, args.prompt, methods, args.budget, args.new_tokens))
+            sequential.append(each[-1]["total_s"])
+        elif not args.no_sequential:
             sequential.append(sum(timed_comparison(engine, image, args.prompt, [m], args.budget,
                                                    args.new_tokens)["total_s"] for m in methods))
 
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
+
+    def med_of(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    per_method = {}
+    for m in methods:
+        row = {"batched_policy_ms_per_token": med_of(t["methods"][m]["policy_ms_per_token"] for t in together),
+               "batched_compress_ms": med_of(t["methods"][m]["compress_ms"] for t in together)}
+        if each:
+            for key in ("ttft_s", "tokens_per_s", "ms_per_token", "policy_ms_per_token", "speedup_vs_full"):
+                row[f"alone_{key}"] = med_of(e["methods"][m][key] for e in each)
+            # greedy with end of text ignored: alone and batched must give the same tokens
+            row["same_answer"] = all(e["methods"][m]["text"] == t["methods"][m]["text"]
+                                     for e, t in zip(each, together))
+        per_method[m] = row
 
     report = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "methods": methods,
               "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -102,7 +151,9 @@ def main(argv=None) -> int:
               "generate_tokens_per_s": statistics.median(generate),
               "comparison_wall_s": med(together, "total_s"), "comparison_prefill_s": med(together, "prefill_s"),
               "sequential_wall_s": statistics.median(sequential) if sequential else None,
-              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone}}
+              "batch_forward_ms_per_step": med_of(t["batch"]["forward_ms_per_step"] for t in together if t["batch"]),
+              "time_alone": args.time_alone, "per_method": per_method,
+              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each}}
     report["throughput_ratio"] = report["together_tokens_per_s"] / report["full_alone_tokens_per_s"]
     report["runner_over_generate"] = report["full_alone_tokens_per_s"] / report["generate_tokens_per_s"]
 
@@ -120,11 +171,39 @@ def main(argv=None) -> int:
         print(f"| the same methods one after another | {report['sequential_wall_s']:.1f} s |")
     print(f"| plain model.generate decode tok/s | {report['generate_tokens_per_s']:.1f} |")
     print(f"| **Full through the runner / generate** (goal >= 0.95) | **{report['runner_over_generate']:.3f}** |")
+    print_per_method(report, methods)
     if report["errors"]:
         print(f"errors: {report['errors']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def print_per_method(report: dict, methods: list[str]) -> None:
+    """Each method's own cost: its policy time in the batched run and, timed alone, its speed."""
+    forward = report["batch_forward_ms_per_step"]
+    print(f"\nBatched run: one forward of {forward:.1f} ms per token, shared by all {len(methods)} methods; "
+          "each method's own policy time per token beside it." if forward else "")
+    rows = report["per_method"]
+
+    def f(v, spec):
+        return "–" if v is None else format(v, spec)
+
+    if report["time_alone"]:
+        print("Alone: each method decoded on its own from its own prefill (median of the repeats).\n")
+        print("| method | policy ms/token (batched) | compress ms (batched) | TTFT alone ms | tok/s alone | "
+              "ms/token alone | speed-up vs Full (alone) | same answer |\n|---|---|---|---|---|---|---|---|")
+        for m in methods:
+            r = rows[m]
+            ttft = None if r["alone_ttft_s"] is None else 1000 * r["alone_ttft_s"]
+            print(f"| {m} | {f(r['batched_policy_ms_per_token'], '.2f')} | {f(r['batched_compress_ms'], '.1f')} | "
+                  f"{f(ttft, '.0f')} | {f(r['alone_tokens_per_s'], '.2f')} | {f(r['alone_ms_per_token'], '.1f')} | "
+                  f"{f(r['alone_speedup_vs_full'], '.2f')}x | {'yes' if r['same_answer'] else 'NO'} |")
+    else:
+        print("| method | policy ms/token (batched) | compress ms (batched) |\n|---|---|---|")
+        for m in methods:
+            r = rows[m]
+            print(f"| {m} | {f(r['batched_policy_ms_per_token'], '.2f')} | {f(r['batched_compress_ms'], '.1f')} |")
 
 
 if __name__ == "__main__":

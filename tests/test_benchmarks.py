@@ -336,3 +336,23 @@ def test_random_tiny_model_is_the_test_model_shape_without_processor(tiny_llama)
     assert (ids[:, 0] == sm.bos_id).all() and int(is_image.sum()) == 2 * sm.image_seq_length
     out = run_timed(sm, "full", 1.0, {}, ids, is_image, pixels, 3)
     assert len(out["tokens"]) == 2 and len(out["tokens"][0]) == 3
+
+
+def test_interactive_time_alone_reports_each_methods_own_cost(tmp_path, capsys):
+    """benchmarks/interactive.py --time-alone: the batched run's forward once, each method's own policy time,
+    and each method decoded alone (TTFT, tokens/s, speed-up over Full) with the batched answer."""
+    from benchmarks import interactive
+
+    out = tmp_path / "interactive.json"
+    assert interactive.main(["--model", "tiny-llama", "--methods", "full,h2o,zipvl", "--new-tokens", "3",
+                             "--repeats", "1", "--time-alone", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "shared by all 3 methods" in printed and "speed-up vs Full (alone)" in printed
+    report = json.loads(out.read_text())
+    assert report["time_alone"] and report["batch_forward_ms_per_step"] > 0
+    rows = report["per_method"]
+    assert set(rows) == {"full", "h2o", "zipvl"} and rows["full"]["alone_speedup_vs_full"] == 1.0
+    for m, r in rows.items():
+        assert r["same_answer"] is True, m
+        assert r["alone_tokens_per_s"] > 0 and r["alone_ttft_s"] > 0 and r["batched_policy_ms_per_token"] is not None
+    assert report["sequential_wall_s"] == report["runs"]["each_alone"][0]["total_s"]
