@@ -10,7 +10,8 @@ Measured side by side in one process, repeats interleaved (the machines are shar
 5. with --time-alone, what each method costs on its own: in the batched run its own policy time per token
    (the forward is shared and reported once), and decoded alone (the session's batched=False: each method
    from its own prefill) its TTFT, tokens/s, ms per token and speed-up over Full (tokens/s ratio), with a
-   check that its answer is the batched one. The one-after-another wall time then comes from that run.
+   check that its answer is the batched one. The one-after-another wall time then comes from that run, whose
+   order of methods rotates from one repeat to the next.
 
     python benchmarks/interactive.py --model embedded --budget 0.3 --new-tokens 64
     python benchmarks/interactive.py --model embedded --threads 1 --new-tokens 16 --time-alone
@@ -113,12 +114,13 @@ def main(argv=None) -> int:
     timed_comparison(engine, image, args.prompt, methods, args.budget, 4)  # warm-up
 
     together, alone, generate, sequential, each = [], [], [], [], []
-    for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
+    for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
         together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
         alone.append(timed_comparison(engine, image, args.prompt, ["full"], args.budget, args.new_tokens))
         generate.append(time_generate(loaded, inputs, args.new_tokens))
-        if args.time_alone:
-            each.append(timed_alone(engine, image, args.prompt, methods, args.budget, args.new_tokens))
+        if args.time_alone:  # each repeat starts the one-after-another run with another method
+            order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+            each.append(timed_alone(engine, image, args.prompt, order, args.budget, args.new_tokens))
             sequential.append(each[-1]["total_s"])
         elif not args.no_sequential:
             sequential.append(sum(timed_comparison(engine, image, args.prompt, [m], args.budget,
