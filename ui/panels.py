@@ -82,7 +82,6 @@ def header_html(track: Track, summary: str, comparison: Comparison | None, uses_
         badges.append(_badge(f"KV {_fmt_mb(ev.kv_bytes)} · {ev.kv_ratio:.0%} of full", "kv"))
     if comparison is not None:
         badges += timing_badges(track, comparison)
-    if comparison is not None:
         if track.method == "full":
             if "full" in comparison.tracks and len(comparison.tracks) > 1:
                 badges.append(_badge("ROUGE-L reference", "rouge"))
@@ -135,8 +134,8 @@ def status_line(comparison: Comparison | None, phase: str | None = None) -> str:
                      + prefill)
     batch = comparison.batch_summary()
     if batch is not None:  # the forward every method of the batch shared: one figure, not one per panel
-        parts.append(f"batched: {batch['methods']} methods share one forward of {batch['forward_ms_per_step']:.0f} "
-                     f"ms per token")
+        who = f"{batch['methods']} methods share" if batch["methods"] > 1 else "one method:"
+        parts.append(f"batched: {who} one forward of {batch['forward_ms_per_step']:.0f} ms per token")
     if comparison.alone:
         parts.append("each method also timed alone" if comparison.batched else "each method decoded alone")
     parts.append(f"budget r = {comparison.budget:.2f} ({comparison.mode_title()})")
