@@ -130,6 +130,26 @@ def test_each_method_alone_instead_of_batched(tiny_qwen2, noise_image, one_torch
     assert out["prefill"]["prompt_tokens"] == reference.prefill.prompt_tokens
 
 
+def test_alone_in_the_query_agnostic_mode_and_with_own_prefills(tiny_llama, noise_image, one_torch_thread):
+    """Query-agnostic: each method alone compresses its own prefill, then is fed the question on its own; the
+    methods with a prefill of their own (FastV, VisionZip) and AdaKV's head-wise cache give the batched answers
+    too, after the batched run and instead of it."""
+    engine = Engine(tiny_llama)
+    methods = ["full", "snapkv", "fastv", "visionzip", "adakv"]
+    knobs = {"fastv": {"budget_of": "image"}, "visionzip": {"budget_of": "image"}}
+    settings = GenerationSettings(max_new_tokens=5)
+    session = engine.new_session(noise_image, PROMPT, methods, 0.3, settings, knobs, query_agnostic=True,
+                                 time_alone=True)
+    events = list(session.run()) + list(session.follow_up(FOLLOW_UP))
+    batched = _answers(events, alone=False)
+    assert set(batched) == set(methods) and _answers(events, alone=True) == batched
+    only = engine.new_session(noise_image, PROMPT, methods, 0.3, settings, knobs, query_agnostic=True,
+                              batched=False)
+    assert _answers(list(only.run()) + list(only.follow_up(FOLLOW_UP)), alone=True) == batched
+    for method, r in only.results().items():
+        assert r["error"] is None and r["alone"]["ttft_s"] > 0, method
+
+
 def test_time_alone_with_sampling_follow_up_equals_batched(tiny_llama, noise_image, one_torch_thread):
     """The copy a follow-up is timed on carries the method's sampler state: sampled answers match too."""
     engine = Engine(tiny_llama)
