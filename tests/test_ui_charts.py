@@ -1,5 +1,6 @@
 """Pure UI pieces on synthetic data: chart builders, overlay, panels, run state, export tables."""
 import json
+from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -267,8 +268,11 @@ def test_export_tables_and_files(tmp_path):
     assert r"Speed-up alone" in tex and r"0.80$\times$" in tex and "decoded alone" in tex
     assert "| 0.8x |" in transcript_markdown(alone)
     fig = charts.memory_figure(comp.series())
-    res = export_all({"kv-memory": fig}, data, formats=["html"], out_root=str(tmp_path),
+    latency = charts.latency_figure(comp.series(), comp.batch, comp.alone_series())
+    res = export_all({"kv-memory": fig, "latency": latency}, data, formats=["html"], out_root=str(tmp_path),
                      images={"overlay": Image.new("RGB", (8, 8))})
+    captions = (Path(res.directory) / "figures" / "captions.md").read_text().splitlines()
+    assert "shared by 2 methods" in captions[1] and "shared by" not in captions[0]  # the latency chart's timing
     names = {p.rsplit("/", 1)[-1] for p in res.files}
     assert {"results.json", "results.csv", "table.tex", "transcript.md", "figures.html", "overlay.png"} <= names
     assert res.files[0].endswith(".zip")

@@ -329,10 +329,11 @@ def export_all(figures: Mapping[str, go.Figure], results: Mapping[str, Any], for
               base / "transcript.md"]
 
     mode = run_mode(results)  # every caption and title says which mode produced the figure
-    titles = {name: f"{fig.layout.title.text or name} [{mode}]" for name, fig in figures.items()}
+    # the latency chart's caption also says how its timings were taken
+    notes = {name: f". {timing_note(results)}" if name == "latency" else "" for name in figures}
+    titles = {name: f"{fig.layout.title.text or name}{notes[name]} [{mode}]" for name, fig in figures.items()}
     (base / "figures" / "captions.md").write_text(
-        "\n".join(f"- `{slug(n)}`: {re.sub('<[^>]+>', '', t)}" for n, t in titles.items())
-        + f"\n\nTiming: {timing_note(results)}\n")
+        "\n".join(f"- `{slug(n)}`: {re.sub('<[^>]+>', '', t)}" for n, t in titles.items()) + "\n")
     for name, img in (images or {}).items():
         path = fig_dir / f"{slug(name)}.png"
         img.save(path)
