@@ -136,17 +136,55 @@ class VocabIndex:
         return torch.tensor([[self.lookup[t] for t in row] for row in token_ids.tolist()])
 
 
-def train_words(args) -> None:
-    from .train_embedded import load_vision_state, vision_state
-
+def frozen_model(args):
+    """The embedded model with every weight frozen, threads and seed set, the output folder made."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     loaded = load_model("embedded", device="cpu", dtype="float32")
     model = loaded.model.train()
     for p in model.parameters():
         p.requires_grad_(False)
+    return loaded, model
+
+
+def run_steps(args, stage: str, opt, start: int, history: list[dict], step_fn, save, metrics: tuple[str, ...],
+              after_step=None) -> None:
+    """The loop both stages share: the learning-rate schedule, `step_fn(step) -> record` (it does the backward
+    and the optimiser step), a log line every --log-every steps with the mean of `metrics`, `after_step(step)`
+    (evaluations), a checkpoint every --ckpt-minutes and at the end, and the --minutes time budget."""
+    t0 = last = time.time()
+    step = start
+    for step in tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"stage {stage}",
+                     mininterval=30, file=sys.stdout):
+        f = _lr_factor(step, args.steps, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * f
+        history.append({"step": step + 1, **step_fn(step), "elapsed_s": round(time.time() - t0, 1)})
+        if (step + 1) % args.log_every == 0:
+            recent = history[-args.log_every:]
+            mean = {k: sum(r[k] for r in recent) / len(recent) for k in metrics}
+            log(f"stage {stage} step {step + 1}/{args.steps} " + " ".join(f"{k}={v:.4f}" for k, v in mean.items())
+                + f" {time.time() - t0:.0f}s")
+        if after_step is not None:
+            after_step(step)
+        if time.time() - last > args.ckpt_minutes * 60:
+            save(step + 1)
+            last = time.time()
+        if args.minutes and time.time() - t0 > args.minutes * 60:
+            log(f"time budget reached at step {step + 1}")
+            step += 1
+            break
+    else:
+        step = args.steps
+    save(step)
+    log(f"saved stage {stage} at step {step}")
+
+
+def train_words(args) -> None:
+    from .train_embedded import load_vision_state, vision_state
+
+    loaded, model = frozen_model(args)
     if args.init:
         load_vision_state(model, read_state(args.init))
         log(f"init vision/projector from {args.init}")
@@ -158,7 +196,7 @@ def train_words(args) -> None:
     vocab = VocabIndex(word_grid.vocabulary(loaded.tokenizer))
     vocab_emb = model.get_input_embeddings().weight[vocab.ids].detach()
 
-    ckpt = Checkpoint(out, "W")
+    ckpt = Checkpoint(Path(args.out), "W")
     start, history = 0, []
     if args.resume and (ck := ckpt.load()) is not None:
         load_vision_state(model, ck["vision"])
@@ -171,36 +209,17 @@ def train_words(args) -> None:
                    "args": vars(args)}, {"vision_W.pt": vision_state(model), "history_W.json": history})
 
     base = STAGE_BASE["W"] + 10_000 * args.seed
-    t0 = last = time.time()
-    step = start
-    for step in tqdm(range(start, args.steps), initial=start, total=args.steps, desc="stage W", mininterval=30,
-                     file=sys.stdout):
-        f = _lr_factor(step, args.steps, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = g["base_lr"] * f
+
+    def step_fn(step):
         scenes = [_scene(base + step * args.batch + i, args.loose_share) for i in range(args.batch)]
         loss, acc = _w_batch_loss(model, loaded, scenes, vocab, vocab_emb, args.fill_weight, args.layout)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        history.append({"step": step + 1, "loss": loss.item(), **acc, "elapsed_s": round(time.time() - t0, 1)})
-        if (step + 1) % args.log_every == 0:
-            recent = history[-args.log_every:]
-            mean = {k: sum(r[k] for r in recent) / len(recent) for k in ("loss", "acc_all", "acc_words", "rel_err")}
-            log(f"stage W step {step + 1}/{args.steps} " + " ".join(f"{k}={v:.4f}" for k, v in mean.items())
-                + f" {time.time() - t0:.0f}s")
-        if time.time() - last > args.ckpt_minutes * 60:
-            save(step + 1)
-            last = time.time()
-        if args.minutes and time.time() - t0 > args.minutes * 60:
-            log(f"time budget reached at step {step + 1}")
-            step += 1
-            break
-    else:
-        step = args.steps
-    save(step)
-    log(f"saved stage W at step {step}")
+        return {"loss": loss.item(), **acc}
+
+    run_steps(args, "W", opt, start, history, step_fn, save, ("loss", "acc_all", "acc_words", "rel_err"))
 
 
 # ----------------------------------------------------------------------------------------------- stage L
@@ -259,21 +278,14 @@ def train_reader(args) -> None:
 
     from .train_embedded import add_lora, lora_state
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model("embedded", device="cpu", dtype="float32")
-    model = loaded.model.train()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    loaded, model = frozen_model(args)
     lora = add_lora(model, args.lora_rank)
     if args.init_lora:
         set_peft_model_state_dict(lora, read_state(args.init_lora))
         log(f"init adapter from {args.init_lora}")
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": params, "lr": args.lora_lr, "base_lr": args.lora_lr}], weight_decay=0.0)
-    ckpt = Checkpoint(out, "L")
+    ckpt = Checkpoint(Path(args.out), "L")
     start, history = 0, []
     if args.resume and (ck := ckpt.load()) is not None:
         set_peft_model_state_dict(lora, ck["lora"])
@@ -287,45 +299,28 @@ def train_reader(args) -> None:
                   {"lora_L.safetensors": state, "history_L.json": history})
 
     base = STAGE_BASE["L"] + 10_000 * args.seed
-    t0 = last = time.time()
-    step = start
-    for step in tqdm(range(start, args.steps), initial=start, total=args.steps, desc="stage L", mininterval=30,
-                     file=sys.stdout):
-        f = _lr_factor(step, args.steps, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = g["base_lr"] * f
+
+    def step_fn(step):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in range(args.batch):
             seed = base + step * args.batch + i
             rng = random.Random(seed * 31 + args.seed)
             scene = render_scene(seed, 64)  # the reader never sees pixels: a small render gives the facts
-            loss, *_ = reader_loss(model, loaded, scene, reader_branches(scene, rng, args.desc_prob,
-                                                                         args.max_branches), args.noise,
-                                      args.layout)
+            branches = reader_branches(scene, rng, args.desc_prob, args.max_branches)
+            loss, *_ = reader_loss(model, loaded, scene, branches, args.noise, args.layout)
             (loss / args.batch).backward()
             total += loss.item() / args.batch
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        history.append({"step": step + 1, "loss": total, "elapsed_s": round(time.time() - t0, 1)})
-        if (step + 1) % args.log_every == 0:
-            recent = history[-args.log_every:]
-            log(f"stage L step {step + 1}/{args.steps} loss={sum(r['loss'] for r in recent) / len(recent):.4f} "
-                f"{time.time() - t0:.0f}s")
+        return {"loss": total}
+
+    def evaluate(step):
         if args.eval_every and (step + 1) % args.eval_every == 0:
             model.eval()
             ev = reader_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]), args.layout)
             model.train()
             history[-1]["val"] = ev
             log("val answers from true grids: " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))
-        if time.time() - last > args.ckpt_minutes * 60:
-            save(step + 1)
-            last = time.time()
-        if args.minutes and time.time() - t0 > args.minutes * 60:
-            log(f"time budget reached at step {step + 1}")
-            step += 1
-            break
-    else:
-        step = args.steps
-    save(step)
-    log(f"saved stage L at step {step}")
+
+    run_steps(args, "L", opt, start, history, step_fn, save, ("loss",), after_step=evaluate)
