@@ -355,4 +355,6 @@ def test_interactive_time_alone_reports_each_methods_own_cost(tmp_path, capsys):
     for m, r in rows.items():
         assert r["same_answer"] is True, m
         assert r["alone_tokens_per_s"] > 0 and r["alone_ttft_s"] > 0 and r["batched_policy_ms_per_token"] is not None
+        low, high = r["alone_speedup_range"]
+        assert low <= r["alone_speedup_vs_full"] <= high
     assert report["sequential_wall_s"] == report["runs"]["each_alone"][0]["total_s"]
