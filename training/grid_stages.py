@@ -44,6 +44,16 @@ class Checkpoint:
     def load(self):
         return torch.load(self.path, weights_only=False) if self.path.is_file() else None
 
+    def resume(self, args, opt, restore) -> tuple[int, list[dict]]:
+        """(first step, history): from the checkpoint when --resume finds one (`restore(ck)` puts the trained
+        parts back, the optimiser state is loaded here), else (0, [])."""
+        if not args.resume or (ck := self.load()) is None:
+            return 0, []
+        restore(ck)
+        opt.load_state_dict(ck["opt"])
+        log(f"resumed stage {self.stage} at step {ck['step']}")
+        return ck["step"], ck["history"]
+
     def save(self, state: dict, parts: dict[str, object]) -> None:
         tmp = self.path.with_suffix(".tmp")
         torch.save(state, tmp)
@@ -197,16 +207,12 @@ def train_words(args) -> None:
     vocab_emb = model.get_input_embeddings().weight[vocab.ids].detach()
 
     ckpt = Checkpoint(Path(args.out), "W")
-    start, history = 0, []
-    if args.resume and (ck := ckpt.load()) is not None:
-        load_vision_state(model, ck["vision"])
-        opt.load_state_dict(ck["opt"])
-        start, history = ck["step"], ck["history"]
-        log(f"resumed stage W at step {start}")
+    start, history = ckpt.resume(args, opt, lambda ck: load_vision_state(model, ck["vision"]))
 
     def save(step):
-        ckpt.save({"step": step, "vision": vision_state(model), "opt": opt.state_dict(), "history": history,
-                   "args": vars(args)}, {"vision_W.pt": vision_state(model), "history_W.json": history})
+        state = vision_state(model)
+        ckpt.save({"step": step, "vision": state, "opt": opt.state_dict(), "history": history, "args": vars(args)},
+                  {"vision_W.pt": state, "history_W.json": history})
 
     base = STAGE_BASE["W"] + 10_000 * args.seed
 
@@ -286,12 +292,7 @@ def train_reader(args) -> None:
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": params, "lr": args.lora_lr, "base_lr": args.lora_lr}], weight_decay=0.0)
     ckpt = Checkpoint(Path(args.out), "L")
-    start, history = 0, []
-    if args.resume and (ck := ckpt.load()) is not None:
-        set_peft_model_state_dict(lora, ck["lora"])
-        opt.load_state_dict(ck["opt"])
-        start, history = ck["step"], ck["history"]
-        log(f"resumed stage L at step {start}")
+    start, history = ckpt.resume(args, opt, lambda ck: set_peft_model_state_dict(lora, ck["lora"]))
 
     def save(step):
         state = lora_state(lora)
