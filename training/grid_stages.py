@@ -24,7 +24,7 @@ from prefixkv_core.models import load_model
 from scenes import SPLITS, all_qa, render_scene
 from scenes.phrasings import casual_qa
 
-from . import data, word_grid
+from . import data, prefetch, word_grid
 from .loose_scenes import render_loose
 
 STAGE_BASE = {"W": 700_000, "L": 800_000}
@@ -87,9 +87,11 @@ def snapshot(args) -> None:
     out = Path(args.out)
     dest = Path(args.dest) if args.dest else SNAPSHOT_DIR
     dest.mkdir(parents=True, exist_ok=True)
-    progress = {}
+    progress = json.loads((dest / "progress.json").read_text()) if (dest / "progress.json").is_file() else {}
     for stage, src, name in (("W", out / "vision_W.pt", "vision_W.safetensors"),
-                             ("L", out / "lora_L.safetensors", "lora_L.safetensors")):
+                             ("L", out / "lora_L.safetensors", "lora_L.safetensors"),
+                             ("J", out / "vision_J.pt", "vision_J.safetensors"),
+                             ("J", out / "lora_J.safetensors", "lora_J.safetensors")):
         if not src.is_file():
             continue
         state = torch.load(src) if src.suffix == ".pt" else load_file(str(src))
@@ -100,7 +102,8 @@ def snapshot(args) -> None:
         progress[stage] = {"file": name, "steps": hist[-1]["step"],
                            "last_loss": sum(r["loss"] for r in last) / len(last),
                            **({"acc_words": sum(r["acc_words"] for r in last) / len(last)} if stage == "W" else {}),
-                           **({"val_from_true_grids": evals[-1]} if evals else {})}
+                           **({("val_on_images" if stage == "J" else "val_from_true_grids"): evals[-1]}
+                              if evals else {})}
     (dest / "progress.json").write_text(json.dumps(progress, indent=1) + "\n")
     log(f"snapshot of {', '.join(progress)} -> {dest}")
 
@@ -116,13 +119,16 @@ def _scene(seed: int, loose_share: float) -> object:
 
 
 # ----------------------------------------------------------------------------------------------- stage W
-def _w_batch_loss(model, loaded, scenes, vocab_ids, vocab_emb, fill_weight: float, layout: str):
-    from .train_embedded import patch_features
+def grid_classes(tokenizer, vocab: "VocabIndex", scenes, layout: str) -> torch.Tensor:
+    """[B, 144] class indices (into the grid vocabulary, 0 = fill) of the scenes' word grids."""
+    return vocab.index_of(torch.tensor([word_grid.grid_ids(tokenizer, s, layout) for s in scenes]))
 
-    pv = data.pixels(loaded, [s.image for s in scenes])
-    out = model.model.multi_modal_projector(patch_features(model, pv))  # [B, 144, D]
-    target_ids = torch.tensor([word_grid.grid_ids(loaded.tokenizer, s, layout) for s in scenes])
-    cls = vocab_ids.index_of(target_ids)
+
+def grid_loss(out: torch.Tensor, cls: torch.Tensor, vocab_emb: torch.Tensor, fill_weight: float):
+    """Loss of projected image tokens `out` [B, 144, D] against their grid classes `cls` [B, 144]:
+    cosine cross-entropy over the grid vocabulary + squared error relative to the target's norm, the fill
+    token's patches weighted by `fill_weight`. Returns (loss, metrics)."""
+    out = out.float()
     target = vocab_emb[cls]
     logits = F.normalize(out, dim=-1) @ F.normalize(vocab_emb, dim=-1).T / 0.05
     weight = torch.where(cls == 0, fill_weight, 1.0)
@@ -146,12 +152,21 @@ class VocabIndex:
         return torch.tensor([[self.lookup[t] for t in row] for row in token_ids.tolist()])
 
 
+def autocast(device: str):
+    """bf16 autocast on a GPU (the weights stay float32); nothing on the CPU, where it would only be slower."""
+    import contextlib
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
+
+
 def frozen_model(args):
     """The embedded model with every weight frozen, threads and seed set, the output folder made."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    loaded = load_model("embedded", device="cpu", dtype="float32")
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    loaded = load_model("embedded", device=args.device, dtype="float32")
     model = loaded.model.train()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -167,7 +182,12 @@ def run_steps(args, stage: str, opt, start: int, history: list[dict], step_fn, s
     step = start
     for step in tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"stage {stage}",
                      mininterval=30, file=sys.stdout):
-        f = _lr_factor(step, args.steps, args.warmup)
+        if getattr(args, "time_schedule", False) and args.minutes and step >= args.warmup:
+            # the cosine runs over the --minutes budget rather than --steps (a machine of unknown speed)
+            f = _lr_factor(args.warmup + int((time.time() - t0) / (args.minutes * 60) * 10_000), 10_000 + args.warmup,
+                           args.warmup)
+        else:
+            f = _lr_factor(step, args.steps, args.warmup)
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * f
         history.append({"step": step + 1, **step_fn(step), "elapsed_s": round(time.time() - t0, 1)})
@@ -192,7 +212,7 @@ def run_steps(args, stage: str, opt, start: int, history: list[dict], step_fn, s
 
 
 def train_words(args) -> None:
-    from .train_embedded import load_vision_state, vision_state
+    from .train_embedded import load_vision_state, patch_features, vision_state
 
     loaded, model = frozen_model(args)
     if args.init:
@@ -204,21 +224,29 @@ def train_words(args) -> None:
     opt = torch.optim.AdamW([{"params": params, "lr": args.lr, "base_lr": args.lr}], weight_decay=args.wd,
                             betas=(0.9, 0.98))
     vocab = VocabIndex(word_grid.vocabulary(loaded.tokenizer))
-    vocab_emb = model.get_input_embeddings().weight[vocab.ids].detach()
+    vocab_emb = model.get_input_embeddings().weight[vocab.ids.to(args.device)].detach()
 
     ckpt = Checkpoint(Path(args.out), "W")
     start, history = ckpt.resume(args, opt, lambda ck: load_vision_state(model, ck["vision"]))
 
     def save(step):
-        state = vision_state(model)
+        state = {k: v.cpu() for k, v in vision_state(model).items()}
         ckpt.save({"step": step, "vision": state, "opt": opt.state_dict(), "history": history, "args": vars(args)},
                   {"vision_W.pt": state, "history_W.json": history})
 
     base = STAGE_BASE["W"] + 10_000 * args.seed
 
-    def step_fn(step):
+    def make_batch(step):  # CPU side, in a worker when --workers > 0
         scenes = [_scene(base + step * args.batch + i, args.loose_share) for i in range(args.batch)]
-        loss, acc = _w_batch_loss(model, loaded, scenes, vocab, vocab_emb, args.fill_weight, args.layout)
+        return data.pixels(loaded, [s.image for s in scenes]), grid_classes(loaded.tokenizer, vocab, scenes, args.layout)
+
+    feed = prefetch.batches(make_batch, start, args.steps, args.workers)
+
+    def step_fn(step):
+        pv, cls = (t.to(args.device, non_blocking=True) for t in next(feed))
+        with autocast(args.device):
+            out = model.model.multi_modal_projector(patch_features(model, pv))
+        loss, acc = grid_loss(out, cls, vocab_emb, args.fill_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -253,7 +281,7 @@ def grid_inputs(model, loaded, ids: torch.Tensor, scene, noise: float, layout: s
 
 
 def reader_loss(model, loaded, scene, branches, noise: float, layout: str = "cell"):
-    ids, pos, mask, sup = data.tree_example(loaded, branches)
+    ids, pos, mask, sup = (t.to(model.device) for t in data.tree_example(loaded, branches))
     x = grid_inputs(model, loaded, ids, scene, noise, layout)
     hidden = model.model.language_model(inputs_embeds=x[None], attention_mask=mask[None, None],
                                         position_ids=pos[None], use_cache=False).last_hidden_state[0]

@@ -351,7 +351,7 @@ def export(args) -> None:
 
     out = Path(args.out)
     src = Path(args.init) if args.init else next(
-        (out / f"vision_{s}.pt" for s in "CWBA" if (out / f"vision_{s}.pt").is_file()), None)
+        (out / f"vision_{s}.pt" for s in "JCWBA" if (out / f"vision_{s}.pt").is_file()), None)
     if src is None:
         raise SystemExit(f"no vision_*.pt in {out}")
     state = torch.load(src)
@@ -368,7 +368,7 @@ def export(args) -> None:
     elif lora_dest.is_file():
         lora_dest.unlink()
     hist = {}
-    for s in "AWLBC":
+    for s in "AWLBCJ":
         h = out / f"history_{s}.json"
         if h.is_file():
             recs = json.loads(h.read_text())
@@ -413,7 +413,7 @@ def export(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "export", "snapshot"])
+    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "J", "export", "snapshot"])
     ap.add_argument("--out", default="runs/embedded", help="checkpoint directory")
     ap.add_argument("--init", default=None, help="vision_*.pt to start from (default: previous stage in --out)")
     ap.add_argument("--steps", type=int, default=300)
@@ -434,8 +434,18 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=0, help="stages B/C: val answer accuracy every N steps")
     ap.add_argument("--eval-scenes", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="stages W/L/J: where to train (cpu, cuda)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="stages W/J: processes that render the next batches ahead (0 = in the training process)")
+    ap.add_argument("--grid-weight", type=float, default=0.5,
+                    help="stage J: weight of stage W's word-grid loss on the image tokens")
+    ap.add_argument("--text-weight", type=float, default=1.0,
+                    help="stage J: weight of KL(base || adapted) on ordinary text (0 = off)")
+    ap.add_argument("--text-tokens", type=int, default=256, help="stage J: tokens per text window")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=0.0, help="safety stop (0 = none)")
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="stages W/L/J: the learning-rate cosine spans --minutes of wall time instead of --steps")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--resume", action="store_true")
@@ -466,6 +476,9 @@ def main(argv=None) -> None:
     elif args.stage == "L":
         from .grid_stages import train_reader
         train_reader(args)
+    elif args.stage == "J":
+        from .joint_stage import train_joint
+        train_joint(args)
     else:
         train_stage(args)
 
