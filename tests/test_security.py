@@ -620,3 +620,16 @@ def test_main_launches_with_the_limits(monkeypatch):
     (middleware,) = seen["app_kwargs"]["middleware"]
     assert middleware.kwargs["max_bytes"] == 2 * MB * 4 // 3 + 1 + MB  # one image as base64 text, and the rest
     demo.controller.registry.close()
+
+
+def test_example_images_order(tmp_path):
+    """Photographs lead for real models; the embedded model, trained on the rendered scenes only, gets those
+    first. Nothing but image files is offered."""
+    from ui.inputs import example_images
+
+    for name in ("scene-0.png", "cat.jpg", "scene-1.png", "notes.json", "bird.png"):
+        (tmp_path / name).write_bytes(b"x")
+    names = lambda paths: [Path(p).name for p in paths]  # noqa: E731
+    assert names(example_images(tmp_path)) == ["bird.png", "cat.jpg", "scene-0.png", "scene-1.png"]
+    assert names(example_images(tmp_path, scenes_first=True)) == ["scene-0.png", "scene-1.png", "bird.png", "cat.jpg"]
+    assert example_images(tmp_path / "missing") == []

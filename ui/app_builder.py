@@ -17,6 +17,7 @@ import gradio as gr
 
 from prefixkv_core import Engine, describe, resolve_methods
 from prefixkv_core.limits import MB, Limits, server_limits
+from prefixkv_core.models import EMBEDDED_SLUG
 
 from .controller import ENGINE_QUEUE, BoxReaper, Controller, SessionBox
 from .export import ALL_FORMATS
@@ -122,7 +123,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     ctl = Controller(engine, offered, limit, specs, limits=limits, registry=SessionRegistry(limits),
                      exports=ExportStore(), image_roots=lambda: [upload_folder(), str(examples_folder)])
     n_layers = ctl.num_layers
-    examples = example_images(examples_folder)
+    examples = example_images(examples_folder, scenes_first=engine.loaded.slug == EMBEDDED_SLUG)
 
     with gr.Blocks(title=title, analytics_enabled=False, delete_cache=FILE_CACHE) as demo:
         gr.Markdown(f"## {title}")

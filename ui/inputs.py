@@ -436,9 +436,10 @@ def check_sampling(do_sample: Any, temperature: Any, top_p: Any, seed: Any) -> t
     return do_sample, out[0], out[1], int(seed)
 
 
-def example_images(folder: Path) -> list[str]:
-    """Image files in the examples folder at startup (sorted; photographs first, then rendered scenes)."""
+def example_images(folder: Path, scenes_first: bool = False) -> list[str]:
+    """Image files in the examples folder at startup, sorted: photographs first, then rendered scenes, or the
+    scenes first for a model that was trained on them only (the embedded default)."""
     if not folder.is_dir():
         return []
     files = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
-    return [str(p) for p in sorted(files, key=lambda p: (p.name.startswith("scene"), p.name))]
+    return [str(p) for p in sorted(files, key=lambda p: (p.name.startswith("scene") != scenes_first, p.name))]
