@@ -31,8 +31,8 @@ from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
 from .events import KeptImageMap, MethodEvent, PrefillInfo
 from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, strip_layout, vision_inputs
-from .policies import BUDGET_MODES, Policy, PolicyError, PolicyState, ResolveContext, make_policy, resolve_methods
-from .policies.base import check_budget
+from .policies import (BUDGET_MODES, Budget, Policy, PolicyError, PolicyState, ResolveContext, make_policy,
+                       resolve_methods)
 from .record import ComparisonRecord
 
 MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
@@ -132,7 +132,7 @@ class Engine:
             image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
         return image
 
-    def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
+    def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: Budget | float = 0.3,
                     generation: GenerationSettings | None = None,
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
                     budget_mode: str = "published", query_agnostic: bool = False, time_alone: bool = False,
@@ -162,7 +162,7 @@ class Engine:
         if not chat_template and image is not None:
             raise EngineError("a plain-text prompt (chat_template=False) takes no image")
         try:
-            check_budget(budget)
+            budget = Budget(budget)  # checked here, once; typed from here on
             names = resolve_methods(methods)
         except PolicyError as exc:
             raise EngineError(str(exc)) from None
@@ -193,7 +193,7 @@ class Engine:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the prompt is empty: type a question or instruction")
-        session = Session(self, self.load_image(image), prompt, {}, 1.0, GenerationSettings(max_new_tokens=1))
+        session = Session(self, self.load_image(image), prompt, {}, Budget(1.0), GenerationSettings(max_new_tokens=1))
         with self.lock, tracked_attention_enabled(self.loaded.model):
             session.turn = 0
             return session._prefill_all()
@@ -215,7 +215,7 @@ class Session:
     methods are decoded on their own only, one after another."""
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
-                 budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
+                 budget: Budget, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
                  chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False,
                  time_alone: bool = False, batched: bool = True):
         self.engine = engine

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from prefixkv_core import EngineError, GenerationSettings, describe
+from prefixkv_core.policies import REGISTRY
 from prefixkv_core.limits import (LimitError, Limits, check_followup, check_prompt, estimate_run_bytes,
                                   kv_bytes_per_token)
 
@@ -151,19 +152,22 @@ class Controller:
                                       "Run a comparison: the curves come from the shared prefill.")
         layers = box.lorenz_layers if box.lorenz_layers else charts.default_layers(comp.prefill.num_layers)
         budget = box.view_budget if box.view_budget is not None else comp.budget
-        threshold, label = comp.threshold(), "PrefixKV threshold"
-        importance = comp.curve_importance("prefixkv")  # the curves PrefixKV's bisection used, if it ran
+        method = comp.lorenz_method  # the method whose allocation the chart draws (a policy's declared role)
+        label = REGISTRY[method].label if method in REGISTRY else "the method"
+        threshold, threshold_label = comp.threshold(), f"{label} threshold"
+        importance = comp.curve_importance()  # the curves that method's allocation used, if it ran
         if abs(budget - comp.budget) > 1e-9 or threshold is None:
-            if "prefixkv" in comp.tracks and abs(budget - comp.budget) <= 1e-9 and comp.active:
+            if method in comp.tracks and abs(budget - comp.budget) <= 1e-9 and comp.active:
                 threshold = None  # wait for the run's own threshold
             else:
                 try:
                     threshold = charts.preview_threshold(importance, budget)
-                    label = "PrefixKV threshold (preview)"
+                    threshold_label = f"{label} threshold (preview)"
                 except Exception:  # noqa: BLE001 - a preview is optional
                     threshold = None
-        return charts.lorenz_figure(importance, layers, threshold=threshold, budget=budget, threshold_label=label,
-                                    source=charts.curve_source(comp.knobs.get("prefixkv"), comp.prefill.curves))
+        return charts.lorenz_figure(importance, layers, threshold=threshold, budget=budget,
+                                    threshold_label=threshold_label, method=method,
+                                    source=charts.curve_source(method, comp.knobs.get(method), comp.prefill.curves))
 
     def gallery(self, comp: Comparison | None) -> list[tuple[Any, str]]:
         if comp is None or comp.image is None or comp.overlay is None:
