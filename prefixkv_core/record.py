@@ -6,6 +6,7 @@ app's API output and export, and the benchmarks (`Session.results()`).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,14 +134,18 @@ class ComparisonRecord:
         self.prompts: list[str] = []
         self.prefill: PrefillInfo | None = None
         self.active = False  # a turn is being generated
+        # the engine feeds the record on the thread that runs the session while the app reads it on another:
+        # feeding holds this lock, and so does a reader that needs a consistent view (the app's redraws)
+        self.lock = threading.RLock()
         self.error: str | None = None  # a failure of the whole request (bad input found during prefill, crash)
         self.begin_turn(prompt)
 
     # -- feeding ---------------------------------------------------------------------------------------------
     def begin_turn(self, prompt: str) -> None:
-        self.prompts.append(prompt)
-        for track in self.tracks.values():
-            track.turns.append(Turn(user=prompt))
+        with self.lock:
+            self.prompts.append(prompt)
+            for track in self.tracks.values():
+                track.turns.append(Turn(user=prompt))
 
     def rollback_turn(self) -> None:
         """Undo begin_turn() when the engine refused the turn before it started (nothing was generated)."""
@@ -151,10 +156,11 @@ class ComparisonRecord:
                     track.turns.pop()
 
     def apply(self, item: Any) -> None:
-        if isinstance(item, PrefillInfo):
-            self.prefill = item
-        elif isinstance(item, MethodEvent):
-            self._apply_event(item)
+        with self.lock:
+            if isinstance(item, PrefillInfo):
+                self.prefill = item
+            elif isinstance(item, MethodEvent):
+                self._apply_event(item)
 
     def _apply_event(self, ev: MethodEvent) -> None:
         track = self.tracks.get(ev.method)
