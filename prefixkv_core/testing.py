@@ -1,4 +1,4 @@
-"""Test helpers: the tiny random LLaVA models (`models.tiny`: CLIP vision with a Llama (MHA) or Qwen2 (GQA)
+"""What the tests build on: the tiny random LLaVA models (`models.tiny`: CLIP vision with a Llama (MHA) or Qwen2 (GQA)
 language model, and a tiny model of every LLaVA family) built in memory or saved as checkpoints, and the
 reference masks of the eviction == masking tests. The models' outputs are meaningless; they build in about a
 second."""
