@@ -46,7 +46,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, RecordStore, Table,  # noqa: E402
-                               parse_float_list, parse_knobs, run_info, run_title, save_figure)
+                               run_info, run_title, save_figure)
+from prefixkv_core.method_args import MethodArgError, MethodArgs, add_method_args, method_args  # noqa: E402
+from prefixkv_core.policies import role_method  # noqa: E402
 from benchmarks.data import (DataError, LongText, Sample, cut_text_pairs, dataset_spec, load_dataset,  # noqa: E402
                              load_long_text, resolve_image)
 
@@ -58,6 +60,8 @@ TEXT_QUICK = {"context_tokens": 512, "continuation_tokens": 32, "pairs": 3}
 FULL_DEFAULTS = {"limit": None, "budgets": DEFAULT_BUDGETS, "max_new_tokens": 64, "max_answer_tokens": 0}
 # The PrefixKV paper's claim (a): PrefixKV beats these at every budget.
 CLAIM_BASELINES = ("local", "h2o", "pyramidkv", "elastic")
+# the method ROUGE-L is measured against, and the one whose paper's claim is checked (declared by their policies)
+REFERENCE, FEATURED = role_method("reference"), role_method("featured")
 
 
 def budget_key(b: float | None) -> str:
@@ -202,13 +206,13 @@ def leaderboard_rows(records: list[dict[str, Any]], samples: list[Sample], metho
             shares = []
             for sample in samples:
                 r = by_key.get((sample.id, m, budget_key(b)))
-                ref = by_key.get((sample.id, "full", "-"))
+                ref = by_key.get((sample.id, REFERENCE, "-"))
                 if r is None or r.get("error") or ref is None or ref.get("error"):
                     continue
                 per_task[sample_task(sample, text_mode)].append(rouge_l(r.get("text", ""), ref.get("text", "")))
                 if r.get("full_kv_bytes"):
                     shares.append(r["kv_bytes"] / r["full_kv_bytes"])
-            if m == "full":
+            if m == REFERENCE:
                 ratio = 0.0
             else:
                 ratio = compression_ratio(b, sum(shares) / len(shares) if shares else None)
@@ -245,7 +249,7 @@ def aggregate(records: list[dict[str, Any]], sample_ids: list[str], methods: lis
                     continue
                 if r.get("nll") is not None and r.get("n_tokens"):
                     pairs.append((float(r["nll"]), int(r["n_tokens"])))
-                ref = by_key.get((sid, "full", "-"))
+                ref = by_key.get((sid, REFERENCE, "-"))
                 if ref is not None and not ref.get("error"):
                     rls.append(rouge_l(r.get("text", ""), ref.get("text", "")))
                 if r.get("full_kv_bytes"):
@@ -272,7 +276,7 @@ def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], n
     tables = {}
     for name, (title, best, digits) in specs.items():
         t = Table(title=f"{title} [{run_title(budget_mode, query_agnostic)}]", row_header="method \\ budget",
-                  rows=list(methods), columns=cols, digits=digits, best=best, exclude_from_best=("full",),
+                  rows=list(methods), columns=cols, digits=digits, best=best, exclude_from_best=(REFERENCE,),
                   notes=[note, MODE_NOTES[budget_mode], QUERY_NOTES[query_agnostic]])
         for m in methods:
             for c in cols:
@@ -289,7 +293,7 @@ def check_claims(agg: dict[str, Any], methods: list[str], budgets: list[float]) 
     """Claim (a) of the PrefixKV paper, checked on this run: lower PPL and higher ROUGE-L than Local, H2O,
     PyramidKV and Elastic Cache at every budget, the gap widening as the budget shrinks."""
     base = [m for m in CLAIM_BASELINES if m in methods]
-    if "prefixkv" not in methods or not base:
+    if FEATURED not in methods or not base:
         return ["Claim (a) not checked: needs prefixkv and at least one of " + ", ".join(CLAIM_BASELINES) + "."]
     lines = [f"Claim (a): PrefixKV has lower PPL and higher ROUGE-L than {', '.join(base)} at every budget, "
              "with the gap widening as the budget shrinks.", ""]
@@ -298,7 +302,7 @@ def check_claims(agg: dict[str, Any], methods: list[str], budgets: list[float]) 
         holds_at, fails_at, gaps = [], [], []
         for b in budgets:
             c = budget_key(b)
-            p = agg[metric]["prefixkv"].get(c)
+            p = agg[metric][FEATURED].get(c)
             others = {m: agg[metric][m].get(c) for m in base}
             others = {m: v for m, v in others.items() if isinstance(v, float)}
             if not isinstance(p, float) or not others:
@@ -344,9 +348,9 @@ def make_figure(agg: dict[str, Any], methods: list[str], budgets: list[float], t
             ys = [agg[key][m].get(budget_key(b)) for b in budgets]
             ys = [y if isinstance(y, float) else None for y in ys]
             fig.add_trace(go.Scatter(
-                x=xs, y=ys, name=REGISTRY[m].label + (" (no budget)" if fixed and m != "full" else ""),
+                x=xs, y=ys, name=REGISTRY[m].label + (" (no budget)" if fixed and m != REFERENCE else ""),
                 legendgroup=m, showlegend=col == 1, mode="lines" if fixed else "lines+markers",
-                line=dict(color=color, dash="dash" if fixed else "solid", width=3 if m == "prefixkv" else 2)),
+                line=dict(color=color, dash="dash" if fixed else "solid", width=3 if m == FEATURED else 2)),
                 row=1, col=col)
     for col in (1, 2, 3):
         fig.update_xaxes(title_text="budget (kept fraction)", row=1, col=col)
@@ -415,10 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--pairs", type=int, default=None, metavar="K",
                       help=f"pairs, spread evenly over the text without overlap (default {TEXT_DEFAULTS['pairs']}; "
                            f"--quick {TEXT_QUICK['pairs']})")
-    p.add_argument("--methods", default="all", help="'all' or a comma-separated list; 'full' is always added "
-                                                    "(it is the ROUGE reference)")
-    p.add_argument("--budgets", default=None, help=f"comma-separated kept fractions (default {DEFAULT_BUDGETS}; "
-                                                   f"--quick: {QUICK['budgets']})")
+    add_method_args(p, several_budgets=True, budget_default=None,
+                    methods_help="'all' or a comma-separated list; the reference (Full) is always added (ROUGE-L is "
+                                 "measured against it)",
+                    budget_help=f"comma-separated kept fractions (default {DEFAULT_BUDGETS}; --quick: {QUICK['budgets']})",
+                    query_agnostic_help="compress the image and any text before the question first, then feed the "
+                                        "question and decode on the compressed cache, as in a chat about one image "
+                                        "(default: compress with the question in the prompt); not with --text")
     p.add_argument("--limit", type=int, default=None, help="use the first N samples (--quick: 5)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per output (default 64; --quick 12)")
     p.add_argument("--max-answer-tokens", type=int, default=None,
@@ -430,15 +437,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
                    help="offline = calibrated per-layer ratios from assets/prefix_configs (the paper's default); "
                         "online = search on each prompt; auto = offline when this model is calibrated (default)")
-    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
-                   help="a method's own setting, repeatable (e.g. snapkv.window=16, zipvl.tau=0.95)")
-    p.add_argument("--equal-memory", action="store_true",
-                   help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
-                        "every budgeted method is compared at the same memory (default: each as published)")
-    p.add_argument("--query-agnostic", action="store_true",
-                   help="compress the image and any text before the question first, then feed the question and "
-                        "decode on the compressed cache, as in a chat about one image (default: compress with the "
-                        "question in the prompt); not with --text")
     p.add_argument("--out", default=None, help="output folder (default out/benchmarks/quality-<model>[-quick]"
                                                "[-equal-memory][-query-agnostic]); records there are resumed")
     p.add_argument("--fresh", action="store_true", help="discard the records already in --out and start over")
@@ -449,14 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_settings(args) -> dict[str, Any]:
+def resolve_settings(args, chosen: MethodArgs) -> dict[str, Any]:
     base = QUICK if args.quick else FULL_DEFAULTS
     limit = args.limit if args.limit is not None else base["limit"]
     return {
         "limit": limit,
-        "budget_mode": "equal_memory" if args.equal_memory else "published",
-        "query_agnostic": bool(args.query_agnostic),
-        "budgets": sorted(set(parse_float_list(args.budgets or base["budgets"], "budgets"))),
+        "budget_mode": chosen.budget_mode,
+        "query_agnostic": chosen.query_agnostic,
+        "budgets": chosen.budgets,
         "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else base["max_new_tokens"],
         "max_answer_tokens": (args.max_answer_tokens if args.max_answer_tokens is not None
                               else base["max_answer_tokens"]),
@@ -500,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prefixkv_core import Engine, load_model
     from prefixkv_core.calibrate import load_ratios
-    from prefixkv_core.policies import PolicyError, check_budget, resolve_methods
+    from prefixkv_core.policies.prefixkv import PrefixKVPolicy
 
     # On a machine without a GPU (or with --device cpu) processes started by `accelerate launch --multi_gpu`
     # / torchrun must be told to use CPU collectives (gloo); otherwise accelerate sees no distributed run.
@@ -508,7 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     state = PartialState(cpu=on_cpu)
     rank, world = state.process_index, state.num_processes
     main_proc = state.is_main_process
-    settings = resolve_settings(args)
+    try:  # the reference (Full) is always run: ROUGE-L is measured against it
+        chosen = method_args(args, budgets_default=(QUICK if args.quick else FULL_DEFAULTS)["budgets"],
+                             with_reference=True)
+    except MethodArgError as exc:
+        raise SystemExit(str(exc)) from None
+    settings = resolve_settings(args, chosen)
     long_text = None
     if args.text:
         settings.update(text_settings(args))
@@ -516,19 +519,9 @@ def main(argv: list[str] | None = None) -> int:
             long_text = load_long_text(args.text)
         except DataError as exc:
             raise SystemExit(f"--text: {exc}") from None
-    for b in settings["budgets"]:
-        try:
-            check_budget(b)
-        except PolicyError as exc:
-            raise SystemExit(f"--budgets: {exc}") from None
     if settings["max_new_tokens"] < 1:
         raise SystemExit("--max-new-tokens must be at least 1")
-    try:
-        methods = resolve_methods(args.methods)
-    except PolicyError as exc:
-        raise SystemExit(f"--methods: {exc}") from None
-    if "full" not in methods:
-        methods = ["full"] + methods
+    methods = chosen.methods
     data_path, default_root = dataset_spec(args.data)
     try:
         samples = load_dataset(data_path, settings["limit"]) if long_text is None else []
@@ -553,13 +546,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{settings['continuation_tokens']} continuation tokens from {long_text.source}, "
                       "plain text without the chat template")
 
-    knobs = parse_knobs(args.knob)
+    knobs = chosen.knobs
     mode = args.prefixkv_mode
     if mode == "auto":
         mode = "offline" if load_ratios(loaded.slug, settings["budgets"][0], loaded.num_layers) else "online"
-    if "prefixkv" in methods:
-        knobs.setdefault("prefixkv", {}).setdefault("mode", mode)
-        mode = knobs["prefixkv"]["mode"]
+    prefixkv = PrefixKVPolicy.name  # --prefixkv-mode is that method's own flag
+    if prefixkv in methods:
+        knobs.setdefault(prefixkv, {}).setdefault("mode", mode)
+        mode = knobs[prefixkv]["mode"]
 
     budget_mode, query_agnostic = settings["budget_mode"], settings["query_agnostic"]
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (

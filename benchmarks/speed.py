@@ -39,7 +39,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: E402
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
-                               parse_float_list, parse_knobs, run_info, run_title, save_figure)
+                               run_info, run_title, save_figure)
+from prefixkv_core.method_args import add_method_args  # noqa: E402
 from prefixkv_core.models import RANDOM_CONFIGS, LoadedModel, build_random_model  # noqa: E402
 
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
@@ -136,9 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(llava-1.5-7b / llava-1.5-13b: CLIP ViT-L/14-336 + Llama-2; embedded / tiny for CPU)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
-    p.add_argument("--methods", default=None, help="'all' (default) or a comma-separated list")
     p.add_argument("--no-stock", action="store_true", help=f"leave out the {STOCK} baseline")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"kept fractions (default {DEFAULT_BUDGETS})")
+    add_method_args(p, several_budgets=True, methods_default=None, methods_help="'all' (default) or a comma-separated list",
+                    budget_default=DEFAULT_BUDGETS,
+                    query_agnostic_help="compress BOS + the image block first, then feed the prompt's text (the "
+                                        "question) through the compressed caches; TTFT includes that feed (default: "
+                                        "compress the whole prompt)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens, image block included (default 1024)")
     p.add_argument("--gen-len", type=int, default=512, help="generated tokens per prompt (default 512)")
     p.add_argument("--settings", default=None,
@@ -156,14 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
                    help="offline: calibrated ratios from assets/prefix_configs; auto (default): calibrated if "
                         "present, else online; online: the per-prompt search (a cache per prompt)")
-    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
-                   help="a method's own setting, repeatable")
-    p.add_argument("--equal-memory", action="store_true",
-                   help="also hold the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so "
-                        "every budgeted method holds the same memory (default: each as published)")
-    p.add_argument("--query-agnostic", action="store_true",
-                   help="compress BOS + the image block first, then feed the prompt's text (the question) through "
-                        "the compressed caches; TTFT includes that feed (default: compress the whole prompt)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and random weights")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None,
@@ -183,31 +179,11 @@ def load_speed_model(args) -> LoadedModel:
     return load_model(args.model or "embedded", device=args.device, dtype=args.dtype)
 
 
-def prefixkv_knobs(sm: LoadedModel, mode: str, budget: float, base: dict) -> tuple[dict, str]:
-    from prefixkv_core.policies import PolicyError, ResolveContext, make_policy
-
-    knobs = dict(base)
-    if "mode" in knobs and knobs["mode"] == "online":
-        return knobs, "online (per-prompt search)"
-    if knobs.get("ratios"):
-        return {**knobs, "mode": "offline"}, "offline (ratios from --knob)"
-    if mode == "online":
-        return {**knobs, "mode": "online"}, "online (per-prompt search)"
-    try:  # the policy's own hook finds this model's calibrated ratios, as in the app
-        found = make_policy("prefixkv", budget, **{**knobs, "mode": "offline"}).resolve(
-            ResolveContext(sm.slug, sm.name, sm.num_layers, budget))
-        return {**knobs, "mode": "offline", "ratios": list(found.ratios)}, f"offline ({found.ratios_source})"
-    except PolicyError:
-        pass
-    if mode == "offline":
-        raise SystemExit(f"no calibrated PrefixKV configuration for {sm.slug}: run `python -m prefixkv_core calibrate "
-                         f"--model ...` or use --prefixkv-mode auto")
-    return {**knobs, "mode": "online"}, "online (per-prompt search; no calibrated ratios for this model)"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from prefixkv_core.policies import REGISTRY, PolicyError, check_budget, resolve_methods
+    from prefixkv_core.method_args import MethodArgError, method_args
+    from prefixkv_core.policies import REGISTRY, PolicyError, ResolveContext, role_method
+    from prefixkv_core.policies.prefixkv import PrefixKVPolicy, mode_knobs
 
     if args.paper:
         if args.model is None and args.random_weights is None:
@@ -224,21 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     if batch < 1 or args.repeats < 1 or warmup < 0:
         raise SystemExit("--batch and --repeats must be at least 1, --warmup-steps at least 0")
     settings = parse_settings(args.settings or f"{args.prompt_len}x{args.gen_len}")
-    budgets = sorted(set(parse_float_list(args.budgets, "budgets")))
-    for b in budgets:
-        try:
-            check_budget(b)
-        except PolicyError as exc:
-            raise SystemExit(f"--budgets: {exc}") from None
     try:
-        methods = resolve_methods(args.methods or "all")
-    except PolicyError as exc:
-        raise SystemExit(f"--methods: {exc}") from None
+        chosen = method_args(args)
+    except MethodArgError as exc:
+        raise SystemExit(str(exc)) from None
+    budgets, methods, knobs_all = chosen.budgets, chosen.methods, chosen.knobs
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    knobs_all = parse_knobs(args.knob)
-    budget_mode = "equal_memory" if args.equal_memory else "published"
-    query_agnostic = bool(args.query_agnostic)
+    budget_mode, query_agnostic = chosen.budget_mode, chosen.query_agnostic
+    # the uncompressed reference (the "x full" column) and the method whose paper's speed claim is checked
+    reference, featured = role_method("reference"), role_method("featured")
     mode_title = run_title(budget_mode, query_agnostic)
 
     t_load = time.perf_counter()
@@ -269,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         key = (si, m, b)
         if key not in knob_cache:
             base = dict(knobs_all.get(m, {}))
-            if m == "prefixkv":
-                base, desc = prefixkv_knobs(sm, args.prefixkv_mode, b, base)
+            if m == PrefixKVPolicy.name:  # --prefixkv-mode: its calibrated ratios, found by its own resolve hook
+                try:
+                    base, desc = mode_knobs(args.prefixkv_mode, b, base,
+                                            ResolveContext(sm.slug, sm.name, sm.num_layers, b))
+                except PolicyError as exc:
+                    raise SystemExit(f"--prefixkv-mode: {exc}") from None
                 prefix_modes[(si, b)] = desc
             knob_cache[key] = base
         return knob_cache[key]
@@ -306,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     final = {c: pick(r) for c, r in results.items()}
     tables, claim_lines, raw = [], [], []
     for si, (p_len, g_len) in enumerate(settings):
-        full = final.get((si, "full", None))
+        full = final.get((si, reference, None))
         full_tps = full.get("decode_tokens_per_s") if full and full["status"] == "ok" else None
         stock = final.get((si, STOCK, None))
         stock_tps = stock.get("decode_tokens_per_s") if stock and stock["status"] == "ok" else None
@@ -341,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             if sj == si:
                 t.notes.append(f"PrefixKV @ {b:.1f}: {desc}.")
         tables.append(t)
-        pk = final.get((si, "prefixkv", 0.2))
-        if "prefixkv" in methods and 0.2 in budgets and pk is not None:
+        pk = final.get((si, featured, 0.2))
+        if featured in methods and 0.2 in budgets and pk is not None:
             if pk["status"] == "ok" and full_tps:
                 ratio = pk["decode_tokens_per_s"] / full_tps
                 e2e = pk["e2e_tokens_per_s"] / full["e2e_tokens_per_s"]
@@ -381,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            for (s, b), d in prefix_modes.items()},
                "header": header, "claims": claims, "results": raw, "model_notes": sm.notes}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    fig = make_figure(raw, settings, budgets, f"Speed vs budget: {sm.name}, batch {batch}, {mode_title}")
+    fig = make_figure(raw, settings, budgets, featured, f"Speed vs budget: {sm.name}, batch {batch}, {mode_title}")
     paths, png_msg = save_figure(fig, out / "speed", png=not args.no_png)
     if not args.quiet:
         print(md)
@@ -390,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def make_figure(raw: list[dict], settings, budgets, title: str):
+def make_figure(raw: list[dict], settings, budgets, featured: str | None, title: str):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -417,7 +392,7 @@ def make_figure(raw: list[dict], settings, budgets, title: str):
                 fig.add_trace(go.Scatter(x=xs, y=ys, name=m, legendgroup=m, showlegend=(si == 0 and col == 1),
                                          mode="lines" if fixed else "lines+markers",
                                          line=dict(color=colours.get(m, "#999999"), dash="dash" if fixed else "solid",
-                                                   width=3 if m == "prefixkv" else 2)), row=si + 1, col=col)
+                                                   width=3 if m == featured else 2)), row=si + 1, col=col)
     fig.update_xaxes(title_text="budget (kept fraction)")
     fig.update_layout(title=title, width=1400, height=420 * len(settings), template="plotly_white")
     return fig

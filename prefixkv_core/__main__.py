@@ -13,14 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .policies import parse_knobs
-
-
-def _knobs(items: list[str]) -> dict[str, dict[str, Any]]:
-    try:
-        return parse_knobs(items)
-    except ValueError as exc:
-        raise SystemExit(f"--knob: {exc}") from None
+from .method_args import MethodArgError, add_method_args, method_args, parse_budgets
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -37,13 +30,14 @@ def cmd_compare(args) -> int:
     from . import Engine, GenerationSettings, load_model
     from .events import MethodEvent
 
+    chosen = method_args(args)  # checked before the model loads
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    session = engine.new_session(args.image, args.prompt, args.methods, args.budget, gen, _knobs(args.knob),
-                                 budget_mode="equal_memory" if args.equal_memory else "published",
-                                 query_agnostic=args.query_agnostic, time_alone=args.time_alone is not None,
+    session = engine.new_session(args.image, args.prompt, chosen.methods, chosen.budget, gen, chosen.knobs,
+                                 budget_mode=chosen.budget_mode, query_agnostic=chosen.query_agnostic,
+                                 time_alone=args.time_alone is not None,
                                  batched=args.time_alone != "only")
     names = list(session.states)
     passes = 2 if args.time_alone == "after" else 1  # the batched run, then every method alone
@@ -61,7 +55,7 @@ def cmd_compare(args) -> int:
     if not args.quiet:
         question = "query-agnostic: compressed before the question" if payload["query_agnostic"] else \
             "query-aware: compressed with the question"
-        print(f"budget r = {args.budget:g}, {payload['budget_mode'].replace('_', ' ')} mode, {question}")
+        print(f"budget r = {chosen.budget:g}, {payload['budget_mode'].replace('_', ' ')} mode, {question}")
         batch = payload["timing"]["batch"]
         if batch:
             print(f"batched: {batch['methods']} methods share one forward of {batch['forward_ms_per_step']:.1f} ms "
@@ -91,9 +85,9 @@ def cmd_calibrate(args) -> int:
     from . import Engine, load_model
     from .calibrate import calibrate, default_samples, write_config
 
+    budgets = parse_budgets(args.budgets)  # checked before the model loads
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
-    budgets = [float(b) for b in args.budgets.split(",")]
     samples = default_samples(args.samples)
     found = calibrate(engine, samples, budgets, progress=not args.quiet)
     for budget, result in found.items():
@@ -140,16 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--image", default=None, help="image file (PNG/JPEG/...); omit for a text-only prompt")
     p.add_argument("--prompt", required=True, help="the user's question or instruction")
-    p.add_argument("--methods", default="all", help="'all' or a comma-separated list (see the 'methods' command)")
-    p.add_argument("--budget", type=float, default=0.3, help="kept fraction of the KV cache, in (0, 1]")
-    p.add_argument("--equal-memory", action="store_true",
-                   help="also hold the prompt-only methods (SnapKV, AdaKV, PyramidKV, LOOK-M, FastV, VisionZip) at "
-                        "r·N_t while decoding, so "
-                        "every budgeted method holds the same memory (default: each as published)")
-    p.add_argument("--query-agnostic", action="store_true",
-                   help="compress the image and any text before the question first, then feed the question and "
-                        "answer on the compressed cache, as in a chat about one image (default: compress with the "
-                        "question in the prompt)")
+    add_method_args(p)
     p.add_argument("--time-alone", nargs="?", const="after", choices=("after", "only"), default=None,
                    metavar="only",
                    help="also decode every method on its own, from its own prefill, and report its TTFT, tokens/s "
@@ -160,9 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --sample)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each method starts from it)")
-    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
-                   help="a method's own setting, repeatable, e.g. snapkv.window=16; the `methods` command lists "
-                        "every method's knobs, defaults and accepted values")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_compare)
@@ -189,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (EngineError, ModelLoadError, PolicyError) as exc:
+    except (EngineError, ModelLoadError, PolicyError, MethodArgError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -30,10 +30,12 @@ from . import runner
 from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
 from .events import KeptImageMap, MethodEvent, PrefillInfo
+from .kept_image import kept_image_map
 from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, strip_layout, vision_inputs
-from .policies import BUDGET_MODES, Policy, PolicyError, PolicyState, ResolveContext, make_policy, resolve_methods
-from .policies.base import check_budget
+from .policies import (BUDGET_MODES, Budget, Policy, PolicyError, PolicyState, ResolveContext, make_policy,
+                       resolve_methods)
 from .record import ComparisonRecord
+from .teacher_forcing import answer_nll
 
 MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
 
@@ -132,7 +134,7 @@ class Engine:
             image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
         return image
 
-    def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: float = 0.3,
+    def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: Budget | float = 0.3,
                     generation: GenerationSettings | None = None,
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
                     budget_mode: str = "published", query_agnostic: bool = False, time_alone: bool = False,
@@ -162,7 +164,7 @@ class Engine:
         if not chat_template and image is not None:
             raise EngineError("a plain-text prompt (chat_template=False) takes no image")
         try:
-            check_budget(budget)
+            budget = Budget(budget)  # checked here, once; typed from here on
             names = resolve_methods(methods)
         except PolicyError as exc:
             raise EngineError(str(exc)) from None
@@ -193,7 +195,7 @@ class Engine:
         """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the prompt is empty: type a question or instruction")
-        session = Session(self, self.load_image(image), prompt, {}, 1.0, GenerationSettings(max_new_tokens=1))
+        session = Session(self, self.load_image(image), prompt, {}, Budget(1.0), GenerationSettings(max_new_tokens=1))
         with self.lock, tracked_attention_enabled(self.loaded.model):
             session.turn = 0
             return session._prefill_all()
@@ -215,7 +217,7 @@ class Session:
     methods are decoded on their own only, one after another."""
 
     def __init__(self, engine: Engine, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
-                 budget: float, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
+                 budget: Budget, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
                  chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False,
                  time_alone: bool = False, batched: bool = True):
         self.engine = engine
@@ -381,29 +383,14 @@ class Session:
 
     def kept_image_map(self, method: str, layer: int) -> KeptImageMap | None:
         """Share of KV heads that still hold each image token in `layer`, placed on the image's views (every
-        crop and newline token of an anyres image included), for the overlay."""
+        crop and newline token of an anyres image included), for the overlay (`kept_image.py`)."""
         state = self.states[method]
-        layout = self.image_layout
-        if state.cache is None or self.image_offset is None or layout is None:
-            return None
-        lay = state.cache.layers[layer]
-        pos = lay.positions[0]  # [Hkv, T]
-        # a vision-side reduction (VisionZip) fed other image tokens: each stands for some of the prompt's
-        sources = state.policy.image_token_sources(state.policy_state)
-        n_tokens = layout.n_tokens if sources is None else sources.tokens
-        rel = pos - self.image_offset
-        valid = (rel >= 0) & (rel < n_tokens) & lay.is_image[0]
-        counts = torch.zeros(n_tokens)
-        counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
-        share = (counts / pos.shape[0]).numpy()
-        if sources is None:
-            return KeptImageMap(layout, share)
-        kept, merged = sources.project(share)
-        return KeptImageMap(layout, kept, merged)
+        return kept_image_map(state.cache, layer, self.image_offset, self.image_layout, state.policy,
+                              state.policy_state)
 
     def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
-        """Teacher forcing: feed the reference answer through each method's compressed cache, compressing
-        after every token exactly as in generation (all methods in one batch). Returns
+        """Teacher forcing (`teacher_forcing.py`): feed the reference answer through each method's compressed
+        cache, compressing after every token exactly as in generation (all methods in one batch). Returns
         method -> (sum of NLL, answer tokens)."""
         if self.turn >= 0:
             raise EngineError("score_answer() replaces the first turn; use a fresh session")
@@ -414,20 +401,10 @@ class Session:
         with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
             self.turn = 0
             self._prefill_all()
-            live = [s for s in self.states.values() if s.error is None]
-            nll = {s.name: 0.0 for s in live}
-            logits = {s.name: s.first_logits for s in live}
-            for i, token in enumerate(answer_ids):
-                for s in live:
-                    nll[s.name] -= float(torch.log_softmax(logits[s.name].float(), dim=-1)[token])
-                if i + 1 < len(answer_ids):
-                    live = [s for s in live if s.error is None]
-                    if not live:
-                        break
-                    batch_logits, _, _ = self._advance(live, [[token]] * len(live), step=i + 1)
-                    logits.update({s.name: batch_logits[r] for r, s in enumerate(live)})
-            self._buffers = None
-        return {s.name: (nll[s.name], len(answer_ids)) for s in self.states.values() if s.error is None}
+            try:
+                return answer_nll(self, answer_ids)
+            finally:
+                self._buffers = None
 
     # -- internals ---------------------------------------------------------------------------------------
     def _prefill_all(self) -> PrefillInfo:

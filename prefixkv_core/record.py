@@ -6,6 +6,7 @@ app's API output and export, and the benchmarks (`Session.results()`).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +111,16 @@ class ComparisonRecord:
     def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
                  settings: dict[str, Any] | None = None, knobs: dict[str, dict[str, Any]] | None = None,
                  model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False,
-                 batched: bool = True, alone: bool = False):
+                 batched: bool = True, alone: bool = False, roles: dict[str, str] | None = None):
         self.methods = list(methods)
+        if roles is None:  # the registry's roles (the engine passes them; a record built by hand reads them here)
+            from .policies import role_methods
+
+            roles = role_methods()
+        # the methods that play a part beyond their own panel (policies.ROLES): the reference the answers are
+        # scored and the speed-ups measured against, and the method whose allocation the Lorenz chart draws
+        self.reference: str | None = roles.get("reference")
+        self.lorenz_method: str | None = roles.get("lorenz")
         self.budget = float(budget)
         self.budget_mode = budget_mode  # "published" or "equal_memory" (prompt-only methods held at r·N_t)
         self.query_agnostic = bool(query_agnostic)  # compressed before the question was fed
@@ -125,14 +134,18 @@ class ComparisonRecord:
         self.prompts: list[str] = []
         self.prefill: PrefillInfo | None = None
         self.active = False  # a turn is being generated
+        # the engine feeds the record on the thread that runs the session while the app reads it on another:
+        # feeding holds this lock, and so does a reader that needs a consistent view (the app's redraws)
+        self.lock = threading.RLock()
         self.error: str | None = None  # a failure of the whole request (bad input found during prefill, crash)
         self.begin_turn(prompt)
 
     # -- feeding ---------------------------------------------------------------------------------------------
     def begin_turn(self, prompt: str) -> None:
-        self.prompts.append(prompt)
-        for track in self.tracks.values():
-            track.turns.append(Turn(user=prompt))
+        with self.lock:
+            self.prompts.append(prompt)
+            for track in self.tracks.values():
+                track.turns.append(Turn(user=prompt))
 
     def rollback_turn(self) -> None:
         """Undo begin_turn() when the engine refused the turn before it started (nothing was generated)."""
@@ -143,10 +156,11 @@ class ComparisonRecord:
                     track.turns.pop()
 
     def apply(self, item: Any) -> None:
-        if isinstance(item, PrefillInfo):
-            self.prefill = item
-        elif isinstance(item, MethodEvent):
-            self._apply_event(item)
+        with self.lock:
+            if isinstance(item, PrefillInfo):
+                self.prefill = item
+            elif isinstance(item, MethodEvent):
+                self._apply_event(item)
 
     def _apply_event(self, ev: MethodEvent) -> None:
         track = self.tracks.get(ev.method)
@@ -228,11 +242,11 @@ class ComparisonRecord:
         return all(t.turn is None or t.turn.status in ("done", "stopped", "error") for t in self.tracks.values())
 
     def rouge(self, method: str, turn: int = -1) -> float | None:
-        """ROUGE-L F1 of this method's answer against Full's for one turn, once both are done."""
-        if "full" not in self.tracks or method not in self.tracks:
+        """ROUGE-L F1 of this method's answer against the reference's (Full) for one turn, once both are done."""
+        if self.reference not in self.tracks or method not in self.tracks:
             return None
         try:
-            mine, ref = self.tracks[method].turns[turn], self.tracks["full"].turns[turn]
+            mine, ref = self.tracks[method].turns[turn], self.tracks[self.reference].turns[turn]
         except IndexError:
             return None
         if mine.status != "done" or ref.status != "done":
@@ -259,8 +273,11 @@ class ComparisonRecord:
         return ev.tokens_per_s if ev is not None and run.status == "done" else None
 
     def speedup(self, method: str, turn: int = -1) -> float | None:
-        """Decode throughput of this method alone over Full's alone (the papers' speed-up), once both finished."""
-        mine, full = self.alone_tokens_per_s(method, turn), self.alone_tokens_per_s("full", turn)
+        """Decode throughput of this method alone over the reference's (Full) alone (the papers' speed-up), once
+        both finished."""
+        if self.reference is None:
+            return None
+        mine, full = self.alone_tokens_per_s(method, turn), self.alone_tokens_per_s(self.reference, turn)
         return mine / full if mine and full else None
 
     def batch_summary(self, turn: int | None = None) -> dict[str, Any] | None:
@@ -273,22 +290,23 @@ class ComparisonRecord:
     def quality_points(self) -> dict[str, tuple[str, float, float | None]]:
         out = {}
         for m, t in self.tracks.items():
-            if t.last is not None and m != "full":
+            if t.last is not None and m != self.reference:
                 out[m] = (t.label, t.last.kv_ratio, self.rouge(m))
         return out
 
     def threshold(self) -> float | None:
-        """PrefixKV's chosen retention threshold in this run (online mode), if it ran."""
-        t = self.tracks.get("prefixkv")
+        """The retention threshold the Lorenz method (PrefixKV, online mode) chose in this run, if it ran."""
+        t = self.tracks.get(self.lorenz_method) if self.lorenz_method is not None else None
         if t is None or t.last is None:
             return None
         return t.last.extras.get("threshold")
 
-    def curve_importance(self, method: str = "prefixkv") -> np.ndarray | None:
+    def curve_importance(self, method: str | None = None) -> np.ndarray | None:
         """[L, N'] the importance whose Lorenz curves `method` used in this run (online PrefixKV: by its
         scorer, without the sink when it leaves it out), or the prefill's column sums when it reported none."""
         if self.prefill is None:
             return None
+        method = self.lorenz_method if method is None else method
         used = self.prefill.curves.get(method) if self.prefill.curves else None
         return used if used is not None else self.prefill.importance
 

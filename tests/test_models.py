@@ -204,6 +204,18 @@ def test_load_tiny_spec_with_dtype():
         assert torch.isfinite(lm.model(**x).logits.float()).all()
 
 
+def test_loader_does_not_import_prefixkv_core_testing(tmp_path):
+    """The tiny models the loader accepts live in `models.tiny`; loading one leaves `prefixkv_core.testing` unloaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from prefixkv_core.models import load_model; load_model('tiny-llama', device='cpu'); "
+            "assert 'prefixkv_core.testing' not in sys.modules, 'the loader imported prefixkv_core.testing'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PREFIXKV_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 _HAS_GGUF_PKG = importlib.util.find_spec(M.EMBEDDED_GGUF_PACKAGE) is not None
 
 

@@ -162,16 +162,18 @@ def test_overlay_dims_evicted_patches():
 
 
 def _comparison():
+    from prefixkv_core.record import ComparisonRecord
     from ui.runstate import Comparison
 
-    comp = Comparison(["full", "h2o"], {"full": "Full", "h2o": "H2O"}, "What is this?", 0.3,
-                      {"max_new_tokens": 4}, {}, model={"name": "tiny", "device": "cpu"})
-    comp.apply(PrefillInfo(10, 4, 2, _importance(2, 10), np.arange(10) < 4, (2, 2), 0, 0.1))
+    # the app reads the record the engine session feeds: here the events are fed to it by hand
+    comp = Comparison(ComparisonRecord(["full", "h2o"], {"full": "Full", "h2o": "H2O"}, "What is this?", 0.3,
+                                       {"max_new_tokens": 4}, {}, model={"name": "tiny", "device": "cpu"}))
+    comp.record.apply(PrefillInfo(10, 4, 2, _importance(2, 10), np.arange(10) < 4, (2, 2), 0, 0.1))
     for method, label, kv, stage in (("full", "Full", 400, "none"), ("h2o", "H2O", 120, "KV eviction")):
-        comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, stage=stage))
-        comp.apply(_ev(method, label, [10, 10], [4, 4], 11, kind="token", step=2, text="A cat",
+        comp.record.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, stage=stage))
+        comp.record.apply(_ev(method, label, [10, 10], [4, 4], 11, kind="token", step=2, text="A cat",
                        kv=kv, step_latency_s=0.01, policy_s=0.002, batch_size=2, compress_s=0.004, stage=stage))
-        comp.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3,
+        comp.record.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3,
                        text="A cat sits" if method == "full" else "A cat", kv=kv, step_latency_s=0.01,
                        policy_s=0.002, tokens_per_s=50.0, ttft_s=0.2, batch_size=2, compress_s=0.004, stage=stage))
     return comp
@@ -196,9 +198,9 @@ def _timed_alone(comp):
     """The same turn decoded again, each method on its own (the events of the time-alone pass)."""
     comp.alone = True
     for method, label, kv, speed in (("full", "Full", 400, 50.0), ("h2o", "H2O", 120, 40.0)):
-        comp.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, alone=True,
+        comp.record.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, alone=True,
                        ttft_s=0.15))
-        comp.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3, kv=kv, step_latency_s=0.02,
+        comp.record.apply(_ev(method, label, [10, 10], [4, 4], 12, kind="done", step=3, kv=kv, step_latency_s=0.02,
                        policy_s=0.001, text="A cat sits" if method == "full" else "A cat", tokens_per_s=speed,
                        ttft_s=0.15, alone=True))
     return comp

@@ -146,32 +146,42 @@ def _thin(n_points: int, max_points: int) -> np.ndarray:
     return np.unique(np.linspace(0, n_points - 1, max_points).round().astype(int))
 
 
-def curve_source(prefixkv_knobs: Mapping[str, Any] | None, curves: Mapping[str, Any] | None) -> str | None:
-    """What PrefixKV's curves were drawn from, when its knobs made them differ from the prefill's column sums
-    with the sink counted (None otherwise, or when it reported no curves)."""
-    if not curves or curves.get("prefixkv") is None:
-        return None
-    from prefixkv_core.policies.prefixkv import SCORER_WORDS
+def curve_source(method: str | None, knobs: Mapping[str, Any] | None, curves: Mapping[str, Any] | None) -> str | None:
+    """What the Lorenz method's curves were drawn from, when its knobs made them differ from the prefill's
+    column sums with the sink counted (None otherwise, or when it reported no curves); the policy says it."""
+    from prefixkv_core.policies import REGISTRY
 
-    knobs = dict(prefixkv_knobs or {})
-    parts = []
-    if knobs.get("scorer", "colsum") != "colsum":
-        parts.append(SCORER_WORDS.get(knobs["scorer"], str(knobs["scorer"])))
-    if knobs.get("sink_in_curves", True) is False:
-        parts.append("sink left out")
-    return "PrefixKV's curves: " + ", ".join(parts) if parts else None
+    if method is None or not curves or curves.get(method) is None or method not in REGISTRY:
+        return None
+    return REGISTRY[method].curves_note(dict(knobs or {}))
+
+
+def _label(method: str | None) -> str:
+    from prefixkv_core.policies import REGISTRY
+
+    return REGISTRY[method].label if method in REGISTRY else "the method"
+
+
+def _role(role: str) -> str | None:
+    from prefixkv_core.policies import role_method
+
+    return role_method(role)
 
 
 def lorenz_figure(importance: np.ndarray, layers: Sequence[int] | None = None, threshold: float | None = None,
-                  budget: float | None = None, threshold_label: str = "PrefixKV threshold",
-                  max_points: int = 400, source: str | None = None) -> go.Figure:
+                  budget: float | None = None, threshold_label: str | None = None,
+                  max_points: int = 400, source: str | None = None, method: str | None = None) -> go.Figure:
     """PrefixKV paper, Figure 2: per layer, the share of attention importance retained (y) when keeping the
     most important x share of tokens. The legend gives each layer's Gini coefficient. The diagonal is a
     perfectly uniform importance; the vertical line keeps the same ratio r in every layer (what uniform
     methods do) and the horizontal line keeps the same importance p in every layer (PrefixKV).
 
     `importance` [L, N]: the importance PrefixKV ranked by in this run (its scorer, without the sink when it
-    leaves it out), else the prefill's column sums; `source` says which, in the title, when not the latter."""
+    leaves it out), else the prefill's column sums; `source` says which, in the title, when not the latter.
+    `method`: the method whose threshold is drawn (default: the one that plays the "lorenz" role)."""
+    method = method or _role("lorenz")
+    label = _label(method)
+    threshold_label = threshold_label or (f"{label} threshold" if method else "threshold")
     title = "Importance retained vs tokens kept, per layer" + (f" ({source})" if source else "")
     imp = np.asarray(importance, dtype=np.float32)
     if imp.ndim != 2 or imp.shape[1] == 0:
@@ -201,14 +211,14 @@ def lorenz_figure(importance: np.ndarray, layers: Sequence[int] | None = None, t
                         showlegend=False, hovertemplate="ratio r keeps %{y:.1%} of this layer's importance"
                                                         "<extra></extra>")
     if threshold is not None:
-        col = colour("prefixkv")
+        col = colour(method) if method else "#555"
         fig.add_hline(y=threshold, line=dict(dash="dash", color=col, width=1.5))
         fig.add_scatter(x=[None], y=[None], mode="lines", name=f"{threshold_label} p = {threshold:.3f}",
                         line=dict(dash="dash", color=col, width=1.5))
         cross = [int(np.argmax(curves[l] >= threshold - 1e-7)) / n for l in layers]
         fig.add_scatter(x=cross, y=[threshold] * len(layers), mode="markers", showlegend=False,
                         marker=dict(color=palette, size=8, symbol="diamond", line=dict(width=1, color=col)),
-                        hovertemplate="PrefixKV keeps %{x:.1%} of this layer<extra></extra>")
+                        hovertemplate=f"{label} keeps %{{x:.1%}} of this layer<extra></extra>")
     return _style(fig, title, "tokens kept, most important first (share of N)", "importance retained (share)",
                   height=420, xaxis=dict(range=[0, 1], tickformat=".0%"), yaxis=dict(range=[0, 1.02], tickformat=".0%"),
                   legend=dict(x=1.02, y=1.0, xanchor="left", yanchor="top", font=dict(size=11)))
@@ -222,14 +232,16 @@ def preview_threshold(importance: np.ndarray, budget: float) -> float:
 
 # -- memory and latency over decoding ------------------------------------------------------------------------
 
-def memory_figure(series: Mapping[str, Series]) -> go.Figure:
-    """KV-cache megabytes per method after every generated token (all turns), with the uncompressed size."""
+def memory_figure(series: Mapping[str, Series], reference: str | None = None) -> go.Figure:
+    """KV-cache megabytes per method after every generated token (all turns), with the uncompressed size
+    (`reference`: the uncompressed method, default the one that plays the "reference" role)."""
+    reference = reference or _role("reference")
     title = "KV-cache size while decoding"
     series = {m: s for m, s in series.items() if s.steps}
     if not series:
         return placeholder(title)
     fig = _fig()
-    if "full" not in series:  # the uncompressed reference, from the longest series
+    if reference not in series:  # the uncompressed size, from the longest series
         ref = max(series.values(), key=lambda s: len(s.steps))
         fig.add_scatter(x=ref.steps, y=np.asarray(ref.full_kv_bytes) / MB, mode="lines", name="uncompressed",
                         line=dict(color="#9a9a9a", dash="dot", width=1.5),

@@ -20,6 +20,7 @@ import gradio as gr
 from PIL import Image
 
 from prefixkv_core.limits import IMAGE_REFUSED, LimitError, Limits, decode_data_url, read_image_file
+from prefixkv_core.policies import Budget, PolicyError
 
 log = logging.getLogger(__name__)
 
@@ -357,9 +358,9 @@ def collect_knobs(specs: list[KnobSpec], values: dict[str, Any], methods: list[s
 
 
 def check_request(prompt: Any, methods: Any, budget: Any, max_new_tokens: Any, limit: int,
-                  max_chars: int = MAX_PROMPT_CHARS) -> tuple[str, list[str], float, int]:
-    """Types and ranges of a Compare request, with messages a user can act on (the engine re-checks;
-    token limits are checked once the model's tokenizer is at hand)."""
+                  max_chars: int = MAX_PROMPT_CHARS) -> tuple[str, list[str], Budget, int]:
+    """Types and ranges of a Compare request, with messages a user can act on (token limits are checked once
+    the model's tokenizer is at hand). The budget comes back a `Budget`, which the engine takes as it is."""
     if isinstance(prompt, (list, tuple)):
         raise refuse("prompt: one prompt at a time, please")
     if prompt is not None and not isinstance(prompt, str):
@@ -378,11 +379,10 @@ def check_request(prompt: Any, methods: Any, budget: Any, max_new_tokens: Any, l
     methods = list(methods)
     if not methods:
         raise refuse("no method selected: tick at least one method")
-    if not _is_number(budget):
-        raise refuse(f"budget must be a number in (0, 1], got {_short(budget)}")
-    budget = float(budget)
-    if not (0.0 < budget <= 1.0):
-        raise refuse(f"budget must be a kept fraction in (0, 1], got {budget:g}")
+    try:
+        budget = Budget(budget)  # the one range check of the app's budget; typed from here on
+    except PolicyError as exc:
+        raise refuse(str(exc)) from None
     if not _is_number(max_new_tokens):
         raise refuse(f"max new tokens (max_new_tokens) must be a whole number from 1 to {limit}, "
                      f"got {_short(max_new_tokens)}")

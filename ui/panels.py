@@ -63,11 +63,18 @@ def timing_badges(track: Track, comparison: Comparison) -> list[str]:
     last = run.last
     if last is not None and last.tokens_per_s:
         speed = comparison.speedup(track.method)
-        note = f" · {speed:.2f}× Full" if speed is not None and track.method != "full" else ""
+        note = (f" · {speed:.2f}× {_reference_label(comparison)}" if speed is not None
+                and track.method != comparison.reference else "")
         badges.append(_badge(f"alone {last.tokens_per_s:.1f} tok/s{note}", "alone"))
     if last is not None and last.ttft_s is not None:
         badges.append(_badge(f"TTFT alone {_seconds(last.ttft_s)}", "alone"))
     return badges
+
+
+def _reference_label(comparison: Comparison) -> str:
+    """The label of the method the others are measured against (its policy plays the "reference" role)."""
+    track = comparison.tracks.get(comparison.reference) if comparison.reference else None
+    return track.label if track is not None else "the reference"
 
 
 def header_html(track: Track, summary: str, comparison: Comparison | None, uses_budget: bool = True) -> str:
@@ -82,13 +89,13 @@ def header_html(track: Track, summary: str, comparison: Comparison | None, uses_
         badges.append(_badge(f"KV {_fmt_mb(ev.kv_bytes)} · {ev.kv_ratio:.0%} of full", "kv"))
     if comparison is not None:
         badges += timing_badges(track, comparison)
-        if track.method == "full":
-            if "full" in comparison.tracks and len(comparison.tracks) > 1:
+        if track.method == comparison.reference:
+            if len(comparison.tracks) > 1:
                 badges.append(_badge("ROUGE-L reference", "rouge"))
         else:
             r = comparison.rouge(track.method)
             if r is not None:
-                badges.append(_badge(f"ROUGE-L {r:.3f} vs Full", "rouge"))
+                badges.append(_badge(f"ROUGE-L {r:.3f} vs {_reference_label(comparison)}", "rouge"))
     sub = html.escape(summary)
     if not uses_budget:
         sub += " <i>(budget slider not used)</i>"

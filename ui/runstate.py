@@ -1,8 +1,10 @@
-"""Everything one browser session knows about its comparison: the engine's result record (answers per turn,
-telemetry, series, ROUGE-L, `to_dict()`), plus what only the app needs: the engine session, the Stop flag,
-the displayed image and the kept-patch overlay.
+"""Everything one browser session knows about its comparison: the engine session's own result record (answers
+per turn, telemetry, series, ROUGE-L, `to_dict()`), read through, plus what only the app needs: the engine
+session, the Stop flag, the displayed image and the kept-patch overlay.
 
-Plain Python fed with the engine's events (`apply`), so it is tested without a model or gradio.
+There is one record per run: the engine session feeds it with its events (on the worker thread that runs the
+session, under `record.lock`) and the app reads it, taking the same lock while it redraws. Plain Python, so
+it is tested without a model or gradio.
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prefixkv_core.events import KeptImageMap, PrefillInfo
+from prefixkv_core.events import KeptImageMap
 from prefixkv_core.record import ComparisonRecord, Series, Track, Turn
 
-__all__ = ["Comparison", "OverlayMaps", "Series", "Track", "Turn"]
+__all__ = ["Comparison", "OverlayMaps", "SessionBox", "Series", "Track", "Turn"]
 
 
 @dataclass
@@ -27,30 +29,50 @@ class OverlayMaps:
     maps: dict[str, KeptImageMap | None]
 
 
-class Comparison(ComparisonRecord):
-    """One comparison in the app: the engine's record plus the session, Stop flag, image and overlay."""
+class Comparison:
+    """One comparison in the app: the record the engine session feeds, read through (every attribute and method
+    of `ComparisonRecord` is the record's own), plus the session, the Stop flag, the image and the overlay."""
 
-    def __init__(self, methods: list[str], labels: dict[str, str], prompt: str, budget: float,
-                 settings: dict[str, Any], knobs: dict[str, dict[str, Any]], image=None,
-                 model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False,
-                 alone: bool = False):
+    _OWN = frozenset({"record", "session", "cancel", "image", "overlay", "created"})
+
+    def __init__(self, record: ComparisonRecord, session=None, image=None):
+        object.__setattr__(self, "record", record)
+        self.session = session  # prefixkv_core.Session whose record this is (None once its caches are released)
         self.cancel = threading.Event()
-        super().__init__(methods, labels, prompt, budget, settings, knobs, model, budget_mode, query_agnostic,
-                         alone=alone)
         self.image = image  # PIL image (display copy) or None
-        self.session = None  # prefixkv_core.Session, set by the app once created
-        self.overlay_layer = 0
         self.overlay: OverlayMaps | None = None
         self.created = time.time()
 
-    def begin_turn(self, prompt: str) -> None:
-        super().begin_turn(prompt)
+    def __getattr__(self, name: str) -> Any:  # only called for what this class does not hold itself
+        return getattr(self.record, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # the record's own fields (active, error, ...) stay in the one record
+            setattr(self.record, name, value)
+
+    def new_turn(self) -> None:
+        """A follow-up is about to run: a fresh Stop flag (the session begins the record's turn itself)."""
         self.cancel = threading.Event()
 
     def apply(self, item: Any) -> None:
+        """What the app's worker queues: an overlay snapshot is the app's own; the engine's events are already in
+        the record (the session fed it), so they only tell the app that something changed."""
         if isinstance(item, OverlayMaps):
             self.overlay = item
-            return
-        super().apply(item)
-        if isinstance(item, PrefillInfo) and item.num_layers:
-            self.overlay_layer = min(self.overlay_layer, item.num_layers - 1)
+
+
+class SessionBox:
+    """Per-tab state kept in gr.State (a class default makes gradio build one per session)."""
+
+    def __init__(self, overlay_layer: int = 0):
+        self.run: Comparison | None = None
+        self.generation = 0  # bumped by every new run and by Clear; a stale stream stops drawing
+        self.pending = False  # a Compare/Ask click is waiting in the queue
+        self.stop_requested = False
+        self.lorenz_layers: list[int] | None = None
+        self.overlay_layer = overlay_layer
+        self.view_budget: float | None = None  # budget slider position, for the Lorenz preview
+        self.owner: str | None = None  # the Gradio session this box belongs to (key in the registry)
+        self.stop_at: float | None = None  # monotonic time of the last Stop with nothing running

@@ -9,7 +9,7 @@ Four kinds of model spec for `load_model`:
   otherwise it is randomly initialised with a fixed seed (the model then cannot see images). The
   assembled model is saved once under a cache directory and loaded from there afterwards.
 * ``"tiny-llama"`` / ``"tiny-qwen2"``: randomly initialised LLaVA models built in code for tests
-  (see ``prefixkv_core.testing``); ``"tiny-<family>"``: a tiny random model of one LLaVA family, saved and
+  (``tiny``); ``"tiny-<family>"``: a tiny random model of one LLaVA family, saved and
   loaded like a checkpoint.
 * a local directory or a hub id of a supported LLaVA family (``families``): LLaVA-1.5 and LLaVA-Interleave
   (``llava``), LLaVA-NeXT (``llava_next``, anyres) and LLaVA-OneVision (``llava_onevision``, anyres). Hub ids
@@ -21,7 +21,8 @@ embedded model or the tiny test model (no processor; for speed and memory measur
 Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, chat templates, ``encode``), ``configs``
 (the shapes of the models built in code, the families' released and tiny configs), ``families`` (which
 families, which class loads each), ``layout`` (where each image token comes from), ``processor``,
-``descriptor`` (``LoadedModel``), ``embedded``, ``loading``, ``random_weights``.
+``descriptor`` (``LoadedModel``), ``embedded``, ``tiny`` (the tiny test models' tokenizers and builders), ``loading``,
+``random_weights``.
 """
 from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN, chatml_template, encode, format_followup, format_prompt, vision_inputs
 from .configs import (

@@ -17,12 +17,11 @@ from .device import place_model, resolve_device, resolve_dtype
 from .embedded import EMBEDDED_SLUG, _embedded_cache_root, embedded_dir
 from .errors import ModelLoadError
 from .processor import image_only_onevision_processor_class
-from .families import FAMILY_INFO, SUPPORTED_MODEL_TYPES, model_class, supported_text
+from .families import SUPPORTED_MODEL_TYPES, model_class, supported_text
+from .tiny import TINY_FAMILY_SPECS, TINY_MODEL_SPECS, TINY_NOTE, save_tiny_family, tiny_model_parts
 
 # LLaVA-1.5 / Interleave (llava), LLaVA-NeXT (llava_next) and LLaVA-OneVision (llava_onevision); see families.py
 ACCEPTED_MODEL_TYPES = SUPPORTED_MODEL_TYPES
-TINY_NOTE = "tiny random model for tests: its outputs are meaningless"
-TINY_FAMILY_SPECS = tuple(f"tiny-{f}" for f in FAMILY_INFO)
 
 
 def _slug_for(spec: str, config=None) -> str:
@@ -115,9 +114,7 @@ def load_model(
     dev, multi = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
 
-    if spec.lower() in ("tiny", "tiny-llama", "tiny-qwen2"):
-        from ..testing import tiny_model_parts  # the tiny models live with the test helpers
-
+    if spec.lower() in TINY_MODEL_SPECS:
         variant = "llama" if spec.lower() == "tiny" else spec.lower().split("-", 1)[1]
         model, processor = tiny_model_parts(variant, 0)
         model = place_model(model, dev, dt)
@@ -127,8 +124,6 @@ def load_model(
         )
 
     if spec.lower() in TINY_FAMILY_SPECS:
-        from ..testing import save_tiny_family  # the tiny models live with the test helpers
-
         family = spec.lower()[len("tiny-"):]
         spec = save_tiny_family(_embedded_cache_root(cache_dir) / "tiny" / family, family)
 

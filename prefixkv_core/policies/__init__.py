@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .adakv import AdaKVPolicy
-from .base import (BUDGET_MODES, STAGES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
-                   PrefillView, Quantise, ResolveContext, check_budget)
+from .base import (BUDGET_MODES, ROLES, STAGES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
+                   PrefillView, Quantise, ResolveContext)
+from .budget import Budget, check_budget
 from .elastic import ElasticPolicy
 from .fastv import FastVPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
@@ -50,12 +51,30 @@ def register(cls: type[Policy]) -> type[Policy]:
         raise PolicyError(f"{cls.__name__}.colour must be '#rrggbb', got {cls.colour!r}")
     if cls.stage not in STAGES:
         raise PolicyError(f"{cls.__name__}.stage must be one of {', '.join(map(repr, STAGES))}, got {cls.stage!r}")
+    for role in cls.roles:
+        if role not in ROLES:
+            raise PolicyError(f"{cls.__name__}.roles: {role!r} is not one of {', '.join(map(repr, ROLES))}")
+        holder = role_method(role)
+        if holder is not None and holder != cls.name:
+            raise PolicyError(f"{cls.__name__} plays the {role!r} role, which {holder} already plays")
     taken = {c.colour.lower(): n for n, c in REGISTRY.items() if n != cls.name}
     if cls.colour.lower() in taken:
         raise PolicyError(f"{cls.__name__}.colour {cls.colour} is already used by {taken[cls.colour.lower()]}")
     dataclasses.fields(cls)  # a dataclass: its knobs can be read
     REGISTRY[cls.name] = cls
     return cls
+
+
+def role_method(role: str) -> str | None:
+    """The registered method that plays `role` (one of ROLES), or None."""
+    if role not in ROLES:
+        raise PolicyError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    return next((name for name, cls in REGISTRY.items() if role in cls.roles), None)
+
+
+def role_methods() -> dict[str, str]:
+    """role -> the method that plays it, for every role some registered method plays."""
+    return {role: name for role in ROLES if (name := role_method(role)) is not None}
 
 
 def unregister(name: str) -> None:
@@ -114,13 +133,13 @@ def resolve_methods(names) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def make_policy(name: str, budget: float, budget_mode: str = "published", **knobs: Any) -> Policy:
+def make_policy(name: str, budget: Budget | float, budget_mode: str = "published", **knobs: Any) -> Policy:
     """Build a validated policy. Unknown knobs and values out of range raise PolicyError with what is accepted.
-    `budget_mode`: one of BUDGET_MODES, how the comparison treats memory (not a knob of the method)."""
+    `budget_mode`: one of BUDGET_MODES, how the comparison treats memory (not a knob of the method). A plain
+    number is checked as the policy is built (it becomes a `Budget`)."""
     cls = REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown method {name!r}; accepted: {', '.join(METHODS)}")
-    check_budget(budget)
     allowed = knob_attributes(cls)
     bad = [k for k in knobs if k not in allowed]
     if bad:
@@ -166,7 +185,7 @@ def describe() -> list[dict[str, Any]]:
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["BUDGET_MODES", "STAGES", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
+__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
            "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
-           "make_policy", "resolve_methods", "describe"]
+           "make_policy", "resolve_methods", "describe", "Budget", "check_budget"]

@@ -20,10 +20,11 @@ from ..attention import StatRequest
 from ..cache import TrackedCache, TrackedLayer
 from . import scoring
 from .facts import Fact, facts_to_extras, note
+from .budget import Budget, check_budget
 from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
-__all__ = ["BUDGET_MODES", "STAGES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
-           "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "check_budget",
+__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
+           "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "Budget", "check_budget",
            "budget_count", "protected_mask", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans"]
 
@@ -36,6 +37,14 @@ BUDGET_MODES = ("published", "equal_memory")
 # "prefill token reduction" methods change the prefill itself, so that some tokens never reach (some layers of)
 # the language model, and get a prefill of their own; the others compress the cache of the one shared prefill.
 STAGES = ("none", "prefill token reduction", "KV eviction", "KV merging", "quantisation")
+
+# The parts a method may play in a comparison beyond its own panel; at most one registered method plays each, so
+# nothing outside the policies names a method:
+# "reference": the uncompressed reference that ROUGE-L, speed-ups and KV shares are measured against (Full);
+# "lorenz": the method whose per-layer allocation the Lorenz chart draws, with its threshold (PrefixKV);
+# "featured": the method this lab studies: its paper's claims are the ones the benchmarks check, and its line is
+# drawn thicker in their figures (PrefixKV).
+ROLES = ("reference", "lorenz", "featured")
 
 # In a plan's `keep`, an empty slot: head-wise methods that keep different counts per KV head (AdaKV) pad the
 # shorter heads with it. The slot holds no entry (true position -1), is masked from attention and costs no bytes.
@@ -165,14 +174,14 @@ class Policy:
     schedule: ClassVar[str] = "every step"
     stage: ClassVar[str] = "KV eviction"  # one of STAGES: where in inference this method saves memory
     sink_tokens: ClassVar[int] = 1
+    roles: ClassVar[tuple[str, ...]] = ()  # any of ROLES this method plays in a comparison
 
-    budget: float = 0.3
+    budget: Budget = 0.3  # a plain number is made a Budget (checked) when the policy is built
     # one of BUDGET_MODES: how the comparison this policy runs in treats memory (a run setting, not a knob)
     budget_mode: str = "published"
 
     def __post_init__(self):
-        check_budget(self.budget)
-        object.__setattr__(self, "budget", float(self.budget))
+        object.__setattr__(self, "budget", Budget(self.budget))
         if self.budget_mode not in BUDGET_MODES:
             raise PolicyError(f"budget mode must be one of {', '.join(BUDGET_MODES)}, got {self.budget_mode!r}")
         validate_knobs(self)
@@ -271,6 +280,12 @@ class Policy:
         """[L, N'] the per-layer importance this run divided its budget by (its Lorenz curves), if any."""
         return None
 
+    @classmethod
+    def curves_note(cls, knobs: dict[str, Any]) -> str | None:
+        """With these knobs, what this method's Lorenz curves were drawn from when that is not the prefill's
+        column sums with the sink counted (the chart's title says it); None otherwise."""
+        return None
+
     def facts(self, state: PolicyState) -> list[Fact]:
         """What to show next to this method's panel about this run (override to add typed facts)."""
         out = [note(n) for n in state.notes]
@@ -302,12 +317,7 @@ class Policy:
                 "integer": info.integer, "sequence": info.sequence, "editable": info.editable,
             })
         return {"name": cls.name, "label": cls.label, "summary": cls.summary, "schedule": cls.schedule,
-                "stage": cls.stage, "uses_budget": cls.uses_budget, "colour": cls.colour, "knobs": cls.knobs(), "knob_details": details}
-
-
-def check_budget(budget: float) -> None:
-    if not isinstance(budget, (int, float)) or not (0.0 < float(budget) <= 1.0):
-        raise PolicyError(f"budget must be a kept fraction in (0, 1], got {budget!r}")
+                "stage": cls.stage, "uses_budget": cls.uses_budget, "roles": list(cls.roles), "colour": cls.colour, "knobs": cls.knobs(), "knob_details": details}
 
 
 def budget_count(ratio: float, n: int, min_keep: int = 1) -> int:

@@ -18,3 +18,4 @@ class FullPolicy(Policy):
     uses_budget = False
     schedule = "none"
     stage = "none"
+    roles = ("reference",)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ class PrefixKVPolicy(Policy):
                "Lorenz curves; offline mode uses ratios calibrated once per model and budget.")
     colour = "#D55E00"  # vermillion: the method the tool is about
     stage = "KV eviction"
+    roles = ("lorenz", "featured")
 
     mode: str = knob("online", help="online: bisect the threshold on this prompt; offline: per-layer ratios "
                                     "calibrated once for this model and budget", choices=MODES)
@@ -157,6 +159,15 @@ class PrefixKVPolicy(Policy):
         targets = [budget_count(r, view.true_len, min_keep=self.min_keep) for r in state.layer_ratios]
         return fixed_point_decode(view, targets, state.anchors)
 
+    @classmethod
+    def curves_note(cls, knobs: dict[str, Any]) -> str | None:
+        parts = []
+        if knobs.get("scorer", "colsum") != "colsum":
+            parts.append(SCORER_WORDS.get(knobs["scorer"], str(knobs["scorer"])))
+        if knobs.get("sink_in_curves", True) is False:
+            parts.append("sink left out")
+        return f"{cls.label}'s curves: " + ", ".join(parts) if parts else None
+
     def allocation_importance(self, state: PrefixKVState) -> torch.Tensor | None:
         return state.curve_importance
 
@@ -178,3 +189,27 @@ class PrefixKVPolicy(Policy):
             out.append(note(f"offline ratios calibrated for this model ({self.ratios_source})"
                             if self.ratios_source else "offline ratios given by the caller"))
         return out + super().facts(state)
+
+
+def mode_knobs(mode: str, budget: float, knobs: dict[str, Any], context: ResolveContext) -> tuple[dict[str, Any], str]:
+    """The benchmarks' --prefixkv-mode: "offline" (this model's calibrated ratios, or an error), "online" (the
+    per-prompt search) or "auto" (offline when calibrated, else online); explicit knobs win. Returns the knobs to
+    run with and, in words, which mode and where its ratios came from."""
+    knobs = dict(knobs)
+    if knobs.get("mode") == "online":
+        return knobs, "online (per-prompt search)"
+    if knobs.get("ratios"):
+        return {**knobs, "mode": "offline"}, "offline (ratios from --knob)"
+    if mode == "online":
+        return {**knobs, "mode": "online"}, "online (per-prompt search)"
+    from . import make_policy  # the registry (it imports this module)
+
+    try:  # the policy's own hook finds this model's calibrated ratios, as in the app
+        found = make_policy(PrefixKVPolicy.name, budget, **{**knobs, "mode": "offline"}).resolve(context)
+        return {**knobs, "mode": "offline", "ratios": list(found.ratios)}, f"offline ({found.ratios_source})"
+    except PolicyError:
+        if mode == "offline":
+            raise PolicyError(f"no calibrated PrefixKV configuration for {context.model_slug}: run `python -m "
+                              f"prefixkv_core calibrate --model ...` or use --prefixkv-mode auto") from None
+    return {**knobs, "mode": "online"}, "online (per-prompt search; no calibrated ratios for this model)"
+

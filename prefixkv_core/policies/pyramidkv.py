@@ -1,15 +1,14 @@
 """PyramidKV: SnapKV selection with per-layer capacities that shrink linearly with depth.
 
-Preset: pyramid allocation (uniform when the budget is too large, as published), SnapKV's window scorer."""
+Preset: SnapKV (its window scorer, window and sink always kept) with the pyramid allocation (uniform when the
+budget is too large, as published) and the reference repository's shorter window."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..attention import StatRequest
 from . import allocation
-from .base import Fact, LayerPlan, Policy, Prefilled, PrefillView, knob
-from .equal_memory import snap_rank
-from .snapkv import KERNEL_HELP, WINDOW_HELP, SnapState, check_kernel, clamp_window, snap_select
+from .base import Fact, knob
+from .snapkv import WINDOW_HELP, SnapKVPolicy, SnapState
 
 
 def pyramid_capacities(n: int, num_layers: int, budget: float, window: int, beta: int = 20) -> list[int] | None:
@@ -24,7 +23,7 @@ class PyramidState(SnapState):
 
 
 @dataclass(frozen=True)
-class PyramidKVPolicy(Policy):
+class PyramidKVPolicy(SnapKVPolicy):
     """PyramidKV: SnapKV's selection with per-layer capacities that shrink linearly with depth.
     Paper: "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
     (Cai et al., 2024), https://arxiv.org/abs/2406.02069"""
@@ -34,36 +33,23 @@ class PyramidKVPolicy(Policy):
     summary = ("SnapKV with a pyramid of budgets: lower layers keep more, upper layers less. Prompt only. "
                "Falls back to uniform SnapKV when the budget is large (as published).")
     colour = "#0072B2"
-    schedule = "prompt only"
-    stage = "KV eviction"
 
-    # the reference repository's LongBench runs: window 8, max pooling with kernel 7
+    # the reference repository's LongBench runs use a window of 8 (SnapKV's kernel 7 is kept)
     window: int = knob(8, help=WINDOW_HELP, low=1, high=4096, integer=True)
-    kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
     beta: int = knob(20, help="pyramid steepness (top layer keeps 1/β of the bottom's share)", low=1, high=1000,
                      integer=True, label="β (beta)")
 
-    def check(self) -> None:
-        check_kernel(self.label, self.kernel)
+    def new_state(self, window: int) -> PyramidState:
+        return PyramidState(window=window)
 
-    def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=clamp_window(self.window, prompt_len, self.budget)[0])
-
-    def prefill(self, view: PrefillView) -> Prefilled:
-        n, n_layers = view.prompt_len, view.num_layers
-        w, clamped = clamp_window(self.window, n, self.budget)
-        state = PyramidState(notes=[clamped] if clamped else [], window=w)
-        caps = pyramid_capacities(n, n_layers, self.budget, w, self.beta)
+    def layer_capacities(self, prompt_len: int, num_layers: int, window: int, state: PyramidState) -> list[int]:
+        caps = pyramid_capacities(prompt_len, num_layers, self.budget, window, self.beta)
         if caps is None:
             state.uniform = True
             state.notes.append("budget too large for a pyramid (N < 2(M-W)): uniform SnapKV capacities, as published")
-            caps = allocation.uniform(self.budget, n, n_layers, min_keep=w + 1)
+            caps = super().layer_capacities(prompt_len, num_layers, window, state)
         state.capacities = caps
-        plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], caps[i], w, self.kernel))
-                 for i in range(n_layers)]
-        if self.held_to_equal_memory():  # its own order; the held shares keep its per-layer capacities
-            state.hold_ranks = [snap_rank(view.stats[i]["window"], w, self.kernel) for i in range(n_layers)]
-        return Prefilled(plans, state)
+        return caps
 
     def hold_ranking(self) -> str:
         return "its window votes, the observation window last, in its per-layer capacities"

@@ -92,13 +92,23 @@ class SnapKVPolicy(Policy):
 
     def prefill(self, view: PrefillView) -> Prefilled:
         w, clamped = clamp_window(self.window, view.prompt_len, self.budget)
-        capacities = allocation.uniform(self.budget, view.prompt_len, view.num_layers, min_keep=w + 1)
+        state = self.new_state(w)
+        if clamped:
+            state.notes.append(clamped)
+        capacities = self.layer_capacities(view.prompt_len, view.num_layers, w, state)
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
                  for i, capacity in enumerate(capacities)]
-        state = SnapState(notes=[clamped] if clamped else [], window=w)
         if self.held_to_equal_memory():  # its own order, for evicting the prompt while held at r·N_t
             state.hold_ranks = [snap_rank(view.stats[i]["window"], w, self.kernel) for i in range(view.num_layers)]
         return Prefilled(plans, state)
+
+    def new_state(self, window: int) -> SnapState:
+        """The run's state, before the capacities are known (a subclass adds what its schedule finds)."""
+        return SnapState(window=window)
+
+    def layer_capacities(self, prompt_len: int, num_layers: int, window: int, state: SnapState) -> list[int]:
+        """Entries each layer keeps, the observation window included: SnapKV spreads the budget evenly."""
+        return allocation.uniform(self.budget, prompt_len, num_layers, min_keep=window + 1)
 
     def hold_ranking(self) -> str:
         return "its window votes, the observation window last"

@@ -1,0 +1,93 @@
+"""The method, budget and knob arguments of the command line, declared and read in one place for the CLI
+(`python -m prefixkv_core compare`) and the benchmarks (quality.py, speed.py): the same flags, the same checks,
+the same messages. A budget is range-checked here, once, and travels on as a `Budget`."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from .policies import Budget, PolicyError, parse_knobs, resolve_methods, role_method
+
+EQUAL_MEMORY_HELP = ("also hold the prompt-only methods (SnapKV, AdaKV, PyramidKV, LOOK-M, FastV, VisionZip) at r·N_t "
+                     "while decoding, so every budgeted method holds the same memory (default: each as published)")
+QUERY_AGNOSTIC_HELP = ("compress the image and any text before the question first, then feed the question and answer "
+                       "on the compressed cache, as in a chat about one image (default: compress with the question "
+                       "in the prompt)")
+
+
+class MethodArgError(ValueError):
+    """A bad method, budget or knob argument; the message starts with the flag."""
+
+
+@dataclass(frozen=True)
+class MethodArgs:
+    methods: list[str]
+    budgets: list[Budget]  # one for `compare`, sorted and without duplicates for the benchmarks
+    knobs: dict[str, dict[str, Any]]
+    budget_mode: str  # "published" or "equal_memory"
+    query_agnostic: bool
+
+    @property
+    def budget(self) -> Budget:
+        return self.budgets[0]
+
+
+def add_method_args(p: argparse.ArgumentParser, *, several_budgets: bool = False, methods_default: str | None = "all",
+                    methods_help: str = "'all' or a comma-separated list (see `python -m prefixkv_core methods`)",
+                    budget_default: str | float | None = 0.3, budget_help: str | None = None,
+                    equal_memory_help: str = EQUAL_MEMORY_HELP,
+                    query_agnostic_help: str = QUERY_AGNOSTIC_HELP) -> None:
+    """--methods, --budget (or --budgets), --knob, --equal-memory and --query-agnostic."""
+    p.add_argument("--methods", default=methods_default, help=methods_help)
+    if several_budgets:
+        p.add_argument("--budgets", default=budget_default,
+                       help=budget_help or f"comma-separated kept fractions in (0, 1] (default {budget_default})")
+    else:
+        p.add_argument("--budget", default=budget_default,
+                       help=budget_help or "kept fraction of the KV cache, in (0, 1]")
+    p.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
+                   help="a method's own setting, repeatable, e.g. snapkv.window=16; `python -m prefixkv_core "
+                        "methods` lists every method's knobs, defaults and accepted values")
+    p.add_argument("--equal-memory", action="store_true", help=equal_memory_help)
+    p.add_argument("--query-agnostic", action="store_true", help=query_agnostic_help)
+
+
+def parse_budgets(text: Any, flag: str = "--budgets") -> list[Budget]:
+    """'0.1,0.3' (or a number) -> sorted Budgets without duplicates; MethodArgError names the flag."""
+    items = [text] if isinstance(text, (int, float)) else [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise MethodArgError(f"{flag} is empty: give kept fractions in (0, 1], e.g. 0.1,0.3,0.5")
+    out = []
+    for item in items:
+        try:
+            out.append(Budget(float(item)))
+        except PolicyError as exc:
+            raise MethodArgError(f"{flag}: {exc}") from None
+        except ValueError:
+            raise MethodArgError(f"{flag} expects kept fractions in (0, 1], e.g. 0.1,0.3,0.5; got {text!r}") from None
+    return sorted(set(out))
+
+
+def method_args(args: argparse.Namespace, *, budgets_default: Any = None,
+                with_reference: bool = False) -> MethodArgs:
+    """Read the flags `add_method_args` declared. `budgets_default`: used when --budgets was left unset;
+    `with_reference`: the method the others are measured against (its policy plays the "reference" role) is
+    added first when missing. Raises MethodArgError with a message that names the flag."""
+    several = hasattr(args, "budgets")
+    raw = args.budgets if several else args.budget
+    budgets = parse_budgets(budgets_default if raw is None else raw, "--budgets" if several else "--budget")
+    try:
+        methods = resolve_methods(args.methods or "all")
+    except PolicyError as exc:
+        raise MethodArgError(f"--methods: {exc}") from None
+    reference = role_method("reference") if with_reference else None
+    if reference is not None and reference not in methods:
+        methods = [reference, *methods]
+    try:
+        knobs = parse_knobs(args.knob)
+    except ValueError as exc:
+        raise MethodArgError(f"--knob: {exc}") from None
+    return MethodArgs(methods, budgets, knobs, "equal_memory" if args.equal_memory else "published",
+                      bool(args.query_agnostic))
+

@@ -1,0 +1,169 @@
+"""The controller's drawing: every output of the page (panels, charts, overlay gallery, table) from a
+comparison and the tab's view settings, and the handlers that only change a view (overlay layer, Lorenz layers,
+the budget slider's preview)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import gradio as gr
+
+from prefixkv_core.policies import Budget, PolicyError, REGISTRY
+
+from . import charts
+from .overlay import caption, overlay
+from .panels import chat_messages, header_html, status_line
+from .runstate import Comparison, SessionBox, Track
+
+
+def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
+    return "–" if v is None else format(v * scale, spec)
+
+
+class Rendering:
+    """Mixed into the Controller; reads `methods`, `labels`, `described`, `output_keys`, `crop`, `num_layers`."""
+
+    def _as_list(self, values: dict[str, Any]) -> list[Any]:
+        return [values.get(k, gr.skip()) for k in self.output_keys]
+
+    def head(self, method: str, comp: Comparison | None) -> str:
+        track = comp.tracks.get(method) if comp is not None else None
+        d = self.described[method]
+        uses_budget = d["uses_budget"] or d["schedule"] == "none"  # a method that never compresses has no note
+        if track is None:  # not in this run (or no run yet): name, description, no badges
+            return header_html(Track(method, self.labels[method]), self.summary(method), None, uses_budget)
+        return header_html(track, self.summary(method), comp, uses_budget)
+
+    def figures(self, comp: Comparison | None, box: SessionBox) -> dict[str, Any]:
+        """Every chart of this comparison, keyed by its export name."""
+        return {
+            "retained-per-layer": self.bars(comp),
+            "lorenz": self.lorenz(comp, box),
+            "kv-memory": charts.memory_figure(comp.series()) if comp else charts.placeholder("KV-cache size while decoding"),
+            "latency": charts.latency_figure(comp.series(), comp.batch, comp.alone_series()) if comp
+            else charts.placeholder("Per-token latency"),
+            "quality-vs-memory": charts.quality_figure(comp.quality_points()) if comp
+            else charts.placeholder("Answer quality vs KV-cache size"),
+        }
+
+    def bars(self, comp: Comparison | None):
+        if comp is None:
+            return charts.placeholder("Retained KV entries per layer (share of the uncompressed cache)")
+        return charts.retained_bars(comp.latest(), budget=comp.budget)
+
+    def lorenz(self, comp: Comparison | None, box: SessionBox):
+        if comp is None or comp.prefill is None:
+            return charts.placeholder("Importance retained vs tokens kept, per layer",
+                                      "Run a comparison: the curves come from the shared prefill.")
+        layers = box.lorenz_layers if box.lorenz_layers else charts.default_layers(comp.prefill.num_layers)
+        budget = box.view_budget if box.view_budget is not None else comp.budget
+        method = comp.lorenz_method  # the method whose allocation the chart draws (a policy's declared role)
+        label = REGISTRY[method].label if method in REGISTRY else "the method"
+        threshold, threshold_label = comp.threshold(), f"{label} threshold"
+        importance = comp.curve_importance()  # the curves that method's allocation used, if it ran
+        if abs(budget - comp.budget) > 1e-9 or threshold is None:
+            if method in comp.tracks and abs(budget - comp.budget) <= 1e-9 and comp.active:
+                threshold = None  # wait for the run's own threshold
+            else:
+                try:
+                    threshold = charts.preview_threshold(importance, budget)
+                    threshold_label = f"{label} threshold (preview)"
+                except Exception:  # noqa: BLE001 - a preview is optional
+                    threshold = None
+        return charts.lorenz_figure(importance, layers, threshold=threshold, budget=budget,
+                                    threshold_label=threshold_label, method=method,
+                                    source=charts.curve_source(method, comp.knobs.get(method), comp.prefill.curves))
+
+    def gallery(self, comp: Comparison | None) -> list[tuple[Any, str]]:
+        if comp is None or comp.image is None or comp.overlay is None:
+            return []
+        items = []
+        for m in comp.methods:
+            share = comp.overlay.maps.get(m)
+            if share is None:
+                continue
+            items.append((overlay(comp.image, share, m, self.crop), caption(self.labels.get(m, m), share, comp.overlay.layer)))
+        return items
+
+    def table(self, comp: Comparison | None) -> list[list[Any]]:
+        if comp is None:
+            return []
+        rows = []
+        for m in comp.methods:
+            s = comp.method_summary(m)
+            kept = s["kept_per_layer"]
+            ratio = (sum(kept) / len(kept) / s["full_len"]) if kept and s["full_len"] else None
+            alone = s["alone"] or {}
+            rows.append([s["label"], _fmt(s["kv_mb"], ".3f"), _fmt(s["kv_ratio"], ".1f", 100), _fmt(ratio, ".2f"),
+                         _fmt(s["rouge_l_vs_full"], ".3f"), _fmt(s["policy_ms_per_token"], ".2f"),
+                         _fmt(s["compress_ms"], ".1f"), _fmt(alone.get("ttft_s"), ".0f", 1000),
+                         _fmt(alone.get("tokens_per_s"), ".1f"), _fmt(s["speedup_vs_full"], ".2f"), s["status"]])
+        return rows
+
+    def render(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool = True,
+               charts_: bool = True, lorenz: bool = True, overlay_: bool = True, all_heads: bool = False) -> list[Any]:
+        with comp.lock if comp is not None else nullcontext():  # the engine feeds the record meanwhile
+            return self._as_list(self._outputs(comp, box, phase, panels=panels, charts_=charts_, lorenz=lorenz,
+                                               overlay_=overlay_, all_heads=all_heads))
+
+    def _outputs(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool, charts_: bool,
+                 lorenz: bool, overlay_: bool, all_heads: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": status_line(comp, phase), "box": box}
+        if panels:
+            for m in self.methods:
+                in_run = comp is not None and m in comp.tracks
+                if in_run or all_heads:
+                    out[f"head:{m}"] = self.head(m, comp if in_run else None)
+                    out[f"chat:{m}"] = chat_messages(comp.tracks[m]) if in_run else []
+            out["results"] = comp.to_dict() if comp is not None else {}
+        if charts_:
+            figs = self.figures(comp, box)
+            out.update(bars=figs["retained-per-layer"], memory=figs["kv-memory"], latency=figs["latency"],
+                       quality=figs["quality-vs-memory"], table=self.table(comp))
+            if lorenz:
+                out["lorenz"] = figs["lorenz"]
+        elif lorenz:
+            out["lorenz"] = self.lorenz(comp, box)
+        if overlay_:
+            out["gallery"] = self.gallery(comp)
+        return out
+
+    def empty(self, box: SessionBox, phase: str | None = None) -> list[Any]:
+        return self.render(None, box, phase, all_heads=True)
+
+    def set_overlay_layer(self, layer, box):
+        if not isinstance(box, SessionBox):
+            return gr.skip()
+        try:
+            box.overlay_layer = int(min(max(int(layer), 0), max(self.num_layers - 1, 0)))
+        except (TypeError, ValueError, OverflowError):
+            return gr.skip()
+        comp = box.run
+        if comp is None or comp.active:
+            return gr.skip()  # while streaming, the worker samples the new layer within a moment
+        snap = self._overlay_snapshot(comp, box)
+        if snap is None:
+            return gr.skip()
+        comp.apply(snap)
+        return self.gallery(comp)
+
+    def set_lorenz_layers(self, layers, box):
+        if not isinstance(box, SessionBox):
+            return gr.skip()
+        try:
+            chosen = {int(x) for x in (layers or [])[: self.num_layers]}
+        except (TypeError, ValueError, OverflowError):
+            return gr.skip()
+        box.lorenz_layers = sorted(x for x in chosen if 0 <= x < self.num_layers) or None
+        return self.lorenz(box.run, box)
+
+    def set_view_budget(self, budget, box):
+        if not isinstance(box, SessionBox):
+            return gr.skip()
+        try:
+            box.view_budget = float(Budget(budget))  # the slider's value, checked like every budget (plain for plotly)
+        except PolicyError:
+            return gr.skip()
+        if box.run is None or box.run.prefill is None:
+            return gr.skip()
+        return self.lorenz(box.run, box)
