@@ -13,75 +13,37 @@ Timing. The batched run shares one forward per step among the methods, so only a
 its own (its own prefill, the same settings; a follow-up from a copy of its cache) and streams those steps as
 `MethodEvent(alone=True)`: its TTFT, tokens/s and per-token latency measured alone. `batched=False` decodes
 every method alone instead of the batched run.
+
+This module is the turn loop (prefill, compress, decode, follow up). The pieces it runs on have their own:
+`method_state.py` (one method's cache and progress, and its events), `generation.py` (settings, the next
+token, the answer's text), `image_input.py` (the image checked), `prompt_layout.py` (where the question and
+the image tokens are), `teacher_forcing.py` (scoring a reference answer), `kept_image.py` (the overlay's map).
 """
 from __future__ import annotations
 
-import copy
 import threading
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Iterator
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from . import runner
 from .attention import AttentionProbe, tracked_attention_enabled
 from .cache import TrackedCache
+from .errors import EngineError
 from .events import KeptImageMap, MethodEvent, PrefillInfo
+from .generation import GenerationSettings, answer_text, next_token
+from .image_input import MAX_IMAGE_SIDE, load_image
 from .kept_image import kept_image_map
-from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, strip_layout, vision_inputs
-from .policies import (BUDGET_MODES, Budget, Policy, PolicyError, PolicyState, ResolveContext, make_policy,
-                       resolve_methods)
+from .method_state import MethodState
+from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, vision_inputs
+from .policies import BUDGET_MODES, Budget, Policy, PolicyError, ResolveContext, make_policy, resolve_methods
+from .prompt_layout import image_token_layout, question_start
 from .record import ComparisonRecord
 from .teacher_forcing import answer_nll
 
-MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
-
-
-class EngineError(ValueError):
-    """Bad input to the engine; the message says what was wrong and what is accepted."""
-
-
-@dataclass
-class GenerationSettings:
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 0.7
-    top_p: float = 0.9
-    seed: int = 0
-    ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks); end of text still never shows
-
-    def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
-            raise EngineError("sampling needs temperature > 0 and top_p in (0, 1]")
-
-
-@dataclass
-class MethodState:
-    name: str
-    policy: Policy
-    cache: TrackedCache | None = None
-    true_len: int = 0  # tokens this method's language model has seen (its next true position)
-    prompt_len: int = 0
-    reduced_by: int = 0  # prompt tokens its own prefill kept from the language model (VisionZip); full N_t is
-    # true_len + reduced_by
-    first_logits: torch.Tensor | None = None  # [V] after its prefill (its own, or the shared one)
-    pending: int | None = None  # sampled token not yet fed to the model
-    turn_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    error: str | None = None
-    ttft_s: float | None = None
-    compress_s: float | None = None  # the policy's time on this turn's input (the prompt, a follow-up's tokens)
-    compute_s: float = 0.0  # forward + policy time spent on this turn's decode steps
-    steps: int = 0
-    generator: torch.Generator | None = None
-    policy_state: PolicyState | None = None  # what the policy's prefill returned for this run
-    answers: list[str] = field(default_factory=list)  # this method's answers to the earlier turns
+__all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE"]
 
 
 class Engine:
@@ -103,36 +65,9 @@ class Engine:
     @staticmethod
     def load_image(image: Any, *, allowed_roots: Any = None, max_bytes: int | None = None,
                    max_pixels: int | None = None) -> Image.Image | None:
-        """None, a PIL image, or a path -> RGB PIL image (downscaled if huge). Raises EngineError.
-
-        Who may name a path decides how it is opened. A local user (the CLI, a script) may open any file
-        they can read, and errors say what went wrong. A server passes `allowed_roots`, the folders its
-        clients' images may come from (its upload folder, the shipped examples): a path that does not
-        resolve inside one of them, or is missing, a folder, a device or not an image, is refused with
-        one message that says nothing about the disk. `max_bytes` / `max_pixels` bound a file before it
-        is decoded (and a PIL image's pixels)."""
-        from . import limits
-
-        if image is None:
-            return None
-        if isinstance(image, (list, tuple)):
-            raise EngineError("the engine runs batch size 1: pass one image, not a list")
-        if isinstance(image, (str, Path)):
-            roots = None if allowed_roots is None else [allowed_roots] if isinstance(allowed_roots, (str, Path)) \
-                else list(allowed_roots)
-            try:
-                image = limits.read_image_file(image, roots, max_bytes=max_bytes, max_pixels=max_pixels)
-            except limits.LimitError as exc:
-                raise EngineError(str(exc)) from None
-        if not isinstance(image, Image.Image):
-            raise EngineError(f"image must be a PIL image or a file path, got {type(image).__name__}")
-        if max_pixels is not None and image.size[0] * image.size[1] > max_pixels:
-            raise EngineError(f"the image is {image.size[0]}×{image.size[1]} pixels; the limit is "
-                              f"{max_pixels / 1e6:g} megapixels")
-        image = image.convert("RGB")
-        if max(image.size) > MAX_IMAGE_SIDE:
-            image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
-        return image
+        """None, a PIL image, or a path -> RGB PIL image (downscaled if huge); see `image_input.load_image` for
+        who may open which path. Raises EngineError."""
+        return load_image(image, allowed_roots=allowed_roots, max_bytes=max_bytes, max_pixels=max_pixels)
 
     def new_session(self, image: Any, prompt: str, methods: Any = "all", budget: Budget | float = 0.3,
                     generation: GenerationSettings | None = None,
@@ -310,7 +245,7 @@ class Session:
             for state in self.states.values():
                 if state.error is not None:
                     continue
-                total = state.true_len + len(self._carry_over(state) + new_ids) + self.generation.max_new_tokens
+                total = state.true_len + len(state.carry_over(self.engine.eos_ids) + new_ids) + self.generation.max_new_tokens
                 if total > loaded.max_context:
                     raise EngineError(f"the conversation would reach {total} tokens, over the model's context of "
                                       f"{loaded.max_context}; start a new comparison")
@@ -333,7 +268,7 @@ class Session:
                 yield from self._decode_all(cancel, [state], alone=True)
             return
         # copies of every cache as the turn starts, to decode each method alone after the batched run
-        copies = [self._copy_state(s) for s in live] if self.time_alone else []
+        copies = [s.twin() for s in live] if self.time_alone else []
         self._timing = copies
         self._feed_turn(live, new_ids)
         for state in live:
@@ -348,18 +283,6 @@ class Session:
             yield self._event(twin, "error" if twin.error is not None else "start", alone=True)
             yield from self._decode_all(cancel, [twin], alone=True)
         self._timing = []
-
-    @staticmethod
-    def _copy_state(state: MethodState) -> MethodState:
-        """An independent copy of a method's conversation: its cache, its policy's run state, its sampler."""
-        twin = copy.copy(state)
-        twin.cache = state.cache.clone() if state.cache is not None else None
-        twin.policy_state = copy.deepcopy(state.policy_state)
-        twin.turn_ids, twin.answers = list(state.turn_ids), list(state.answers)
-        if state.generator is not None:
-            twin.generator = torch.Generator(device="cpu")
-            twin.generator.set_state(state.generator.get_state())
-        return twin
 
     def release(self) -> None:
         """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again."""
@@ -440,9 +363,9 @@ class Session:
                 f"the prompt is {n} tokens ({n_image} for the image) + {self.generation.max_new_tokens} new tokens, "
                 f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
         self.image_offset = int(is_image[0].nonzero()[0]) if n_image else None
-        self.image_layout = self._layout(n_image)
+        self.image_layout = image_token_layout(loaded, self.image, n_image)
         # the tokens compressed at once: the whole prompt, or (query-agnostic) what comes before the question
-        split = self._question_start(text, ids, is_image) if self.query_agnostic else n
+        split = question_start(loaded, self.image, self.prompt, text, ids, is_image) if self.query_agnostic else n
 
         def shared_prefill(policies):
             return runner.prefill(loaded.model, context, context_image, vision_inputs(inputs), policies,
@@ -490,7 +413,7 @@ class Session:
                 state.compress_s = runner.now(loaded.device) - t1
                 state.ttft_s = prefilled.seconds + state.compress_s
             except Exception as exc:  # one method failing must not stop the others
-                self._fail(state, exc)
+                state.fail(exc)
         if split < n:  # each method alone is fed the question on its own
             for group in ([[s] for s in states] if alone else [states]):
                 self._feed_question(ids[0, split:].tolist(), group)
@@ -506,27 +429,6 @@ class Session:
             self.bytes_per_token = analysed.cache.nbytes() / split
         importance = torch.stack([analysed.stats[l]["colsum"][0].mean(dim=0) for l in range(loaded.num_layers)])
         return n, n_image, is_image, split, importance, curves, analysed.seconds
-
-    def _question_start(self, text: str, ids: torch.Tensor, is_image: torch.Tensor) -> int:
-        """Query-agnostic mode: how many of the prompt's tokens come before the user's question (the template's
-        opening, the image, any text before the question). The prompt keeps its own tokens: the split is where
-        the formatted prompt and its part before the question stop encoding alike."""
-        loaded = self.engine.loaded
-        at = text.rfind(self.prompt)
-        if at < 0:
-            at = text.rfind(self.prompt.strip())
-        if at < 0:
-            raise EngineError("the chat template changes the question's text, so the query-agnostic mode cannot find "
-                              "where the question starts; run without it")
-        before = encode(loaded, self.image, text[:at])["input_ids"][0].tolist() if at > 0 else []
-        full = ids[0].tolist()
-        split = 0
-        while split < min(len(before), len(full)) and before[split] == full[split]:
-            split += 1
-        if split == 0 or bool(is_image[0, split:].any()):
-            raise EngineError("the query-agnostic mode compresses the image before the question, but in this "
-                              "model's prompt the question does not follow the image; run without it")
-        return split
 
     def _feed_question(self, question: list[int], states: list[MethodState]) -> None:
         """Query-agnostic mode: feed the question through the states' compressed caches (one batched forward);
@@ -545,25 +447,13 @@ class Session:
                 state.compress_s = (state.compress_s or 0.0) + policy_s.get(state.name, 0.0)
                 state.first_logits = logits[r]
 
-    def _layout(self, n_image: int) -> ImageLayout | None:
-        """The layout of this session's image tokens (all crops and newline tokens); one strip over the image if
-        the model's layout does not account for exactly the tokens the processor made."""
-        if not n_image or self.image is None:
-            return None
-        size = self.image.size
-        try:
-            layout = self.engine.loaded.image_layout(*size)
-        except ValueError:
-            layout = None
-        return layout if layout is not None and layout.n_tokens == n_image else strip_layout(n_image, size)
-
     def _feed_turn(self, states: list[MethodState], new_ids: list[int]) -> None:
         """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache."""
         if not states:
             return
         device = self.engine.loaded.device
         t0 = runner.now(device)
-        chunks = [self._carry_over(s) + new_ids for s in states]
+        chunks = [s.carry_over(self.engine.eos_ids) + new_ids for s in states]
         logits, _, policy_s = self._advance(states, chunks, step=0)
         elapsed = runner.now(device) - t0
         for r, state in enumerate(states):
@@ -575,13 +465,6 @@ class Session:
             state.pending = self._sample(state, logits[r])
             state.turn_ids = [state.pending]
             state.text = self._detok(state.turn_ids)
-
-    def _carry_over(self, state: MethodState) -> list[int]:
-        """The last answer token, sampled but never fed, unless it closed the turn (EOS is not fed: the
-        follow-up text closes the assistant turn itself)."""
-        if state.pending is None or state.pending in self.engine.eos_ids:
-            return []
-        return [state.pending]
 
     def _advance(self, states: list[MethodState], chunks: list[list[int]], step: int
                  ) -> tuple[torch.Tensor, float, dict[str, float]]:
@@ -598,7 +481,7 @@ class Session:
                                       [s.policy.decode_needs_attention() for s in states], device, self._buffers)
         except Exception as exc:
             for state in states:
-                self._fail(state, exc)
+                state.fail(exc)
             return torch.zeros(len(states), 1), 0.0, {}
         forward_s = runner.now(device) - t0
         policy_s = {}
@@ -609,7 +492,7 @@ class Session:
                 runner.compress_decode(state.policy, state.policy_state, state.cache, state.true_len,
                                        state.prompt_len, step, out.attention[r], state.reduced_by)
             except Exception as exc:  # one method failing must not stop the others
-                self._fail(state, exc)
+                state.fail(exc)
             policy_s[state.name] = runner.now(device) - t1
         return out.logits, forward_s, policy_s
 
@@ -654,41 +537,13 @@ class Session:
                                   policy_s=own_s, batch_size=len(active), alone=alone)
 
     def _is_done(self, state: MethodState, max_new: int) -> bool:
-        ended = state.pending in self.engine.eos_ids and not self.generation.ignore_eos
-        return ended or len(state.turn_ids) >= max_new
+        return state.is_done(max_new, self.engine.eos_ids, self.generation.ignore_eos)
 
     def _sample(self, state: MethodState, logits: torch.Tensor) -> int:
-        g = self.generation
-        if not g.do_sample:
-            return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float().cpu() / g.temperature, dim=-1)
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < g.top_p
-        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=state.generator)
-        return int(order[choice].item())
+        return next_token(logits, self.generation, state.generator)
 
     def _detok(self, ids: list[int]) -> str:
-        ids = [i for i in ids if i not in self.engine.eos_ids]
-        return self.engine.loaded.processor.tokenizer.decode(ids, skip_special_tokens=True)
+        return answer_text(self.engine.loaded.processor.tokenizer, ids, self.engine.eos_ids)
 
-    def _fail(self, state: MethodState, exc: Exception) -> None:
-        state.error = f"{exc.__class__.__name__}: {exc}"
-        state.finished = True
-
-    def _event(self, state: MethodState, kind: str, delta: str = "", latency: float = 0.0,
-               policy_s: float = 0.0, batch_size: int = 1, alone: bool = False) -> MethodEvent:
-        cache = state.cache
-        return MethodEvent(
-            method=state.name, label=state.policy.label, kind=kind, turn=max(self.turn, 0),
-            step=len(state.turn_ids), text=state.text, delta=delta,
-            kept_per_layer=cache.lengths() if cache is not None else [],
-            kept_image_per_layer=cache.image_counts() if cache is not None else [],
-            full_len=state.true_len + state.reduced_by,
-            kv_bytes=cache.nbytes() if cache is not None else 0,
-            full_kv_bytes=int(round(self.bytes_per_token * (state.true_len + state.reduced_by))),
-            step_latency_s=latency, policy_s=policy_s, ttft_s=state.ttft_s, compress_s=state.compress_s,
-            tokens_per_s=(state.steps / state.compute_s) if state.compute_s > 0 else None,
-            error=state.error, extras=state.policy.extras(state.policy_state), batch_size=batch_size,
-            stage=state.policy.stage, alone=alone,
-        )
+    def _event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
+        return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .engine import MethodState, Session
+    from .engine import Session
+    from .method_state import MethodState
 
 
 def answer_nll(session: "Session", answer_ids: list[int]) -> dict[str, tuple[float, int]]:
