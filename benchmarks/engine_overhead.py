@@ -1,9 +1,12 @@
 """What the engine itself costs, measured side by side in one run on one model:
 
-1. decode tokens/s of `full` through the engine divided by plain `model.generate` (goal >= 0.95);
+1. decode tokens/s of the uncompressed reference (Full, the method whose policy plays the "reference" role)
+   through the engine divided by plain `model.generate` (goal >= 0.95);
 2. prefill time with importance capture divided by prefill without it (goal: at most 10% more);
-3. for each method at one budget on a long prompt (>= 2,000 tokens), each run on its own: KV bytes / full's KV bytes and
-   decode speed relative to `full`.
+3. for each method at one budget on a long prompt (>= 2,000 tokens), each run on its own: KV bytes / the
+   uncompressed KV bytes and decode speed relative to the reference.
+
+The method, budget and knob flags are the CLI's (`prefixkv_core.method_args`).
 
     python benchmarks/engine_overhead.py --model embedded --prompt-tokens 2000 --new-tokens 32
 """
@@ -28,7 +31,7 @@ from prefixkv_core import Engine, GenerationSettings, load_model  # noqa: E402
 from prefixkv_core.attention import AttentionProbe, StatRequest, tracked_attention_enabled  # noqa: E402
 from prefixkv_core.cache import TrackedCache  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
-from prefixkv_core.policies import METHODS  # noqa: E402
+from prefixkv_core.method_args import MethodArgError, add_method_args, method_args  # noqa: E402
 from prefixkv_core.runner import sync  # noqa: E402
 
 FILLER = ("The museum's east wing holds maps, letters and instruments from early voyages; each room is lit "
@@ -65,9 +68,11 @@ def time_generate(loaded, inputs, new_tokens: int) -> float:
     return (len(stamps.times) - 1) / max(stamps.times[-1] - stamps.times[0], 1e-9)
 
 
-def time_engine(engine, image, prompt, methods, budget, new_tokens, knobs=None) -> dict:
+def time_engine(engine, image, prompt, methods, budget, new_tokens, knobs=None, **modes) -> dict:
+    """method -> its last event, the methods decoded together for `new_tokens` tokens each (EOS ignored).
+    `modes`: budget_mode / query_agnostic of `Engine.new_session`."""
     gen = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
-    session = engine.new_session(image, prompt, methods, budget, gen, knobs)
+    session = engine.new_session(image, prompt, methods, budget, gen, knobs, **modes)
     last = {}
     for ev in session.run():
         if getattr(ev, "kind", None) in ("done", "error"):
@@ -103,11 +108,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2000, help="long-prompt length for part 3")
     ap.add_argument("--short-prompt", default="Describe the image in detail.", help="prompt for parts 1-2")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--budget", type=float, default=0.2)
-    ap.add_argument("--methods", default="all")
+    add_method_args(ap, budget_default=0.2,
+                    methods_help="'all' or a comma-separated list for part 3; the reference (Full) is always added "
+                                 "(the others' speed is relative to it)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args(argv)
+    try:
+        chosen = method_args(args, with_reference=True)
+    except MethodArgError as exc:
+        raise SystemExit(str(exc)) from None
+    reference = chosen.reference  # the uncompressed method the others are measured against
+    modes = {"budget_mode": chosen.budget_mode, "query_agnostic": chosen.query_agnostic}
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
@@ -121,7 +133,7 @@ def main(argv=None) -> int:
     gen_tps, eng_tps = [], []
     for _ in tqdm(range(args.repeats), desc="engine vs generate"):
         gen_tps.append(time_generate(loaded, inputs, args.new_tokens))
-        ev = time_engine(engine, image, args.short_prompt, ["full"], 1.0, args.new_tokens)["full"]
+        ev = time_engine(engine, image, args.short_prompt, [reference], 1.0, args.new_tokens)[reference]
         eng_tps.append(ev.tokens_per_s)
     report["generate_tokens_per_s"] = statistics.median(gen_tps)
     report["engine_full_tokens_per_s"] = statistics.median(eng_tps)
@@ -136,14 +148,12 @@ def main(argv=None) -> int:
     report["prefill_capture_overhead"] = capture / plain - 1.0
 
     # 3. every method at the budget on the long prompt
-    methods = list(METHODS) if args.methods == "all" else args.methods.split(",")
-    if "full" not in methods:
-        methods.insert(0, "full")
     # each method on its own, so its decode speed is its own (together they would share one batched forward)
     last = {}
-    for method in tqdm(methods, desc="methods one at a time"):
-        last.update(time_engine(engine, image, prompt, [method], args.budget, args.new_tokens))
-    full = last["full"]
+    for method in tqdm(chosen.methods, desc="methods one at a time"):
+        last.update(time_engine(engine, image, prompt, [method], chosen.budget, args.new_tokens,
+                                chosen.knobs, **modes))
+    full = last[reference]
     rows = {}
     for name, ev in last.items():
         rows[name] = {"kv_ratio": ev.kv_bytes / ev.full_kv_bytes, "tokens_per_s": ev.tokens_per_s,
@@ -152,12 +162,12 @@ def main(argv=None) -> int:
     report["methods"] = rows
 
     print(f"\nmodel {loaded.name} on {loaded.device} ({loaded.dtype}), {torch.get_num_threads()} threads")
-    print(f"decode: engine full {report['engine_full_tokens_per_s']:.2f} tok/s vs generate "
+    print(f"decode: engine {reference} {report['engine_full_tokens_per_s']:.2f} tok/s vs generate "
           f"{report['generate_tokens_per_s']:.2f} tok/s -> ratio {report['engine_over_generate']:.3f} (goal >= 0.95)")
     print(f"prefill of {report['long_prompt_tokens']} tokens: plain {plain:.3f}s, with importance capture "
           f"{capture:.3f}s -> overhead {report['prefill_capture_overhead']:+.1%} (goal <= +10%)")
-    print(f"\nbudget {args.budget} on a {report['long_prompt_tokens']}-token prompt, {args.new_tokens} new tokens:")
-    print(f"| method | KV bytes / full | decode tok/s | speed vs full | TTFT s |\n|---|---|---|---|---|")
+    print(f"\nbudget {chosen.budget} on a {report['long_prompt_tokens']}-token prompt, {args.new_tokens} new tokens:")
+    print(f"| method | KV bytes / uncompressed | decode tok/s | speed vs {reference} | TTFT s |\n|---|---|---|---|---|")
     for name, r in rows.items():
         if r["error"]:
             print(f"| {name} | error: {r['error']} | | | |")

@@ -47,8 +47,9 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, RecordStore, Table,  # noqa: E402
                                run_info, run_title, save_figure)
-from prefixkv_core.method_args import MethodArgError, MethodArgs, add_method_args, method_args  # noqa: E402
-from prefixkv_core.policies import role_method  # noqa: E402
+from prefixkv_core.method_args import (MethodArgError, MethodArgs, add_knob_flags, add_method_args,  # noqa: E402
+                                       method_args, resolve_knob_flags)
+from prefixkv_core.policies import REGISTRY, ResolveContext, role_method  # noqa: E402
 from benchmarks.data import (DataError, LongText, Sample, cut_text_pairs, dataset_spec, load_dataset,  # noqa: E402
                              load_long_text, resolve_image)
 
@@ -58,10 +59,10 @@ QUICK = {"limit": 5, "budgets": "0.1,0.3,0.5", "max_new_tokens": 12, "max_answer
 TEXT_DEFAULTS = {"context_tokens": 1024, "continuation_tokens": 64, "pairs": 8}
 TEXT_QUICK = {"context_tokens": 512, "continuation_tokens": 32, "pairs": 3}
 FULL_DEFAULTS = {"limit": None, "budgets": DEFAULT_BUDGETS, "max_new_tokens": 64, "max_answer_tokens": 0}
-# The PrefixKV paper's claim (a): PrefixKV beats these at every budget.
-CLAIM_BASELINES = ("local", "h2o", "pyramidkv", "elastic")
 # the method ROUGE-L is measured against, and the one whose paper's claim is checked (declared by their policies)
 REFERENCE, FEATURED = role_method("reference"), role_method("featured")
+# that paper's claim (a): its method beats these at every budget (declared by its policy)
+CLAIM_BASELINES = REGISTRY[FEATURED].claimed_better_than if FEATURED is not None else ()
 
 
 def budget_key(b: float | None) -> str:
@@ -290,12 +291,14 @@ def make_tables(agg: dict[str, Any], methods: list[str], budgets: list[float], n
 
 
 def check_claims(agg: dict[str, Any], methods: list[str], budgets: list[float]) -> list[str]:
-    """Claim (a) of the PrefixKV paper, checked on this run: lower PPL and higher ROUGE-L than Local, H2O,
-    PyramidKV and Elastic Cache at every budget, the gap widening as the budget shrinks."""
+    """Claim (a) of the featured method's paper (PrefixKV's), checked on this run: lower PPL and higher ROUGE-L
+    than the methods its policy says it beats (Local, H2O, PyramidKV and Elastic Cache) at every budget, the gap
+    widening as the budget shrinks."""
     base = [m for m in CLAIM_BASELINES if m in methods]
     if FEATURED not in methods or not base:
-        return ["Claim (a) not checked: needs prefixkv and at least one of " + ", ".join(CLAIM_BASELINES) + "."]
-    lines = [f"Claim (a): PrefixKV has lower PPL and higher ROUGE-L than {', '.join(base)} at every budget, "
+        return [f"Claim (a) not checked: needs {FEATURED} and at least one of " + ", ".join(CLAIM_BASELINES) + "."]
+    me = REGISTRY[FEATURED].label
+    lines = [f"Claim (a): {me} has lower PPL and higher ROUGE-L than {', '.join(base)} at every budget, "
              "with the gap widening as the budget shrinks.", ""]
     overall = True
     for metric, better in (("ppl", "lower"), ("rouge_l", "higher")):
@@ -316,7 +319,7 @@ def check_claims(agg: dict[str, Any], methods: list[str], budgets: list[float]) 
                 ok, gap = p > others[best_m], p - others[best_m]
             gaps.append((b, gap))
             (holds_at if ok else fails_at).append(c if ok else f"{c} ({best_m} {others[best_m]:.3f} vs "
-                                                               f"PrefixKV {p:.3f})")
+                                                               f"{me} {p:.3f})")
         overall &= not fails_at
         name = "PPL" if metric == "ppl" else "ROUGE-L"
         lines.append(f"- {name}: {'HOLDS' if not fails_at else 'DOES NOT HOLD'} at every budget. "
@@ -324,7 +327,7 @@ def check_claims(agg: dict[str, Any], methods: list[str], budgets: list[float]) 
         if len(gaps) >= 2:
             lo, hi = gaps[0], gaps[-1]
             widening = lo[1] > hi[1] and lo[1] > 0
-            lines.append(f"  Margin over the best of the baselines (positive = PrefixKV better): "
+            lines.append(f"  Margin over the best of the baselines (positive = {me} better): "
                          + ", ".join(f"{budget_key(b)}: {g:+.3f}" for b, g in gaps)
                          + f" -> the advantage {'widens' if widening else 'does not widen'} as the budget shrinks "
                            f"(margin {lo[1]:+.3f} at {budget_key(lo[0])} vs {hi[1]:+.3f} at {budget_key(hi[0])}).")
@@ -434,9 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a subset that finishes in minutes on a 2-core CPU with the embedded model: "
                         "first 5 samples, budgets 0.1/0.3/0.5, 12 new tokens, answers cut at 16 tokens "
                         "(explicit options override these)")
-    p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
-                   help="offline = calibrated per-layer ratios from assets/prefix_configs (the paper's default); "
-                        "online = search on each prompt; auto = offline when this model is calibrated (default)")
+    add_knob_flags(p)  # --prefixkv-mode: a knob a policy lets the benchmarks set as a flag of its own
     p.add_argument("--out", default=None, help="output folder (default out/benchmarks/quality-<model>[-quick]"
                                                "[-equal-memory][-query-agnostic]); records there are resumed")
     p.add_argument("--fresh", action="store_true", help="discard the records already in --out and start over")
@@ -497,8 +498,6 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import gather_object
 
     from prefixkv_core import Engine, load_model
-    from prefixkv_core.calibrate import load_ratios
-    from prefixkv_core.policies.prefixkv import PrefixKVPolicy
 
     # On a machine without a GPU (or with --device cpu) processes started by `accelerate launch --multi_gpu`
     # / torchrun must be told to use CPU collectives (gloo); otherwise accelerate sees no distributed run.
@@ -546,14 +545,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{settings['continuation_tokens']} continuation tokens from {long_text.source}, "
                       "plain text without the chat template")
 
+    try:  # flags such as --prefixkv-mode: auto is the policy's own pick for this model
+        flagged = resolve_knob_flags(args, chosen, ResolveContext(loaded.slug, loaded.name, loaded.num_layers,
+                                                                  settings["budgets"][0]))
+    except MethodArgError as exc:
+        raise SystemExit(str(exc)) from None
     knobs = chosen.knobs
-    mode = args.prefixkv_mode
-    if mode == "auto":
-        mode = "offline" if load_ratios(loaded.slug, settings["budgets"][0], loaded.num_layers) else "online"
-    prefixkv = PrefixKVPolicy.name  # --prefixkv-mode is that method's own flag
-    if prefixkv in methods:
-        knobs.setdefault(prefixkv, {}).setdefault("mode", mode)
-        mode = knobs[prefixkv]["mode"]
+    flagged_title = "; ".join(f"{REGISTRY[m].label} " + ", ".join(f"{k} {v}" for k, v in ks.items())
+                              for m, ks in flagged.items())
 
     budget_mode, query_agnostic = settings["budget_mode"], settings["query_agnostic"]
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / (
@@ -629,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(loaded.device)
     note = (f"{loaded.name} ({loaded.slug}), {data_label}, "
             f"{settings['max_new_tokens']} new tokens, answers {'cut at ' + str(settings['max_answer_tokens']) + ' tokens' if settings['max_answer_tokens'] else 'whole'}, "
-            f"PrefixKV {mode}, {run_title(budget_mode, query_agnostic)}; {info['machine']}, {info['date']}, "
+            + (f"{flagged_title}, " if flagged_title else "")
+            + f"{run_title(budget_mode, query_agnostic)}; {info['machine']}, {info['date']}, "
             f"commit {info['commit']}.")
     if not loaded.vision_trained:
         note += " The vision tower is untrained: the numbers measure language-side behaviour."
@@ -655,8 +655,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{run_title(budget_mode, query_agnostic)}")
     fig_paths, png_msg = save_figure(fig, out / "quality", png=not args.no_png)
     payload = {
-        "run": info, "config": fingerprint, "settings": settings, "prefixkv_mode": mode, "budget_mode": budget_mode,
+        "run": info, "config": fingerprint, "settings": settings, "budget_mode": budget_mode,
         "query_agnostic": query_agnostic,
+        # the knobs set by a method's own flag, as run: "prefixkv_mode" (--prefixkv-mode)
+        **{f"{m}_{k}": v for m, ks in flagged.items() for k, v in ks.items()},
         "processes": world,
         "elapsed_s_per_process": elapsed_all, "new_records": sum(new_all),
         "resumed_records": len(records) - sum(new_all), "methods": methods, "budgets": settings["budgets"],

@@ -7,7 +7,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from .policies import Budget, PolicyError, parse_knobs, resolve_methods, role_method
+from .policies import (REGISTRY, Budget, PolicyError, ResolveContext, knob_fields, parse_knobs, resolve_methods,
+                       role_method)
+
+AUTO = "auto"  # a knob flag's default: the policy's own pick for the model
 
 EQUAL_MEMORY_HELP = ("also hold the prompt-only methods (SnapKV, AdaKV, PyramidKV, LOOK-M, FastV, VisionZip) at r·N_t "
                      "while decoding, so every budgeted method holds the same memory (default: each as published)")
@@ -27,6 +30,8 @@ class MethodArgs:
     knobs: dict[str, dict[str, Any]]
     budget_mode: str  # "published" or "equal_memory"
     query_agnostic: bool
+    # with_reference: the method the others are measured against (one of `methods`)
+    reference: str | None = None
 
     @property
     def budget(self) -> Budget:
@@ -51,6 +56,49 @@ def add_method_args(p: argparse.ArgumentParser, *, several_budgets: bool = False
                         "methods` lists every method's knobs, defaults and accepted values")
     p.add_argument("--equal-memory", action="store_true", help=equal_memory_help)
     p.add_argument("--query-agnostic", action="store_true", help=query_agnostic_help)
+
+
+def knob_flag(method: str, knob: str) -> str:
+    """The flag of a method's knob that its policy declares in `flag_knobs`: --prefixkv-mode."""
+    return f"--{method}-{knob}".replace("_", "-")
+
+
+def _knob_dest(method: str, knob: str) -> str:
+    return f"knob_flag__{method}__{knob}"
+
+
+def add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """A flag --<method>-<knob> for every knob a registered policy declares in `flag_knobs`: the knob's own
+    choices, or auto (the default), the policy's pick for the model. An explicit --knob METHOD.KNOB=VALUE wins."""
+    for method, cls in REGISTRY.items():
+        infos = {name: info for name, _, info in knob_fields(cls)}
+        for knob, auto_picks in cls.flag_knobs.items():
+            info = infos[knob]
+            p.add_argument(knob_flag(method, knob), dest=_knob_dest(method, knob), default=AUTO,
+                           choices=(AUTO, *map(str, info.choices)),
+                           help=f"{cls.label}'s {knob} knob ({info.help}); {AUTO} (default): {auto_picks}")
+
+
+def resolve_knob_flags(args: argparse.Namespace, chosen: MethodArgs, context: ResolveContext
+                       ) -> dict[str, dict[str, Any]]:
+    """The knobs the flags of `add_knob_flags` set, for the chosen methods, with auto resolved for the model
+    in `context` (`Policy.auto_knob`); a knob given with --knob keeps its value. They are written into
+    `chosen.knobs`; returns {method: {knob: value}} as the methods will run."""
+    out: dict[str, dict[str, Any]] = {}
+    for method in chosen.methods:
+        cls = REGISTRY[method]
+        for knob in cls.flag_knobs:
+            given = chosen.knobs.get(method, {})
+            if knob not in given:
+                value = getattr(args, _knob_dest(method, knob), AUTO)
+                if value == AUTO:
+                    try:
+                        value = cls.auto_knob(knob, context)
+                    except (PolicyError, ValueError) as exc:
+                        raise MethodArgError(f"{knob_flag(method, knob)}: {exc}") from None
+                chosen.knobs.setdefault(method, {})[knob] = value
+            out.setdefault(method, {})[knob] = chosen.knobs[method][knob]
+    return out
 
 
 def parse_budgets(text: Any, flag: str = "--budgets") -> list[Budget]:
@@ -89,5 +137,5 @@ def method_args(args: argparse.Namespace, *, budgets_default: Any = None,
     except ValueError as exc:
         raise MethodArgError(f"--knob: {exc}") from None
     return MethodArgs(methods, budgets, knobs, "equal_memory" if args.equal_memory else "published",
-                      bool(args.query_agnostic))
+                      bool(args.query_agnostic), reference)
 

@@ -18,6 +18,7 @@ import gradio as gr
 from prefixkv_core import Engine, describe, resolve_methods
 from prefixkv_core.limits import MB, Limits, server_limits
 from prefixkv_core.models import EMBEDDED_SLUG
+from prefixkv_core.policies import role_label
 
 from .controller import ENGINE_QUEUE, BoxReaper, Controller, SessionBox
 from .export import ALL_FORMATS
@@ -153,7 +154,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                                              info=QUERY_AGNOSTIC_INFO)
                 time_alone = gr.Checkbox(False, label="Time each method alone", elem_id="time-alone",
                                          info="after the batched run, decode every method again on its own: its "
-                                              "own TTFT, tokens/s, latency curve and speed-up over Full")
+                                              "own TTFT, tokens/s, latency curve and speed-up over "
+                                              f"{role_label('reference', 'the reference')}")
                 max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
                                     elem_id="max-new")
                 with gr.Accordion("Sampling", open=False):
@@ -215,7 +217,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
             latency_plot = gr.Plot(empty["latency"], show_label=False, elem_id="chart-latency")
         table = gr.Dataframe(headers=list(_table_headers()), value=[],
                              label="Metrics (last turn): policy = the method's own time in the run; TTFT, tok/s "
-                                   "and × Full = the method decoded alone (Time each method alone)",
+                                   f"and × {role_label('reference', 'reference')} = the method decoded alone "
+                                   "(Time each method alone)",
                              interactive=False, wrap=True, elem_id="metrics-table")
 
         with gr.Accordion("Export for papers", open=True):
@@ -291,10 +294,10 @@ def _default_layers(n: int) -> list[int]:
     return default_layers(n)
 
 
-def _table_headers():
-    from .controller import TABLE_HEADERS
+def _table_headers() -> list[str]:
+    from .controller import table_headers
 
-    return TABLE_HEADERS
+    return table_headers()
 
 
 def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, *, limits: Limits = DEFAULT_LIMITS,

@@ -168,6 +168,13 @@ def _role(role: str) -> str | None:
     return role_method(role)
 
 
+def _role_label(role: str) -> str:
+    """The label of the method that plays `role` ("the reference" etc. when none does)."""
+    from prefixkv_core.policies import role_label
+
+    return role_label(role, f"the {role}")
+
+
 def lorenz_figure(importance: np.ndarray, layers: Sequence[int] | None = None, threshold: float | None = None,
                   budget: float | None = None, threshold_label: str | None = None,
                   max_points: int = 400, source: str | None = None, method: str | None = None) -> go.Figure:
@@ -341,7 +348,8 @@ def quality_figure(points: Mapping[str, tuple[str, float, float | None]]) -> go.
     title = "Answer quality vs KV-cache size"
     pts = {m: p for m, p in points.items() if p[2] is not None}
     if not pts:
-        return placeholder(title, "Select Full and let the answers finish to compare quality.")
+        ref = _role_label("reference")
+        return placeholder(title, f"Select {ref} and let the answers finish to compare quality.")
     fig = _fig()
     texts = _shared_labels(pts)
     for method, (label, ratio, rouge) in pts.items():
@@ -349,5 +357,6 @@ def quality_figure(points: Mapping[str, tuple[str, float, float | None]]) -> go.
                         textposition="top center", textfont=dict(size=11, color=colour(method)),
                         marker=dict(color=colour(method), size=12, line=dict(width=1, color="white")),
                         hovertemplate=f"{label}<br>KV %{{x:.1%}} of full<br>ROUGE-L %{{y:.3f}}<extra></extra>")
-    return _style(fig, title, "KV cache (share of uncompressed)", "ROUGE-L F1 vs Full", showlegend=False,
+    return _style(fig, title, "KV cache (share of uncompressed)", f"ROUGE-L F1 vs {_role_label('reference')}",
+                  showlegend=False,
                   xaxis=dict(range=[0, 1.08], tickformat=".0%"), yaxis=dict(range=[0, 1.08]))

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import gradio as gr
 
 from prefixkv_core import describe
+from prefixkv_core.policies import role_label
 from prefixkv_core.limits import Limits
 
 from .export_store import ExportStore
@@ -29,12 +30,21 @@ from .run_stream import CHART_EVERY_S, OVERLAY_EVERY_S, TEXT_EVERY_S, Streaming
 from .runstate import SessionBox
 from .sessions import SessionRegistry
 
-__all__ = ["Controller", "SessionBox", "BoxReaper", "TABLE_HEADERS", "FIGURE_NAMES", "ENGINE_QUEUE",
+__all__ = ["Controller", "SessionBox", "BoxReaper", "TABLE_HEADERS", "table_headers", "FIGURE_NAMES", "ENGINE_QUEUE",
            "TEXT_EVERY_S", "CHART_EVERY_S", "OVERLAY_EVERY_S", "OVERLAY_DISPLAY_SIDE"]
 
-# the method's own policy time (batched or alone), then what it costs decoded on its own (Time each method alone)
-TABLE_HEADERS = ["Method", "KV (MB)", "KV % of full", "Kept ratio", "ROUGE-L vs Full", "Policy (ms/token)",
-                 "Compress (ms)", "TTFT alone (ms)", "tok/s alone", "× Full (alone)", "Status"]
+
+
+def table_headers() -> list[str]:
+    """The metrics table's columns: the method's own policy time (batched or alone), then what it costs decoded
+    on its own (Time each method alone). ROUGE-L and the speed-up name the method they are measured against (the
+    one whose policy plays the "reference" role)."""
+    ref = role_label("reference", "reference")
+    return ["Method", "KV (MB)", "KV % of full", "Kept ratio", f"ROUGE-L vs {ref}", "Policy (ms/token)",
+            "Compress (ms)", "TTFT alone (ms)", "tok/s alone", f"× {ref} (alone)", "Status"]
+
+
+TABLE_HEADERS = table_headers()  # the reference is a built-in method, so its label does not change
 FIGURE_NAMES = ("retained-per-layer", "lorenz", "kv-memory", "latency", "quality-vs-memory")
 
 

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import plotly.graph_objects as go
 
 from prefixkv_core import leaderboard
-from prefixkv_core.policies import REGISTRY
+from prefixkv_core.policies import REGISTRY, role_label, role_method
 from prefixkv_core.record import mode_title
 
 from .theme import PAPER_FONT
@@ -74,6 +74,11 @@ def paper_figure(fig: go.Figure, width: int = 720, height: int | None = None) ->
     return out
 
 
+def _reference_label() -> str:
+    """The label of the method ROUGE-L and speed-ups are measured against (its policy plays "reference")."""
+    return role_label("reference", "the reference")
+
+
 def run_mode(results: Mapping[str, Any]) -> str:
     """Which mode produced these results, in words ('published budgets, query-aware', ...)."""
     return mode_title(results.get("budget_mode", "published"), bool(results.get("query_agnostic", False)))
@@ -98,8 +103,8 @@ def timing_note(results: Mapping[str, Any]) -> str:
     else:
         parts.append("Each method decoded on its own; policy = its own policy time per token")
     if timing.get("alone"):
-        parts.append("TTFT, tokens/s and speed-up (tokens/s over Full's) were measured with each method decoded "
-                     "alone, from its own prefill")
+        parts.append(f"TTFT, tokens/s and speed-up (tokens/s over {_reference_label()}'s) were measured with each "
+                     "method decoded alone, from its own prefill")
     else:
         parts.append("per-method TTFT and tokens/s were not measured (time each method alone for them)")
     return ". ".join(parts) + "."
@@ -153,10 +158,11 @@ def leaderboard_rows(results: Mapping[str, Any]) -> tuple[list[leaderboard.Leade
     tasks = [f"turn_{i + 1}" for i in range(n_turns)]
     budget_mode = results.get("budget_mode", "published")
     query_aware = not results.get("query_agnostic", False)
+    reference = role_method("reference")  # the uncompressed method: nothing removed
     rows = []
     for method, r in methods.items():
         fixed = method in REGISTRY and not REGISTRY[method].uses_budget
-        ratio = 0.0 if method == "full" else leaderboard.compression_ratio(
+        ratio = 0.0 if method == reference else leaderboard.compression_ratio(
             None if fixed else results.get("budget"), r.get("kv_ratio"))
         per_turn = list(r.get("rouge_l_per_turn") or [])
         scores = {t: (None if i >= len(per_turn) or per_turn[i] is None else round(100.0 * per_turn[i], 2))
@@ -246,7 +252,8 @@ def transcript_markdown(results: Mapping[str, Any]) -> str:
             answer = answers[i] if i < len(answers) else ""
             out += [f"### {r.get('label', method)}", "", (answer.strip() or "_(no answer)_"), ""]
     out += ["## Final metrics", "", timing_note(results), "",
-            "| method | stage | KV (MB) | KV % of full | ROUGE-L vs Full | policy (ms/token) | TTFT alone (s) | "
+            f"| method | stage | KV (MB) | KV % of full | ROUGE-L vs {_reference_label()} | policy (ms/token) | "
+            "TTFT alone (s) | "
             "tokens/s alone | speed-up alone | status |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
 

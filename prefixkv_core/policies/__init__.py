@@ -15,7 +15,7 @@ from .fastv import FastVPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
 from .full import FullPolicy
 from .h2o import H2OPolicy
-from .knobs import KnobInfo, knob, knob_attributes, knob_value
+from .knobs import KnobInfo, knob, knob_attributes, knob_fields, knob_value
 from .local import LocalPolicy
 from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
@@ -57,6 +57,11 @@ def register(cls: type[Policy]) -> type[Policy]:
         holder = role_method(role)
         if holder is not None and holder != cls.name:
             raise PolicyError(f"{cls.__name__} plays the {role!r} role, which {holder} already plays")
+    knobs = {name: info for name, _, info in knob_fields(cls)}
+    for flag_knob in cls.flag_knobs:
+        choices = knobs[flag_knob].choices if flag_knob in knobs else None
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise PolicyError(f"{cls.__name__}.flag_knobs: {flag_knob!r} is not one of its knobs with named choices")
     taken = {c.colour.lower(): n for n, c in REGISTRY.items() if n != cls.name}
     if cls.colour.lower() in taken:
         raise PolicyError(f"{cls.__name__}.colour {cls.colour} is already used by {taken[cls.colour.lower()]}")
@@ -70,6 +75,13 @@ def role_method(role: str) -> str | None:
     if role not in ROLES:
         raise PolicyError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
     return next((name for name, cls in REGISTRY.items() if role in cls.roles), None)
+
+
+def role_label(role: str, default: str | None = None) -> str | None:
+    """The label of the method that plays `role` (e.g. "Full" for "reference"), for headers and captions that
+    name it; `default` when no registered method plays it."""
+    name = role_method(role)
+    return REGISTRY[name].label if name is not None else default
 
 
 def role_methods() -> dict[str, str]:
@@ -185,7 +197,7 @@ def describe() -> list[dict[str, Any]]:
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
+__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "role_label", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
            "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
            "make_policy", "resolve_methods", "describe", "Budget", "check_budget"]

@@ -175,6 +175,12 @@ class Policy:
     stage: ClassVar[str] = "KV eviction"  # one of STAGES: where in inference this method saves memory
     sink_tokens: ClassVar[int] = 1
     roles: ClassVar[tuple[str, ...]] = ()  # any of ROLES this method plays in a comparison
+    # knobs the benchmarks also take as a flag of their own, --<method>-<knob> (method_args.add_knob_flags): knob
+    # -> what its default, "auto", picks for the model (`auto_knob` picks it)
+    flag_knobs: ClassVar[dict[str, str]] = {}
+    # the methods this one's paper reports it beats at every budget (the claim benchmarks/quality.py checks for
+    # the method that plays the "featured" role)
+    claimed_better_than: ClassVar[tuple[str, ...]] = ()
 
     budget: Budget = 0.3  # a plain number is made a Budget (checked) when the policy is built
     # one of BUDGET_MODES: how the comparison this policy runs in treats memory (a run setting, not a knob)
@@ -189,6 +195,11 @@ class Policy:
 
     def check(self) -> None:
         """Rules that involve several knobs; raise PolicyError naming them."""
+
+    @classmethod
+    def auto_knob(cls, knob: str, context: ResolveContext) -> Any:
+        """The value of `knob` (one of `flag_knobs`) this method picks for the model in `context`."""
+        raise PolicyError(f"{cls.name} picks no value for its {knob!r} knob by itself")
 
     def resolve(self, context: ResolveContext) -> "Policy":
         """The policy to run for this model and budget (e.g. with calibrated settings filled in)."""

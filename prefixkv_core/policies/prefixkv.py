@@ -50,6 +50,8 @@ class PrefixKVPolicy(Policy):
     colour = "#D55E00"  # vermillion: the method the tool is about
     stage = "KV eviction"
     roles = ("lorenz", "featured")
+    flag_knobs = {"mode": "offline where this model is calibrated, else online"}
+    claimed_better_than = ("local", "h2o", "pyramidkv", "elastic")  # the paper's claim (a)
 
     mode: str = knob("online", help="online: bisect the threshold on this prompt; offline: per-layer ratios "
                                     "calibrated once for this model and budget", choices=MODES)
@@ -73,6 +75,16 @@ class PrefixKVPolicy(Policy):
                                                 "(the paper); grow: compress the prompt only, the cache then grows",
                             choices=DECODES, name="decode")
     ratios_source: str | None = field(default=None, compare=False)  # where `resolve` found the ratios
+
+    @classmethod
+    def auto_knob(cls, knob: str, context: ResolveContext) -> Any:
+        """mode: offline (the paper's default) where this model has calibrated ratios, else online."""
+        if knob != "mode":
+            return super().auto_knob(knob, context)
+        from .. import calibrate
+
+        found = calibrate.load_ratios(context.model_slug, context.budget, context.num_layers)
+        return "offline" if found is not None else "online"
 
     def resolve(self, context: ResolveContext) -> "PrefixKVPolicy":
         """Offline without ratios: load this model's calibrated ratios for the budget (interpolated between
