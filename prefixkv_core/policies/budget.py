@@ -24,7 +24,10 @@ class Budget(float):
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
             raise PolicyError(f"budget must be a number in (0, 1], got {shown}")
         if not 0.0 < value <= 1.0:
-            raise PolicyError(f"budget must be a kept fraction in (0, 1], got {float(value):g}")
+            shown = f"{float(value):g}"
+            if 0.0 < float(shown) <= 1.0:  # rounding would show an accepted value (1.0000001 as 1): show it all
+                shown = repr(float(value))
+            raise PolicyError(f"budget must be a kept fraction in (0, 1], got {shown}")
         return super().__new__(cls, float(value))
 
 
