@@ -125,6 +125,8 @@ def method_args(args: argparse.Namespace, *, budgets_default: Any = None,
     several = hasattr(args, "budgets")
     raw = args.budgets if several else args.budget
     budgets = parse_budgets(budgets_default if raw is None else raw, "--budgets" if several else "--budget")
+    if not several and len(budgets) > 1:  # one comparison runs at one budget
+        raise MethodArgError(f"--budget takes one kept fraction in (0, 1], got {raw!r}")
     try:
         methods = resolve_methods(args.methods or "all")
     except PolicyError as exc:
