@@ -1,4 +1,4 @@
-"""One helper declares and reads the method, budget and knob flags of the CLI and the benchmarks: the same
+"""One module declares and reads the method, budget and knob flags of the CLI and the benchmarks: the same
 flags, the same checks, the same messages everywhere."""
 import argparse
 
