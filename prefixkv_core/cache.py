@@ -38,6 +38,76 @@ class QuantSegment:
         return self.keys.nbytes() + self.values.nbytes()
 
 
+ENTRY_FIELDS = ("keys", "values", "positions", "is_image", "scores")
+SPARE_ENTRIES = 64  # room a new store leaves for the entries a decode appends before it first has to grow
+
+
+class EntryStore:
+    """One per-entry field of a cache layer held with room to grow: `data` is [rows, Hkv, capacity, *tail] and
+    row r's entries are data[r, :, :lengths[r]]. Appending writes after a row's entries in place; when the room
+    runs out every row's capacity grows by half (amortised, no copy of the cache per step). Rewriting a row's
+    entries (eviction, merging) writes its new contents at the front of its own slot. Several rows may share one
+    store: the runner's batched rows, so a step reads them all without copying them."""
+
+    def __init__(self, data: torch.Tensor, lengths: list[int]):
+        self.data, self.lengths = data, lengths
+
+    @classmethod
+    def holding(cls, tensor: torch.Tensor, spare: int = SPARE_ENTRIES) -> "EntryStore":
+        """A store of its own for `tensor` ([rows, Hkv, T, *tail]), with room for `spare` more entries."""
+        rows, heads, t = tensor.shape[:3]
+        data = tensor.new_zeros(rows, heads, t + spare, *tensor.shape[3:])
+        with torch.inference_mode():
+            data[:, :, :t] = tensor
+        return cls(data, [t] * rows)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    def fits(self, tensor: torch.Tensor, rows: tuple[int, int]) -> bool:
+        """Whether `tensor` can be written into `rows` of this store (same heads, tail, dtype and device)."""
+        d = self.data
+        return (tensor.dim() == d.dim() and tensor.shape[0] == rows[1] - rows[0] and tensor.shape[1] == d.shape[1]
+                and tensor.shape[3:] == d.shape[3:] and tensor.dtype == d.dtype and tensor.device == d.device)
+
+    def view(self, rows: tuple[int, int]) -> torch.Tensor:
+        return self.data[rows[0]:rows[1], :, :self.lengths[rows[0]]]
+
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` entries in every row (grown by at least half the capacity: amortised O(1))."""
+        if needed <= self.capacity:
+            return
+        grown = max(needed, self.capacity + self.capacity // 2 + 16)
+        data = self.data.new_zeros(self.data.shape[0], self.data.shape[1], grown, *self.data.shape[3:])
+        longest = max(self.lengths)
+        with torch.inference_mode():
+            data[:, :, :longest] = self.data[:, :, :longest]
+        self.data = data
+
+    def write(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
+        """Replace the entries of `rows` with `tensor` in place (a row's slot is its own)."""
+        if tensor.numel() and tensor.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
+            tensor = tensor.clone()  # a view of this store (a slice of itself): copy before overwriting
+        t = tensor.shape[2]
+        self.reserve(t)
+        with torch.inference_mode():  # the store may have been made in inference mode (a forward)
+            self.data[rows[0]:rows[1], :, :t] = tensor
+        for r in range(*rows):
+            self.lengths[r] = t
+
+    def append(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
+        n, q = self.lengths[rows[0]], tensor.shape[2]
+        self.reserve(n + q)
+        with torch.inference_mode():
+            self.data[rows[0]:rows[1], :, n:n + q] = tensor
+        for r in range(*rows):
+            self.lengths[r] = n + q
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
 def per_head_meta(positions: torch.Tensor, is_image: torch.Tensor, n_kv: int):
     """[B, T_new] positions / image flags -> per-KV-head positions, flags and zero scores ([B, Hkv, T_new])."""
     pos = positions[:, None, :].expand(-1, n_kv, -1)
@@ -45,21 +115,103 @@ def per_head_meta(positions: torch.Tensor, is_image: torch.Tensor, n_kv: int):
     return pos, img, torch.zeros(pos.shape, dtype=torch.float32, device=pos.device)
 
 
+def _entry_field(name: str, doc: str) -> property:
+    def get(self):
+        store = self._stores.get(name)
+        return None if store is None else store.view(self._rows)
+
+    def set(self, value):
+        self._assign(name, value)
+
+    return property(get, set, doc=doc)
+
+
 class TrackedLayer(DynamicLayer):
-    """Entries are ordered: [quantised segments..., full-precision keys/values]; metadata covers all."""
+    """Entries are ordered: [quantised segments..., full-precision keys/values]; metadata covers all.
+
+    Each field lives in an `EntryStore` (rows `_rows` of it): reading `layer.keys` gives a view of this layer's
+    entries, assigning it writes the new entries into the layer's own slot in place, and a forward appends
+    there. The runner moves the rows of a batch into shared stores (`move_into`), where they stay."""
+
+    keys = _entry_field("keys", "[B, Hkv, T_fp, D] the full-precision keys")
+    values = _entry_field("values", "[B, Hkv, T_fp, D] the full-precision values")
+    positions = _entry_field("positions", "long [B, Hkv, T] the true position of every entry")
+    is_image = _entry_field("is_image", "bool [B, Hkv, T] whether an entry came from the image")
+    scores = _entry_field("scores", "float32 [B, Hkv, T] accumulated attention")
 
     def __init__(self):
+        self._stores: dict[str, EntryStore] = {}
+        self._rows = (0, 1)  # this layer's rows of its stores
         super().__init__()
         self.segments: list[QuantSegment] = []
-        self.positions: torch.Tensor | None = None  # long [B, Hkv, T]
-        self.is_image: torch.Tensor | None = None  # bool [B, Hkv, T]
-        self.scores: torch.Tensor | None = None  # float32 [B, Hkv, T]
         self._image_count: int | None = None  # cached image_count(); None = recount
         self.has_empty_slots = False  # some KV head holds empty slots (position -1): mask them from attention
 
+    # -- storage ------------------------------------------------------------------------------------
+    def _assign(self, name: str, value: torch.Tensor | None) -> None:
+        if value is None:
+            self._stores.pop(name, None)
+            return
+        store = self._stores.get(name)
+        rows = self._rows
+        if store is not None and store.fits(value, rows):
+            own = rows == (0, store.data.shape[0])
+            if not (own and value.shape[2] + SPARE_ENTRIES < store.capacity // 2):
+                store.write(rows, value)  # in place: eviction and merging compact the slot
+                return
+            # the layer's own store, now much larger than its entries (a compressed prompt): give the room back
+        self._own_store(name, EntryStore.holding(value))
+
+    def _own_store(self, name: str, store: EntryStore) -> None:
+        """Give this layer a store of its own for `name`, leaving any store it shared (its other fields move
+        along when they are next assigned; `move_into` and `own_storage` move them all)."""
+        if self._stores and any(s.data.shape[0] != store.data.shape[0] or self._rows != (0, s.data.shape[0])
+                                for s in self._stores.values()):
+            self.own_storage()
+        self._stores[name] = store
+        self._rows = (0, store.data.shape[0])
+
+    def own_storage(self) -> None:
+        """Move every field into stores of this layer's own (out of a batch's shared stores)."""
+        fields = {name: getattr(self, name) for name in list(self._stores)}
+        self._stores = {name: EntryStore.holding(t) for name, t in fields.items()}
+        rows = {t.shape[0] for t in fields.values()}
+        self._rows = (0, rows.pop() if rows else 1)
+
+    def lives_in(self, stores: dict[str, EntryStore], row: int) -> bool:
+        """Whether every field of this (batch-1) layer is row `row` of `stores`."""
+        return self._rows[0] == row and all(self._stores.get(n) is s for n, s in stores.items())
+
+    def move_into(self, stores: dict[str, EntryStore], row: int) -> None:
+        """Copy this batch-1 layer's entries into row `row` of `stores` (a batch's shared stores) and keep them
+        there: later appends, evictions and merges write that row in place."""
+        fields = {name: getattr(self, name) for name in stores}
+        if any(t is None for t in fields.values()):
+            raise RuntimeError("only a layer holding entries can move into a batch's stores")
+        for name, store in stores.items():
+            store.write((row, row + 1), fields[name])
+        self._stores = dict(stores)
+        self._rows = (row, row + 1)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _append(self, name: str, tensor: torch.Tensor) -> None:
+        store = self._stores.get(name)
+        if store is None or not store.fits(tensor, self._rows):
+            current = getattr(self, name)
+            self._own_store(name, EntryStore.holding(tensor if current is None else torch.cat([current, tensor], 2)))
+        else:
+            store.append(self._rows, tensor)
+
     # -- transformers' side -------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
-        keys, values = super().update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._append("keys", key_states)
+        self._append("values", value_states)
+        keys, values = self.keys, self.values
         if not self.segments:
             return keys, values
         # Dequantise on the fly: the packed form is what the cache really stores.
@@ -68,7 +220,8 @@ class TrackedLayer(DynamicLayer):
         return torch.cat(k_q + [keys], dim=-2), torch.cat(v_q + [values], dim=-2)
 
     def get_seq_length(self) -> int:
-        fp = 0 if (not self.is_initialized or self.keys is None or self.keys.numel() == 0) else self.keys.shape[-2]
+        keys = self.keys
+        fp = 0 if (not self.is_initialized or keys is None or keys.numel() == 0) else keys.shape[-2]
         return fp + sum(s.length for s in self.segments)
 
     # -- metadata -----------------------------------------------------------------------------------
@@ -81,16 +234,14 @@ class TrackedLayer(DynamicLayer):
         `has_image` says whether any new entry is an image entry (known to the caller without a device sync)."""
         if self.positions is None or has_image:
             self._image_count = None
-        if self.positions is None:
-            self.positions, self.is_image, self.scores = pos.clone(), img.clone(), zeros.clone()
-        else:
-            self.positions = torch.cat([self.positions, pos], dim=-1)
-            self.is_image = torch.cat([self.is_image, img], dim=-1)
-            self.scores = torch.cat([self.scores, zeros], dim=-1)
+        self._append("positions", pos)
+        self._append("is_image", img)
+        self._append("scores", zeros)
 
     @property
     def length(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[-1]
+        store = self._stores.get("positions")
+        return 0 if store is None else store.lengths[self._rows[0]]
 
     @property
     def n_kv(self) -> int:
@@ -249,13 +400,20 @@ class TrackedCache(DynamicCache):
     def add_scores(self, stats: dict[int, torch.Tensor]) -> None:
         """Accumulate per-layer attention ([B, Hkv, T], aligned with the layer's entries) into scores."""
         for layer_idx, s in stats.items():
-            layer = self.layers[layer_idx]
-            layer.scores = layer.scores + s.to(layer.scores.device)
+            scores = self.layers[layer_idx].scores
+            with torch.inference_mode():  # in place, in the layer's own slot
+                scores.add_(s.to(scores.device))
 
     def clone(self) -> "TrackedCache":
         twin = TrackedCache(len(self.layers))
         for mine, theirs in zip(self.layers, twin.layers):
+            for name in ENTRY_FIELDS:  # each into a store of the twin's own
+                value = getattr(mine, name)
+                if value is not None:
+                    setattr(theirs, name, value)
             for name, value in vars(mine).items():
+                if name in ("_stores", "_rows"):
+                    continue
                 if isinstance(value, torch.Tensor):
                     setattr(theirs, name, value.clone())
                 elif name == "segments":

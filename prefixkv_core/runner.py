@@ -22,6 +22,7 @@ calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
@@ -30,7 +31,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .attention import AttentionProbe, StatRequest
-from .cache import TrackedCache, TrackedLayer, per_head_meta
+from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, per_head_meta
 from .policies import Policy, PolicyState
 from .policies.base import DecodeView, PrefillView, apply_plans
 
@@ -46,20 +47,27 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-# -- the padded step cache ---------------------------------------------------------------------------------
+# -- what batched steps keep from one step to the next --------------------------------------------------------
 
 class StepBuffers:
-    """The padded keys/values of batched steps, reused from one step to the next (one pair per layer), so a step
-    neither allocates nor zeroes a fresh tensor per layer. Reuse without zeroing is exact: a row attends only
-    to its own entries and this step's tokens (the key mask), and the rest only ever holds earlier finite
-    keys/values, which the mask turns into exact zeros. Keep one for a turn; drop it afterwards (it is as
-    large as every row padded to the longest)."""
+    """What a turn's batched steps keep from one step to the next (one per turn; drop it afterwards).
+
+    - The rows' shared stores, per layer: row r of every field (keys, values, positions, flags, scores) is the
+      r-th row's entries. Rows move in once (a copy of their entries); from then on decode steps append each
+      row's new entry in place and attention reads every row at once through its length (a key mask), so a
+      step copies nothing that grows with the cache. Policies evict and merge in the row's own slot.
+    - The padded tensors of multi-token steps (a follow-up's or the question's tokens, once per turn), laid
+      out as [row's entries | padding | the step's tokens], reused without zeroing: a row attends only to its
+      own entries and the step's tokens (the key mask), and the rest holds earlier finite entries, which the
+      mask turns into exact zeros."""
 
     def __init__(self):
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stores: dict[int, dict[str, EntryStore]] = {}
+        self._occupants: dict[int, list[weakref.ref]] = {}  # layer -> the layer living in each row (weakly)
 
     def get(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H, t, D] views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""
+        """[B, H, t, D] padded views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""
         b, h, _, d = keys.shape
         found = self._layers.get(layer_idx)
         if (found is None or found[0].shape[0] < b or found[0].shape[2] < t or found[0].shape[1] != h
@@ -70,8 +78,126 @@ class StepBuffers:
             self._layers[layer_idx] = found
         return found[0][:b, :, :t], found[1][:b, :, :t]
 
+    def stores(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> dict[str, EntryStore]:
+        """The shared stores of layer `layer_idx` holding `rows` (batch-1 layers) as rows 0..B-1, each row moved
+        in unless it lives there already. A row holding quantised entries stays out (`refresh_row`)."""
+        stores = self._stores.get(layer_idx)
+        resident = [layer for layer in rows if not layer.segments]
+        if stores is None or not self._fit(stores, len(rows), resident):
+            longest = max(layer.length for layer in rows)
+            like = resident[0] if resident else rows[0]
+            stores = {}
+            for name in ENTRY_FIELDS:
+                t = getattr(like, name) if resident else (like.full_keys() if name == "keys" else
+                                                         like.full_values() if name == "values" else getattr(like, name))
+                stores[name] = EntryStore(t.new_zeros(len(rows), t.shape[1], longest + SPARE_ENTRIES, *t.shape[3:]),
+                                          [0] * len(rows))
+            self._stores[layer_idx] = stores
+            self._occupants[layer_idx] = [_dead] * len(rows)
+        occupants = self._occupants[layer_idx]
+        for r, layer in enumerate(rows):
+            if layer.segments or layer.lives_in(stores, r):
+                continue
+            previous = occupants[r]()
+            if previous is not None and previous is not layer and previous.lives_in(stores, r):
+                previous.own_storage()  # a row that left the batch keeps its entries
+            layer.move_into(stores, r)
+            occupants[r] = weakref.ref(layer)
+        return stores
+
+    @staticmethod
+    def _fit(stores: dict[str, EntryStore], b: int, resident: Sequence[TrackedLayer]) -> bool:
+        keys = stores["keys"].data
+        return keys.shape[0] == b and all(
+            stores[name].fits(getattr(layer, name), (0, 1)) for layer in resident[:1] for name in ENTRY_FIELDS)
+
+    @staticmethod
+    def refresh_row(stores: dict[str, EntryStore], r: int, layer: TrackedLayer) -> None:
+        """Row r of `stores` as a copy of a layer that holds quantised entries (dequantised, every step: the
+        packed form is what such a cache stores)."""
+        if any(layer._stores.get(n) is s for n, s in stores.items()):
+            layer.own_storage()
+        stores["keys"].write((r, r + 1), layer.full_keys())
+        stores["values"].write((r, r + 1), layer.full_values())
+        for name in ("positions", "is_image", "scores"):
+            stores[name].write((r, r + 1), getattr(layer, name))
+
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._layers.values())
+        padded = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._layers.values())
+        return padded + sum(s.nbytes() for stores in self._stores.values() for s in stores.values())
+
+
+def _dead():
+    return None
+
+
+class _DecodeLayer(DynamicLayer):
+    """One layer of a batched decode step (one new token per row): each row's new entry is written after its
+    entries in the shared stores, in place, and attention reads all rows through their lengths."""
+
+    def __init__(self, step: "_DecodeCache", layer_idx: int):
+        super().__init__()
+        self.step, self.layer_idx = step, layer_idx
+        self.is_initialized = True
+        self.new_lengths: list[int] = []
+
+    def get_seq_length(self) -> int:
+        return max(c.layers[self.layer_idx].length for c in self.step.caches)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        step = self.step
+        b, h = key_states.shape[:2]
+        rows = [c.layers[self.layer_idx] for c in step.caches]
+        stores = step.buffers.stores(self.layer_idx, rows)
+        quantised = [r for r, layer in enumerate(rows) if layer.segments]
+        for r in quantised:
+            StepBuffers.refresh_row(stores, r, rows[r])
+        old = list(stores["keys"].lengths)
+        ends = torch.tensor(old, device=key_states.device)
+        for store in stores.values():
+            store.reserve(max(old) + 1)
+        at = (step.row_index, slice(None), ends)  # row r's next slot, every head
+        stores["keys"].data[at] = key_states[:, :, 0]
+        stores["values"].data[at] = value_states[:, :, 0]
+        stores["positions"].data[at] = step.positions[:, :1].expand(b, h)
+        stores["is_image"].data[at] = False  # steps feed text: image tokens come with the prompt
+        stores["scores"].data[at] = 0.0
+        for store in stores.values():
+            for r in range(b):
+                store.lengths[r] = old[r] + 1
+        for r in quantised:  # its own storage gets the new entry too
+            layer = rows[r]
+            layer._append("keys", key_states[r:r + 1])
+            layer._append("values", value_states[r:r + 1])
+            layer.append_meta_per_head(*per_head_meta(step.positions[r:r + 1], step.no_image[r:r + 1], h),
+                                       has_image=False)
+        self.new_lengths = [n + 1 for n in old]
+        t = max(self.new_lengths)
+        empty_slots = any(layer.has_empty_slots for layer in rows)
+        if empty_slots or min(old) != max(old):
+            valid = torch.arange(t, device=key_states.device) < (ends + 1)[:, None]  # [B, T]
+            if empty_slots:
+                valid = valid[:, None, :] & (stores["positions"].data[:, :, :t] >= 0)
+            else:
+                valid = valid[:, None, :]
+            step.probe.key_masks[self.layer_idx] = valid
+        return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t]
+
+
+class _DecodeCache(DynamicCache):
+    """The cache object the model sees during one batched decode step over several row caches."""
+
+    def __init__(self, caches: Sequence[TrackedCache], positions: torch.Tensor, probe: AttentionProbe,
+                 buffers: StepBuffers):
+        super().__init__()
+        self.buffers, self.caches, self.positions, self.probe = buffers, list(caches), positions, probe
+        self.row_index = torch.arange(len(self.caches), device=positions.device)
+        self.no_image = torch.zeros_like(positions, dtype=torch.bool)
+        self.layer_class_to_replicate = None
+        self.layers = [_DecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
 
 
 class _StepLayer(DynamicLayer):
@@ -240,17 +366,26 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     if b == 1:
         logits, stats = forward_group(model, caches[0], ids, starts[0], request)
         return StepOutput(logits, [last_query(stats) if want_attention[0] else None])
-    step = _StepCache(caches, lengths, positions, probe, buffers if buffers is not None else StepBuffers())
-    old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
+    buffers = buffers if buffers is not None else StepBuffers()
+    if q == 1:  # a decode step: rows append in place in the shared stores
+        step = _DecodeCache(caches, positions, probe, buffers)
+    else:
+        step = _StepCache(caches, lengths, positions, probe, buffers)
     try:
         out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
                     kv_probe=probe)
+        attention: list[dict[int, torch.Tensor] | None] = [None] * b
+        if q == 1:
+            for k, r in enumerate(wanted):  # row r's entries are the first ones of its row
+                attention[r] = {i: probe.stats[i]["last_query"][k:k + 1, :, :layer.new_lengths[r]]
+                                for i, layer in enumerate(step.layers)}
+        else:
+            old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
+            for k, r in enumerate(wanted):
+                attention[r] = _row_attention(probe.stats, r, k, old_lengths, lengths[r], q)
     finally:
         step.layers, step.caches = [], []  # the step and its layers point at each other: free the rows now, not
         # whenever the garbage collector next runs
-    attention: list[dict[int, torch.Tensor] | None] = [None] * b
-    for k, r in enumerate(wanted):
-        attention[r] = _row_attention(probe.stats, r, k, old_lengths, lengths[r], q)
     return StepOutput(out.logits[:, -1], attention)
 
 
