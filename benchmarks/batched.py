@@ -30,7 +30,11 @@ sync = runner.sync
 
 def synthetic_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int = 0):
     """B prompts of exactly `prompt_len` tokens: BOS, the image block, random text ids. Same layout in every row.
-    Returns input_ids [B, N], is_image [B, N] (bool), pixel_values [B, 3, S, S] in the model's dtype."""
+    Returns input_ids [B, N], is_image [B, N] (bool) and the image inputs: pixel_values [B, 3, S, S] in the
+    model's dtype, or, for a model with a processor, every image tensor it makes of a noise image of the vision
+    tower's side (an anyres family's views and image sizes), one image per row."""
+    if sm.processor is not None:
+        return _processed_batch(sm, batch, prompt_len, seed)
     n_img = sm.image_seq_length
     if prompt_len < n_img + 2:
         raise ValueError(f"prompt length {prompt_len} is shorter than the image block ({n_img} tokens) + BOS + 1 "
@@ -44,6 +48,34 @@ def synthetic_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int = 0)
     is_image = ids == sm.image_token_id
     pixels = torch.randn(batch, 3, sm.image_size, sm.image_size, generator=g)
     return ids.to(sm.device), is_image.to(sm.device), pixels.to(sm.device, sm.dtype)
+
+
+def _processed_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int):
+    import numpy as np
+    from PIL import Image
+
+    from prefixkv_core.models import IMAGE_TOKEN, vision_inputs
+
+    rng = np.random.default_rng(seed)
+    side = sm.image_size
+    image = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+    encoded = sm.processor(images=image, text=IMAGE_TOKEN, return_tensors="pt")
+    n_img = int((encoded["input_ids"][0] == sm.image_token_id).sum())
+    if prompt_len < n_img + 2:
+        raise ValueError(f"prompt length {prompt_len} is shorter than the image block ({n_img} tokens for a "
+                         f"{side}x{side} image) + BOS + 1 text token; use at least {n_img + 2}")
+    g = torch.Generator().manual_seed(seed)
+    special = {sm.image_token_id, *sm.processor.tokenizer.all_special_ids}
+    ids = torch.randint(0, len(sm.processor.tokenizer), (batch, prompt_len), generator=g)
+    for token in special:
+        ids[ids == token] = max(special) + 1
+    ids[:, 0] = sm.bos_id
+    ids[:, 1:1 + n_img] = sm.image_token_id
+    images = {}
+    for name, value in vision_inputs(encoded).items():
+        value = value.repeat(batch, *([1] * (value.dim() - 1))) if value.dim() else value
+        images[name] = value.to(sm.device, sm.dtype) if value.is_floating_point() else value.to(sm.device)
+    return ids.to(sm.device), (ids == sm.image_token_id).to(sm.device), images
 
 
 # -- runners ---------------------------------------------------------------------------------------------------
@@ -143,8 +175,8 @@ class StockRun:
     def prefill(self, ids, is_image, pixel_values) -> torch.Tensor:
         b, n = ids.shape
         pos = torch.arange(n, device=ids.device).unsqueeze(0).expand(b, -1)
-        out = self.sm.model(input_ids=ids, pixel_values=pixel_values, position_ids=pos, past_key_values=self.cache,
-                            use_cache=True, logits_to_keep=1)
+        out = self.sm.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=1, **runner.vision_kwargs(pixel_values))
         self.true_len = n
         return out.logits[:, -1].argmax(dim=-1)
 

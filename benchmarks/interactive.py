@@ -7,6 +7,9 @@ Measured side by side in one process, repeats interleaved (the machines are shar
 2. wall time of the whole comparison, from the request to the last token, shared prefill included;
 3. Full alone through the runner / plain `model.generate`, per decoded token (goal >= 0.95);
 4. for reference, the same methods run one after another (what the comparison cost before batching);
+4b. the hardware's batching ceiling: a plain cached greedy loop in transformers (DynamicCache, the model's own
+   attention, no engine) decodes the same prompt at batch B (B = the number of methods) and at batch 1; the
+   ceiling is the ratio of their tokens/s, and the runner's efficiency is the throughput ratio (1.) over it;
 5. with --time-alone, what each method costs on its own: in the batched run its own policy time per token
    (the forward is shared and reported once), and decoded alone (the session's batched=False: each method
    from its own prefill) its TTFT, tokens/s, ms per token and speed-up over Full (tokens/s ratio), with a
@@ -15,6 +18,11 @@ Measured side by side in one process, repeats interleaved (the machines are shar
 
     python benchmarks/interactive.py --model embedded --budget 0.3 --new-tokens 64
     python benchmarks/interactive.py --model embedded --threads 1 --new-tokens 16 --time-alone
+    python benchmarks/interactive.py --random-weights llava-interleave --new-tokens 24   # the Space's shape
+
+`--random-weights` builds a family's example checkpoint with random weights and a stand-in tokenizer
+(`llava-1.5`, `llava-interleave`: the Space default llava-interleave-qwen-0.5b, `llava-next`, `llava-onevision`,
+or `tiny-<family>`): its speed is the real model's, its answers are noise.
 """
 from __future__ import annotations
 
@@ -36,7 +44,8 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
 from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
-from prefixkv_core.models import encode, format_prompt  # noqa: E402
+from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
+from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
 from prefixkv_core.runner import now  # noqa: E402
 
 
@@ -85,9 +94,46 @@ def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: 
     return {"total_s": total, "methods": out}
 
 
+def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> float:
+    """Decode tokens/s of a plain cached greedy loop in transformers (DynamicCache, the model's own attention, no
+    engine) over `batch` copies of one prompt: prefilled once, its cache repeated to `batch` rows, then
+    `new_tokens - 1` steps of one token per row. What the hardware gives a batch, with nothing of ours."""
+    from transformers import DynamicCache
+
+    model, device = loaded.model, loaded.device
+    with torch.inference_mode():
+        cache = DynamicCache()
+        out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if batch > 1:
+            cache.batch_repeat_interleave(batch)
+        token = out.logits[:, -1].argmax(dim=-1).repeat(batch).view(batch, 1)
+        n = inputs["input_ids"].shape[1]
+        t0 = now(device)
+        for i in range(new_tokens - 1):
+            position = torch.full((batch, 1), n + i, device=device)
+            out = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        elapsed = now(device) - t0
+    return batch * (new_tokens - 1) / elapsed
+
+
+def load_benchmark_model(args):
+    if args.random_weights is None:
+        return load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.random_weights not in RANDOM_FAMILIES:
+        raise SystemExit(f"--random-weights {args.random_weights!r} has no processor for image prompts; accepted: "
+                         f"{', '.join(RANDOM_FAMILIES)}")
+    device, _ = resolve_device(args.device)
+    return build_random_model(args.random_weights, device, resolve_dtype(args.dtype, device))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded", help="embedded, a hub id or a local LLaVA directory")
+    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
+                    help="instead of --model: random weights in a family's released shape (llava-interleave: the "
+                         "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--image", default=str(REPO_ROOT / "assets/images/scene-0.png"))
@@ -106,18 +152,21 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_benchmark_model(args)
     engine = Engine(loaded)
     image = Engine.load_image(args.image)
     methods = resolve_methods(args.methods)
     inputs = encode(loaded, image, format_prompt(loaded, args.prompt, with_image=True))
     timed_comparison(engine, image, args.prompt, methods, args.budget, 4)  # warm-up
 
-    together, alone, generate, sequential, each = [], [], [], [], []
+    together, alone, generate, sequential, each, plain = [], [], [], [], [], []
     for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
         together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
         alone.append(timed_comparison(engine, image, args.prompt, ["full"], args.budget, args.new_tokens))
         generate.append(time_generate(loaded, inputs, args.new_tokens))
+        one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1)
+        many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods))
+        plain.append({"batch_1_tokens_per_s": one, "batch_b_tokens_per_s": many, "ceiling": many / one})
         if args.time_alone:  # each repeat starts the one-after-another run with another method
             order = methods[rep % len(methods):] + methods[:rep % len(methods)]
             each.append(timed_alone(engine, image, args.prompt, order, args.budget, args.new_tokens))
@@ -157,9 +206,18 @@ def main(argv=None) -> int:
               "sequential_wall_s": statistics.median(sequential) if sequential else None,
               "batch_forward_ms_per_step": med_of(t["batch"]["forward_ms_per_step"] for t in together if t["batch"]),
               "time_alone": args.time_alone, "per_method": per_method,
-              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each}}
+              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain}}
     report["throughput_ratio"] = report["together_tokens_per_s"] / report["full_alone_tokens_per_s"]
     report["runner_over_generate"] = report["full_alone_tokens_per_s"] / report["generate_tokens_per_s"]
+    # each repeat's efficiency from that repeat's own runner and plain-loop ratios (taken minutes apart at most)
+    report["ceiling_batch"] = len(methods)
+    report["plain_batch_1_tokens_per_s"] = med(plain, "batch_1_tokens_per_s")
+    report["plain_batch_b_tokens_per_s"] = med(plain, "batch_b_tokens_per_s")
+    report["ceiling"] = med(plain, "ceiling")
+    efficiencies = [(t["decode_tokens_per_s"] / a["decode_tokens_per_s"]) / p["ceiling"]
+                    for t, a, p in zip(together, alone, plain)]
+    report["efficiency"] = statistics.median(efficiencies)
+    report["efficiency_range"] = [min(efficiencies), max(efficiencies)]
 
     print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {torch.get_num_threads()} threads), "
           f"commit {report['commit']}, {report['date']}")
@@ -169,6 +227,12 @@ def main(argv=None) -> int:
     print(f"| decode tok/s, all {len(methods)} methods as one batch (summed) | {report['together_tokens_per_s']:.1f} |")
     print(f"| decode tok/s, Full alone | {report['full_alone_tokens_per_s']:.1f} |")
     print(f"| **throughput ratio** (goal >= 3x) | **{report['throughput_ratio']:.2f}x** |")
+    print(f"| plain transformers loop, decode tok/s at batch 1 / batch {len(methods)} | "
+          f"{report['plain_batch_1_tokens_per_s']:.1f} / {report['plain_batch_b_tokens_per_s']:.1f} |")
+    print(f"| **ceiling**: plain loop batch {len(methods)} / batch 1 | **{report['ceiling']:.2f}x** |")
+    low, high = report["efficiency_range"]
+    print(f"| **runner efficiency**: throughput ratio / ceiling (goal >= 90 %) | **{100 * report['efficiency']:.0f} %** "
+          f"({100 * low:.0f}-{100 * high:.0f} % over the repeats) |")
     print(f"| whole comparison, request to last token | {report['comparison_wall_s']:.1f} s "
           f"(prefill {report['comparison_prefill_s']:.2f} s) |")
     if sequential:

@@ -41,7 +41,7 @@ from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: 
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
                                run_info, run_title, save_figure)
 from prefixkv_core.method_args import add_method_args  # noqa: E402
-from prefixkv_core.models import RANDOM_CONFIGS, LoadedModel, build_random_model  # noqa: E402
+from prefixkv_core.models import RANDOM_KINDS, LoadedModel, build_random_model  # noqa: E402
 
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
 QUICK = {"settings": "512x32", "batch": 1, "warmup_steps": 2}
@@ -132,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "--settings 1024x64 --methods full,local,prefixkv\n"
                                        f"Methods: {', '.join(METHODS)} (+ {STOCK}, added unless --no-stock).")
     p.add_argument("--model", default=None, help="'embedded' (default), 'tiny-llama', a local model dir or a hub id")
-    p.add_argument("--random-weights", default=None, choices=sorted(RANDOM_CONFIGS),
+    p.add_argument("--random-weights", default=None, choices=RANDOM_KINDS,
                    help="build a randomly initialised model with these exact shapes instead of loading one "
-                        "(llava-1.5-7b / llava-1.5-13b: CLIP ViT-L/14-336 + Llama-2; embedded / tiny for CPU)")
+                        "(llava-1.5-7b / llava-1.5-13b: CLIP ViT-L/14-336 + Llama-2; a family's example checkpoint: "
+                        "llava-1.5, llava-interleave (the Space default, llava-interleave-qwen-0.5b), llava-next, "
+                        "llava-onevision; tiny-<family> and embedded / tiny for CPU)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
     p.add_argument("--no-stock", action="store_true", help=f"leave out the {STOCK} baseline")

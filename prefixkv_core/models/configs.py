@@ -139,10 +139,26 @@ RANDOM_CONFIGS: dict[str, Callable[[], Any]] = {
 }
 
 
-def random_config(kind: str):
-    """The config of a randomly initialised model with the shapes of `kind` (one of RANDOM_CONFIGS)."""
+# Random weights in the shape of each LLaVA family's example checkpoint ("llava-interleave": the Space default,
+# llava-interleave-qwen-0.5b), or of its tiny test model ("tiny-llava-interleave"); these come with a processor
+# (a small byte-level tokenizer, the family's image preprocessing), so image prompts run through the engine.
+RANDOM_FAMILIES: dict[str, tuple[str, bool]] = {
+    **{family: (family, False) for family in ("llava-1.5", "llava-interleave", "llava-next", "llava-onevision")},
+    **{f"tiny-{family}": (family, True) for family in ("llava-1.5", "llava-interleave", "llava-next",
+                                                       "llava-onevision")},
+}
+RANDOM_KINDS = tuple(RANDOM_CONFIGS) + tuple(RANDOM_FAMILIES)
+
+
+def random_config(kind: str, **ids):
+    """The config of a randomly initialised model with the shapes of `kind` (one of RANDOM_KINDS). A family kind
+    takes its tokenizer's token ids (`image_token_id`, `video_token_id`; a tiny one also vocab_size and
+    bos/eos/pad_token_id); a released shape keeps its full vocabulary."""
+    if kind in RANDOM_FAMILIES:
+        family, tiny = RANDOM_FAMILIES[kind]
+        return family_config(family, tiny, **ids)
     if kind not in RANDOM_CONFIGS:
-        raise ValueError(f"unknown random-weight model {kind!r}; accepted: {', '.join(RANDOM_CONFIGS)}")
+        raise ValueError(f"unknown random-weight model {kind!r}; accepted: {', '.join(RANDOM_KINDS)}")
     return RANDOM_CONFIGS[kind]()
 
 

@@ -1,27 +1,29 @@
 """Randomly initialised LLaVA models with exact released shapes: speed and memory do not depend on the weight
-values, so a benchmark can measure LLaVA-1.5-7B/13B without downloading them."""
+values, so a benchmark can measure LLaVA-1.5-7B/13B or any family's example checkpoint without downloading it."""
 from __future__ import annotations
 
 import torch
 
-from .configs import random_config
-from .descriptor import LoadedModel, image_grid
+from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN
+from .configs import RANDOM_FAMILIES, random_config
+from .descriptor import LoadedModel, describe_model, image_grid
+from .families import FAMILY_INFO, model_class
+from .processor import family_processor
 
 
 def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                        seed: int = 0) -> LoadedModel:
-    """A randomly initialised LLaVA with the shapes of `kind` (see `configs.RANDOM_CONFIGS`), created directly
+    """A randomly initialised LLaVA with the shapes of `kind` (see `configs.RANDOM_KINDS`), created directly
     on `device` in `dtype` (no CPU copy, no float32 detour: a 7B model is built on the GPU in bf16 in seconds).
-    It has no processor: prompts for it are token ids."""
+    LLaVA-1.5-7B/13B, the embedded and the tiny shapes have no processor: prompts for them are token ids. A
+    family kind (`configs.RANDOM_FAMILIES`) has one, so it also runs image prompts through the engine."""
+    if kind in RANDOM_FAMILIES:
+        return _random_family(kind, torch.device(device), dtype, seed)
     from transformers import LlavaForConditionalGeneration
 
     config = random_config(kind)
     device = torch.device(device)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlavaForConditionalGeneration._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
-    model.requires_grad_(False)
+    model = _instantiate(LlavaForConditionalGeneration, config, device, dtype, seed)
     text = config.get_text_config()
     n_img = int(config.image_seq_length)
     return LoadedModel(
@@ -32,3 +34,43 @@ def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: tor
         max_context=int(getattr(text, "max_position_embeddings", 0) or 0), vision_trained=False,
         random_weights=True,
         notes=[f"randomly initialised weights with the shapes of {kind}: speed and memory only, outputs are noise"])
+
+
+def _instantiate(cls, config, device: torch.device, dtype: torch.dtype, seed: int):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _random_family(kind: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
+    """A family's shape with random weights and a processor: the family's own image preprocessing and chat
+    template on a small byte-level tokenizer of the family's kind (its ids become the model's special ids; a
+    released shape keeps its full vocabulary, so the embedding and the output layer cost what they cost)."""
+    from ..testing import build_family_tokenizer
+
+    family, tiny = RANDOM_FAMILIES[kind]
+    info = FAMILY_INFO[family]
+    tok = build_family_tokenizer(info.tokenizer)
+    ids = {"image_token_id": tok.convert_tokens_to_ids(IMAGE_TOKEN)}
+    if info.tokenizer == "qwen":
+        ids["video_token_id"] = tok.convert_tokens_to_ids("<video>")
+    if tiny:
+        ids.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        if tok.bos_token_id is not None:
+            ids["bos_token_id"] = tok.bos_token_id
+    config = random_config(kind, **ids)
+    model = _instantiate(model_class(config), config, device, dtype, seed)
+    gen = model.generation_config
+    gen.pad_token_id, gen.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    if tok.bos_token_id is not None:
+        gen.bos_token_id = tok.bos_token_id
+    loaded = describe_model(model, family_processor(config, tok, FAMILY_TEMPLATES[family]), name=f"random-{kind}",
+                            slug=f"random-{kind}", device=device, dtype=dtype, vision_trained=False,
+                            notes=[f"randomly initialised weights with the shapes of {kind} ({info.example}"
+                                   f"{' scaled down' if tiny else ''}) and a small stand-in tokenizer: speed and "
+                                   f"memory only, outputs are noise"])
+    loaded.random_weights = True
+    return loaded
