@@ -51,14 +51,14 @@ class EntryStore:
 
     def __init__(self, data: torch.Tensor, lengths: list[int]):
         self.data, self.lengths = data, lengths
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # rows -> (view, its length)
 
     @classmethod
     def holding(cls, tensor: torch.Tensor, spare: int = SPARE_ENTRIES) -> "EntryStore":
         """A store of its own for `tensor` ([rows, Hkv, T, *tail]), with room for `spare` more entries."""
         rows, heads, t = tensor.shape[:3]
         data = tensor.new_zeros(rows, heads, t + spare, *tensor.shape[3:])
-        with torch.inference_mode():
-            data[:, :, :t] = tensor
+        _copy(data.narrow(2, 0, t), tensor)
         return cls(data, [t] * rows)
 
     @property
@@ -72,40 +72,58 @@ class EntryStore:
                 and tensor.shape[3:] == d.shape[3:] and tensor.dtype == d.dtype and tensor.device == d.device)
 
     def view(self, rows: tuple[int, int]) -> torch.Tensor:
-        return self.data[rows[0]:rows[1], :, :self.lengths[rows[0]]]
+        n = self.lengths[rows[0]]
+        found = self._views.get(rows)
+        if found is not None and found[1] == n:
+            return found[0]  # views are asked for often (policies read every layer every step): keep them
+        view = self.data.narrow(0, rows[0], rows[1] - rows[0]).narrow(2, 0, n)
+        self._views[rows] = (view, n)
+        return view
 
     def reserve(self, needed: int) -> None:
         """Room for `needed` entries in every row (grown by at least half the capacity: amortised O(1))."""
-        if needed <= self.capacity:
+        if needed <= self.data.shape[2]:
             return
         grown = max(needed, self.capacity + self.capacity // 2 + 16)
         data = self.data.new_zeros(self.data.shape[0], self.data.shape[1], grown, *self.data.shape[3:])
         longest = max(self.lengths)
-        with torch.inference_mode():
-            data[:, :, :longest] = self.data[:, :, :longest]
+        _copy(data.narrow(2, 0, longest), self.data.narrow(2, 0, longest))
         self.data = data
+        self._views = {}
 
     def write(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         """Replace the entries of `rows` with `tensor` in place (a row's slot is its own)."""
-        if tensor.numel() and tensor.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
+        if tensor._base is self.data or tensor is self.data:
             tensor = tensor.clone()  # a view of this store (a slice of itself): copy before overwriting
         t = tensor.shape[2]
         self.reserve(t)
-        with torch.inference_mode():  # the store may have been made in inference mode (a forward)
-            self.data[rows[0]:rows[1], :, :t] = tensor
-        for r in range(*rows):
-            self.lengths[r] = t
+        _copy(self.data.narrow(0, rows[0], rows[1] - rows[0]).narrow(2, 0, t), tensor)
+        self._set_lengths(rows, t)
 
     def append(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         n, q = self.lengths[rows[0]], tensor.shape[2]
         self.reserve(n + q)
-        with torch.inference_mode():
-            self.data[rows[0]:rows[1], :, n:n + q] = tensor
-        for r in range(*rows):
-            self.lengths[r] = n + q
+        _copy(self.data.narrow(0, rows[0], rows[1] - rows[0]).narrow(2, n, q), tensor)
+        self._set_lengths(rows, n + q)
+
+    def _set_lengths(self, rows: tuple[int, int], n: int) -> None:
+        if rows[1] - rows[0] == 1:
+            self.lengths[rows[0]] = n
+        else:
+            for r in range(*rows):
+                self.lengths[r] = n
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), also when dst was made in inference mode (a forward) and we are outside it (a policy)."""
+    if torch.is_inference_mode_enabled():
+        dst.copy_(src)
+    else:
+        with torch.inference_mode():
+            dst.copy_(src)
 
 
 def per_head_meta(positions: torch.Tensor, is_image: torch.Tensor, n_kv: int):
@@ -276,18 +294,16 @@ class TrackedLayer(DynamicLayer):
         if empty_slots:
             empty = idx < 0
             idx = idx.clamp_min(0)
-        self.keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
-        self.values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
-        self.positions = self.positions.gather(2, idx)
-        self.is_image = self.is_image.gather(2, idx)
-        self.scores = self.scores.gather(2, idx)
+        keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
+        values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        positions, is_image, scores = (getattr(self, n).gather(2, idx) for n in ("positions", "is_image", "scores"))
         if empty is not None:
-            self.keys = self.keys.masked_fill(empty[..., None], 0)
-            self.values = self.values.masked_fill(empty[..., None], 0)
-            self.positions = self.positions.masked_fill(empty, -1)
-            self.is_image = self.is_image & ~empty
-            self.scores = self.scores.masked_fill(empty, 0.0)
+            keys, values = keys.masked_fill_(empty[..., None], 0), values.masked_fill_(empty[..., None], 0)
+            positions, scores = positions.masked_fill_(empty, -1), scores.masked_fill_(empty, 0.0)
+            is_image &= ~empty
             self.has_empty_slots = True
+        # every field is computed before any is written: the writes go to the layer's own slot, in place
+        self.keys, self.values, self.positions, self.is_image, self.scores = keys, values, positions, is_image, scores
         self._image_count = None
 
     def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor,
@@ -347,10 +363,14 @@ class TrackedLayer(DynamicLayer):
 
     # -- accounting -----------------------------------------------------------------------------------
     def stored_nbytes(self) -> int:
-        """Bytes of the tensors as allocated (empty slots included)."""
+        """Bytes of the entries as stored (empty slots included; not the stores' spare room)."""
         fp = 0
-        if self.keys is not None:
-            fp = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        for name in ("keys", "values"):
+            store = self._stores.get(name)
+            if store is not None:  # from the store's shape: events ask every step, no view needed
+                d = store.data
+                fp += (self._rows[1] - self._rows[0]) * store.lengths[self._rows[0]] * (d[0, :, 0].numel()) * \
+                    d.element_size()
         return fp + sum(s.nbytes() for s in self.segments)
 
     def nbytes(self) -> int:

@@ -4,12 +4,15 @@ A row is one method's conversation (or, in the speed benchmark, one method on on
 batch-1 `TrackedCache` whose layers hold different numbers of entries, per layer and per row. `forward_rows`
 feeds each row its next tokens in ONE model call:
 
-- per layer, the rows' keys/values are laid out as `[row's entries | padding | this step's tokens]` and the
-  padding is masked through the attention function's key masks, so each row attends exactly to its own
-  cache (bottom-right causal alignment keeps holding for multi-token chunks);
-- rows whose chunks are shorter are left-padded; the padding tokens are masked as keys and never stored;
-- the new entries are appended to each row's own cache with their true positions, and the decode-time
-  statistic (the last query's attention) is cut back to each row's own entries.
+- a decode step (one token per row) reads the rows where they live: per layer, the rows sit in shared stores
+  (`StepBuffers`, row r = the r-th row's entries, moved in once), each row's new entry is written after its
+  entries in place, and attention reads the stores' first T entries through a key mask of the rows' lengths.
+  No step copies anything that grows with the cache;
+- a multi-token step (a follow-up's tokens) lays the rows out as `[row's entries | padding | this step's
+  tokens]` so bottom-right causal alignment holds; shorter chunks are left-padded, the padding tokens are
+  masked as keys and never stored;
+- the new entries join each row's own cache with their true positions, and the decode-time statistic (the
+  last query's attention) is cut back to each row's own entries.
 
 Decoding on a CPU, or a large model at small batch on a GPU, is bound by reading the weights, so nine rows
 in one pass cost little more than one. A single row takes the plain path (no padding, no copies).
@@ -65,6 +68,7 @@ class StepBuffers:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stores: dict[int, dict[str, EntryStore]] = {}
         self._occupants: dict[int, list[weakref.ref]] = {}  # layer -> the layer living in each row (weakly)
+        self._refreshed: dict[int, list[tuple | None]] = {}  # layer -> per row: what its working copy holds
 
     def get(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H, t, D] padded views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""
@@ -82,8 +86,9 @@ class StepBuffers:
         """The shared stores of layer `layer_idx` holding `rows` (batch-1 layers) as rows 0..B-1, each row moved
         in unless it lives there already. A row holding quantised entries stays out (`refresh_row`)."""
         stores = self._stores.get(layer_idx)
-        resident = [layer for layer in rows if not layer.segments]
-        if stores is None or not self._fit(stores, len(rows), resident):
+        if stores is None or stores["keys"].data.shape[0] != len(rows) or not self._fit(
+                stores, [layer for layer in rows[:1] if not layer.segments]):
+            resident = [layer for layer in rows if not layer.segments]
             longest = max(layer.length for layer in rows)
             like = resident[0] if resident else rows[0]
             stores = {}
@@ -94,6 +99,7 @@ class StepBuffers:
                                           [0] * len(rows))
             self._stores[layer_idx] = stores
             self._occupants[layer_idx] = [_dead] * len(rows)
+            self._refreshed[layer_idx] = [None] * len(rows)
         occupants = self._occupants[layer_idx]
         for r, layer in enumerate(rows):
             if layer.segments or layer.lives_in(stores, r):
@@ -106,21 +112,28 @@ class StepBuffers:
         return stores
 
     @staticmethod
-    def _fit(stores: dict[str, EntryStore], b: int, resident: Sequence[TrackedLayer]) -> bool:
-        keys = stores["keys"].data
-        return keys.shape[0] == b and all(
-            stores[name].fits(getattr(layer, name), (0, 1)) for layer in resident[:1] for name in ENTRY_FIELDS)
+    def _fit(stores: dict[str, EntryStore], resident: Sequence[TrackedLayer]) -> bool:
+        return all(stores[name].fits(getattr(layer, name), (0, 1)) for layer in resident for name in ENTRY_FIELDS)
 
-    @staticmethod
-    def refresh_row(stores: dict[str, EntryStore], r: int, layer: TrackedLayer) -> None:
-        """Row r of `stores` as a copy of a layer that holds quantised entries (dequantised, every step: the
-        packed form is what such a cache stores)."""
+    def refresh_row(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
+        """Row r of the shared stores as the working copy of a layer that holds quantised entries: its entries
+        dequantised, written again only when its entries changed other than by the steps' own appends (a new
+        quantised block), since a step appends the new entry to both."""
+        stores = self._stores[layer_idx]
+        signature = (tuple(id(seg) for seg in layer.segments), layer.length)
+        if self._refreshed[layer_idx][r] == signature and stores["keys"].lengths[r] == layer.length:
+            return
         if any(layer._stores.get(n) is s for n, s in stores.items()):
             layer.own_storage()
         stores["keys"].write((r, r + 1), layer.full_keys())
         stores["values"].write((r, r + 1), layer.full_values())
         for name in ("positions", "is_image", "scores"):
             stores[name].write((r, r + 1), getattr(layer, name))
+        self._refreshed[layer_idx][r] = signature
+
+    def refreshed(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
+        """Row r's working copy took the step's new entry, as the layer did."""
+        self._refreshed[layer_idx][r] = (tuple(id(seg) for seg in layer.segments), layer.length)
 
     def nbytes(self) -> int:
         padded = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._layers.values())
@@ -151,26 +164,30 @@ class _DecodeLayer(DynamicLayer):
         stores = step.buffers.stores(self.layer_idx, rows)
         quantised = [r for r, layer in enumerate(rows) if layer.segments]
         for r in quantised:
-            StepBuffers.refresh_row(stores, r, rows[r])
+            step.buffers.refresh_row(self.layer_idx, r, rows[r])
         old = list(stores["keys"].lengths)
         ends = torch.tensor(old, device=key_states.device)
         for store in stores.values():
             store.reserve(max(old) + 1)
-        at = (step.row_index, slice(None), ends)  # row r's next slot, every head
-        stores["keys"].data[at] = key_states[:, :, 0]
-        stores["values"].data[at] = value_states[:, :, 0]
-        stores["positions"].data[at] = step.positions[:, :1].expand(b, h)
-        stores["is_image"].data[at] = False  # steps feed text: image tokens come with the prompt
-        stores["scores"].data[at] = 0.0
+        # row r's next slot in every head: one scatter per field for all rows
+        at = ends.view(b, 1, 1)
+        stores["positions"].data.scatter_(2, at.expand(b, h, 1), step.positions[:, :1, None].expand(b, h, 1))
+        stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
+        stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
+        at = at.unsqueeze(-1)
+        stores["keys"].data.scatter_(2, at.expand(b, h, 1, key_states.shape[-1]), key_states)
+        stores["values"].data.scatter_(2, at.expand(b, h, 1, value_states.shape[-1]), value_states)
         for store in stores.values():
+            lengths = store.lengths
             for r in range(b):
-                store.lengths[r] = old[r] + 1
+                lengths[r] = old[r] + 1
         for r in quantised:  # its own storage gets the new entry too
             layer = rows[r]
             layer._append("keys", key_states[r:r + 1])
             layer._append("values", value_states[r:r + 1])
             layer.append_meta_per_head(*per_head_meta(step.positions[r:r + 1], step.no_image[r:r + 1], h),
                                        has_image=False)
+            step.buffers.refreshed(self.layer_idx, r, layer)
         self.new_lengths = [n + 1 for n in old]
         t = max(self.new_lengths)
         empty_slots = any(layer.has_empty_slots for layer in rows)
@@ -191,7 +208,6 @@ class _DecodeCache(DynamicCache):
                  buffers: StepBuffers):
         super().__init__()
         self.buffers, self.caches, self.positions, self.probe = buffers, list(caches), positions, probe
-        self.row_index = torch.arange(len(self.caches), device=positions.device)
         self.no_image = torch.zeros_like(positions, dtype=torch.bool)
         self.layer_class_to_replicate = None
         self.layers = [_DecodeLayer(self, i) for i in range(len(self.caches[0].layers))]

@@ -1,0 +1,166 @@
+"""The cache's growable entry stores and the batched decode step built on them: appends and rewrites happen in
+place, capacity grows without losing entries, a row's eviction or merge inside a batch's shared store equals
+the same edit on a plain copy, and decode steps keep rows where they are instead of copying them."""
+import pytest
+import torch
+
+from prefixkv_core import runner
+from prefixkv_core.attention import tracked_attention_enabled
+from prefixkv_core.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer
+from prefixkv_core.models import encode, format_prompt
+
+PROMPT = "describe the picture in detail and name every object you can see in it"
+
+
+def _layer(t: int, seed: int, heads: int = 2, dim: int = 4) -> TrackedLayer:
+    g = torch.Generator().manual_seed(seed)
+    layer = TrackedLayer()
+    keys, values = torch.randn(1, heads, t, dim, generator=g), torch.randn(1, heads, t, dim, generator=g)
+    layer.update(keys, values)
+    layer.append_meta(torch.arange(t).view(1, -1), torch.arange(t).view(1, -1) % 3 == 0, heads)
+    layer.scores.add_(torch.rand(1, heads, t, generator=g))
+    return layer
+
+
+def _fields(layer: TrackedLayer) -> dict[str, torch.Tensor]:
+    return {name: getattr(layer, name).clone() for name in ENTRY_FIELDS}
+
+
+def test_capacity_grows_and_keeps_every_entry():
+    store = EntryStore.holding(torch.arange(6.0).view(1, 1, 6, 1), spare=2)
+    assert store.capacity == 8
+    expected = list(range(6))
+    for step in range(20):  # past the spare room several times
+        store.append((0, 1), torch.full((1, 1, 1, 1), 100.0 + step))
+        expected.append(100 + step)
+    assert store.capacity >= 26 and store.lengths == [26]
+    assert store.view((0, 1)).flatten().tolist() == expected
+
+
+def test_appends_write_in_place_until_the_room_runs_out():
+    layer = _layer(5, 0)
+    data = layer._stores["keys"].data
+    for _ in range(SPARE_ENTRIES):
+        layer.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+    assert layer._stores["keys"].data is data  # the spare room took every one
+    layer.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+    assert layer._stores["keys"].data is not data and layer.keys.shape[2] == 5 + SPARE_ENTRIES + 1
+
+
+def test_writing_a_slice_of_itself_is_safe():
+    layer = _layer(7, 1)
+    reference = layer.keys[:, :, 2:].clone()
+    layer.keys = layer.keys[:, :, 2:]  # overlaps the slot it is written into
+    assert torch.equal(layer.keys, reference)
+
+
+def _shared(layers: list[TrackedLayer]) -> dict[str, EntryStore]:
+    longest = max(layer.length for layer in layers)
+    stores = {name: EntryStore(getattr(layers[0], name).new_zeros(len(layers), 2, longest + 3,
+                                                                  *getattr(layers[0], name).shape[3:]),
+                               [0] * len(layers)) for name in ENTRY_FIELDS}
+    for r, layer in enumerate(layers):
+        layer.move_into(stores, r)
+    return stores
+
+
+@pytest.mark.parametrize("empty_slots", [False, True])
+def test_eviction_in_a_shared_store_equals_the_naive_reference(empty_slots):
+    layers = [_layer(t, seed) for seed, t in enumerate((9, 12, 7))]
+    before = [_fields(layer) for layer in layers]
+    stores = _shared(layers)
+    assert all(layer.lives_in(stores, r) for r, layer in enumerate(layers))
+    keep = torch.tensor([[[0, 2, 3, 7, 10], [1, 4, 5, 6, 11]]])  # a head-wise eviction of row 1
+    if empty_slots:
+        keep[0, 1, 0] = -1  # and one empty slot
+    reference = TrackedLayer()
+    for name, value in before[1].items():
+        setattr(reference, name, value)
+    reference.gather(keep, empty_slots=empty_slots)
+    layers[1].gather(keep, empty_slots=empty_slots)
+    assert layers[1].lives_in(stores, 1)  # compacted in its own slot
+    for name in ENTRY_FIELDS:
+        assert torch.equal(getattr(layers[1], name), getattr(reference, name)), name
+        for r in (0, 2):  # the neighbours are untouched
+            assert torch.equal(getattr(layers[r], name), before[r][name]), name
+
+
+def test_merge_in_a_shared_store_equals_the_naive_reference():
+    layers = [_layer(t, seed) for seed, t in enumerate((8, 10))]
+    reference = TrackedLayer()
+    for name, value in _fields(layers[0]).items():
+        setattr(reference, name, value)
+    _shared(layers)
+    args = (torch.tensor([[[5, 6]]]), torch.tensor([[[1, 2]]]), torch.tensor([[[1.0, 2.0]]]), torch.ones(1, 1, 8))
+    reference.merge(*args)
+    layers[0].merge(*args)
+    torch.testing.assert_close(layers[0].keys, reference.keys)
+    torch.testing.assert_close(layers[0].values, reference.values)
+
+
+def test_a_compressed_layer_gives_its_room_back():
+    layer = _layer(400, 3)
+    layer.gather(torch.arange(0, 400, 10).view(1, 1, -1))
+    assert layer.length == 40 and layer._stores["keys"].capacity == 40 + SPARE_ENTRIES
+
+
+def test_clone_copies_into_stores_of_its_own():
+    cache = TrackedCache(1)
+    cache.layers[0] = _layer(6, 4)
+    twin = cache.clone()
+    twin.layers[0].keys.zero_()
+    assert cache.layers[0].keys.abs().sum() > 0
+    assert twin.layers[0]._stores["keys"] is not cache.layers[0]._stores["keys"]
+
+
+@pytest.fixture
+def prefilled(tiny_qwen2, noise_image):
+    inputs = encode(tiny_qwen2, noise_image, format_prompt(tiny_qwen2, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    with tracked_attention_enabled(tiny_qwen2.model):
+        shared = runner.prefill(tiny_qwen2.model, ids, ids == tiny_qwen2.image_token_id, inputs["pixel_values"], [],
+                                tiny_qwen2.num_layers, tiny_qwen2.device)
+    return shared.cache, ids.shape[1]
+
+
+def test_decode_steps_keep_rows_in_place(tiny_qwen2, prefilled):
+    """Rows move into the shared stores at the first step and stay: later steps write one entry per row (no
+    copy of any row while there is room), and the rows read back exactly what a plain row holds."""
+    cache, n = prefilled
+    rows = [cache.clone() for _ in range(3)]
+    for r, row in enumerate(rows):  # different lengths per row and layer
+        for layer in row.layers:
+            layer.gather(torch.arange(0, n, r + 1).view(1, 1, -1))
+    plain = [row.clone() for row in rows]
+    buffers = runner.StepBuffers()
+    with tracked_attention_enabled(tiny_qwen2.model):
+        for step in range(4):
+            tokens = [[5 + step], [6 + step], [7 + step]]
+            starts = [n + step] * 3
+            runner.forward_rows(tiny_qwen2.model, rows, tokens, starts, [True] * 3, tiny_qwen2.device, buffers)
+            if step == 0:
+                data = {i: buffers._stores[i]["keys"].data for i in buffers._stores}
+            for row, tok, start in zip(plain, tokens, starts):
+                runner.forward_rows(tiny_qwen2.model, [row], [tok], [start], [True], tiny_qwen2.device)
+    assert all(buffers._stores[i]["keys"].data is data[i] for i in data)  # written in place, never re-copied
+    for r, (row, ref) in enumerate(zip(rows, plain)):
+        for i, (mine, theirs) in enumerate(zip(row.layers, ref.layers)):
+            assert mine.lives_in(buffers._stores[i], r)
+            assert torch.equal(mine.positions, theirs.positions)
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_replaced_in_the_batch_keeps_its_entries(tiny_qwen2, prefilled):
+    """When another row takes a row's place in the shared stores, the row that left keeps its own entries."""
+    cache, n = prefilled
+    a, b, c = (cache.clone() for _ in range(3))
+    kept = b.clone()
+    buffers = runner.StepBuffers()
+    with tracked_attention_enabled(tiny_qwen2.model):
+        runner.forward_rows(tiny_qwen2.model, [a, b], [[5], [6]], [n, n], [False, False], tiny_qwen2.device, buffers)
+        runner.forward_rows(tiny_qwen2.model, [kept], [[6]], [n], [False], tiny_qwen2.device)
+        runner.forward_rows(tiny_qwen2.model, [a, c], [[7], [8]], [n + 1, n], [False, False], tiny_qwen2.device,
+                            buffers)
+    for mine, theirs in zip(b.layers, kept.layers):
+        assert torch.equal(mine.positions, theirs.positions)
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,62 @@
+"""Random weights in every family's released shape (the benchmarks' `--random-weights <family>`): configs built
+in code on the meta device, and the benchmarks run end to end on the tiny shape of each family."""
+import json
+
+import pytest
+import torch
+
+from benchmarks import interactive, speed
+from prefixkv_core.models import RANDOM_FAMILIES, build_random_model
+
+FAMILIES = ("llava-1.5", "llava-interleave", "llava-next", "llava-onevision")
+
+
+def test_every_family_has_a_released_and_a_tiny_random_shape():
+    assert set(RANDOM_FAMILIES) == set(FAMILIES) | {f"tiny-{f}" for f in FAMILIES}
+
+
+def test_the_space_default_shape_on_meta():
+    """llava-interleave-qwen-0.5b: SigLIP so400m/14-384 (729 image tokens) + Qwen1.5-0.5B with its full vocabulary."""
+    sm = build_random_model("llava-interleave", device="meta", dtype=torch.float16)
+    text, vision = sm.model.config.get_text_config(), sm.model.config.vision_config
+    assert (sm.family, sm.random_weights, sm.image_seq_length) == ("llava-interleave", True, 729)
+    assert (text.vocab_size, text.hidden_size, text.num_hidden_layers, text.num_key_value_heads) == (152000, 1024, 24, 16)
+    assert (vision.model_type, vision.hidden_size, vision.num_hidden_layers, vision.image_size) == (
+        "siglip_vision_model", 1152, 26, 384)
+    assert sm.model.get_input_embeddings().weight.shape == (152000, 1024)
+    assert sm.processor is not None and sm.processor.tokenizer.convert_tokens_to_ids("<image>") == sm.image_token_id
+
+
+@pytest.mark.parametrize("kind, layers, kv_heads", [("llava-next", 32, 8), ("llava-onevision", 24, 2)])
+def test_anyres_family_shapes_on_meta(kind, layers, kv_heads):
+    sm = build_random_model(kind, device="meta", dtype=torch.float16)
+    assert (sm.family, sm.anyres, sm.num_layers, sm.num_kv_heads) == (kind, True, layers, kv_heads)
+
+
+@pytest.mark.parametrize("family", ["llava-interleave", "llava-next", "llava-onevision"])
+def test_speed_takes_every_family(tmp_path, family):
+    """speed.py --random-weights: the image inputs come from the family's processor (an anyres family's views
+    and image sizes), the batch decodes in one forward per step, every configuration ends ok."""
+    assert speed.main(["--random-weights", f"tiny-{family}", "--batch", "2", "--settings", "230x3", "--budgets", "0.4",
+                       "--methods", "full,h2o,elastic", "--warmup-steps", "0", "--threads", "1", "--quiet", "--no-png",
+                       "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    statuses = [r["status"] for r in rows.values()] if isinstance(rows, dict) else [r["status"] for r in rows]
+    assert statuses and set(statuses) == {"ok"}
+
+
+def test_interactive_takes_a_family_and_measures_the_ceiling(tmp_path, capsys):
+    out = tmp_path / "interactive.json"
+    assert interactive.main(["--random-weights", "tiny-llava-interleave", "--methods", "full,h2o,zipvl",
+                             "--new-tokens", "3", "--repeats", "1", "--no-sequential", "--threads", "1",
+                             "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "random-tiny-llava-interleave" and report["ceiling_batch"] == 3
+    assert report["ceiling"] == pytest.approx(report["plain_batch_b_tokens_per_s"] / report["plain_batch_1_tokens_per_s"])
+    assert report["efficiency"] == pytest.approx(report["throughput_ratio"] / report["ceiling"], rel=1e-9)
+    assert "runner efficiency" in capsys.readouterr().out
+
+
+def test_interactive_refuses_a_shape_without_a_processor():
+    with pytest.raises(SystemExit):
+        interactive.main(["--random-weights", "llava-1.5-7b"])
