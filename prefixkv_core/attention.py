@@ -110,10 +110,13 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
         # decode steps: the fused kernel for the output, one softmax row per query head for the statistic
         out = _sdpa_output(query, key, value, scale, extra_mask)
         rows = request.last_query_rows
-        if rows is not None:
-            query, key = query[rows], key[rows]
-            extra_mask = extra_mask[rows] if extra_mask is not None else None
-        probe.stats[layer] = {"last_query": _last_query_row(query, key, scale, extra_mask)}
+        if rows is None:
+            probe.stats[layer] = {"last_query": _last_query_row(query, key, scale, extra_mask)}
+        else:  # row by row on views: indexing the wanted rows out of the batch would copy their whole caches
+            probe.stats[layer] = {"last_query": torch.cat([
+                _last_query_row(query[r:r + 1], key[r:r + 1], scale,
+                                extra_mask[r:r + 1] if extra_mask is not None else None)
+                for r in rows.tolist()])}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
         probe.stats[layer] = stats
