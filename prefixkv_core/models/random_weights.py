@@ -49,7 +49,7 @@ def _random_family(kind: str, device: torch.device, dtype: torch.dtype, seed: in
     """A family's shape with random weights and a processor: the family's own image preprocessing and chat
     template on a small byte-level tokenizer of the family's kind (its ids become the model's special ids; a
     released shape keeps its full vocabulary, so the embedding and the output layer cost what they cost)."""
-    from ..testing import build_family_tokenizer
+    from .tiny import build_family_tokenizer
 
     family, tiny = RANDOM_FAMILIES[kind]
     info = FAMILY_INFO[family]
