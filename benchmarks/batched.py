@@ -31,9 +31,9 @@ sync = runner.sync
 def synthetic_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int = 0):
     """B prompts of exactly `prompt_len` tokens: BOS, the image block, random text ids. Same layout in every row.
     Returns input_ids [B, N], is_image [B, N] (bool) and the image inputs: pixel_values [B, 3, S, S] in the
-    model's dtype, or, for a model with a processor, every image tensor it makes of a noise image of the vision
-    tower's side (an anyres family's views and image sizes), one image per row."""
-    if sm.processor is not None:
+    model's dtype; for a random-weight family model (which has a processor), every image tensor its processor
+    makes of a noise image of the vision tower's side (an anyres family's views and image sizes), one per row."""
+    if sm.processor is not None and sm.random_weights:
         return _processed_batch(sm, batch, prompt_len, seed)
     n_img = sm.image_seq_length
     if prompt_len < n_img + 2:
