@@ -10,6 +10,7 @@ The seeds are the first TEST-split seeds, not hand-picked ones; training draws f
 import json
 
 import pytest
+import torch
 from PIL import Image
 
 from benchmarks.vision_accuracy import BLANK_GREY, is_correct
@@ -77,3 +78,19 @@ def test_blank_image_stays_at_chance(engine, scene_answers):
     hits = [is_correct(_answer(engine, blank, q), a) for q, a in asked]
     assert len(asked) >= 10
     assert sum(hits) <= 0.35 * len(asked), list(zip(asked, hits))
+
+
+def test_training_starts_from_the_base_model(engine):
+    """`embedded-base` is what the training stages load: SmolLM2 as published and the fixed random tower, not
+    the shipped tower and the merged adapter (an adapter trained on top of the merged one would be exported as
+    if it were the whole difference)."""
+    base = load_model("embedded-base", device="cpu")
+    assert base.vision_trained is False and base.slug.endswith("-base")
+    shipped, plain = engine.loaded.model, base.model
+    q0 = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(shipped.state_dict()[q0], plain.state_dict()[q0])  # the adapter is merged in one only
+    tower = next(k for k in plain.state_dict() if k.startswith("model.vision_tower."))
+    assert not torch.equal(shipped.state_dict()[tower], plain.state_dict()[tower])
+    emb = "model.language_model.embed_tokens.weight"
+    used = base.image_token_id + 1  # the rows past it pad the vocabulary (sampled at the build, never used)
+    assert torch.equal(shipped.state_dict()[emb][:used], plain.state_dict()[emb][:used])  # the adapter leaves them

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model("embedded", device="cpu", dtype="float32")
+    loaded = load_model("embedded-base", device="cpu", dtype="float32")
     load_vision_state(loaded.model, read_state(args.vision))
     print(json.dumps(probe(loaded, args.layout, list(SPLITS["val"][:args.scenes]))))
     return 0

@@ -166,11 +166,24 @@ def frozen_model(args):
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    loaded = load_model("embedded", device=args.device, dtype="float32")
+    loaded = load_model("embedded-base", device=args.device, dtype="float32")
     model = loaded.model.train()
     for p in model.parameters():
         p.requires_grad_(False)
     return loaded, model
+
+
+def periodic_eval(args, model, history: list[dict], measure, what: str):
+    """The after-step hook of a stage: every --eval-every steps, `measure(val seeds)` in eval mode, kept in the
+    step's history record and logged."""
+    def evaluate(step: int) -> None:
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            model.eval()
+            ev = measure(list(SPLITS["val"][:args.eval_scenes]))
+            model.train()
+            history[-1]["val"] = ev
+            log(f"val answers {what}: " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))
+    return evaluate
 
 
 def run_steps(args, stage: str, opt, start: int, history: list[dict], step_fn, save, metrics: tuple[str, ...],
@@ -293,6 +306,13 @@ def reader_loss(model, loaded, scene, branches, noise: float, layout: str = "cel
     return loss, logits, target, turn
 
 
+def tally_answers(right: dict[str, list[bool]], qas, hit: torch.Tensor, branch: torch.Tensor) -> None:
+    """Per question type, whether branch k's answer tokens (its end-of-turn token aside) were all predicted:
+    teacher-forced argmax == what greedy decoding gives."""
+    for k, qa in enumerate(qas, start=1):
+        right.setdefault(qa.qtype, []).append(bool(hit[branch == k][:-1].all()))
+
+
 @torch.no_grad()
 def reader_accuracy(model, loaded, seeds: list[int], layout: str = "cell") -> dict[str, float]:
     """Teacher-forced answers (== greedy) from ground-truth grids on the scenes' own test-style questions."""
@@ -301,9 +321,7 @@ def reader_accuracy(model, loaded, seeds: list[int], layout: str = "cell") -> di
         scene = render_scene(seed, data.RENDER_SIZE)
         branches = [(qa.question, qa.answer) for qa in scene.qa]
         _, logits, target, turn = reader_loss(model, loaded, scene, branches, 0.0, layout)
-        hit = logits.argmax(-1) == target
-        for k, qa in enumerate(scene.qa, start=1):
-            right.setdefault(qa.qtype, []).append(bool(hit[turn == k][:-1].all()))
+        tally_answers(right, scene.qa, logits.argmax(-1) == target, turn)
     return {t: sum(v) / len(v) for t, v in right.items()}
 
 
@@ -344,12 +362,6 @@ def train_reader(args) -> None:
         opt.step()
         return {"loss": total}
 
-    def evaluate(step):
-        if args.eval_every and (step + 1) % args.eval_every == 0:
-            model.eval()
-            ev = reader_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]), args.layout)
-            model.train()
-            history[-1]["val"] = ev
-            log("val answers from true grids: " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))
-
+    evaluate = periodic_eval(args, model, history, lambda seeds: reader_accuracy(model, loaded, seeds, args.layout),
+                             "from true grids")
     run_steps(args, "L", opt, start, history, step_fn, save, ("loss",), after_step=evaluate)

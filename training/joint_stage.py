@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scenes import SPLITS, all_qa, render_scene
+from scenes import all_qa, render_scene
 from scenes.phrasings import casual_qa
 
 from . import data, prefetch, text_corpus, word_grid
 from .grid_stages import (Checkpoint, VocabIndex, _scene, autocast, frozen_model, grid_classes, grid_loss, log,
-                          read_state, run_steps)
+                          periodic_eval, read_state, run_steps, tally_answers)
 
 STAGE_BASE = 900_000
 
@@ -91,9 +91,7 @@ def joint_accuracy(model, loaded, seeds: list[int], device: str) -> dict[str, fl
             feats = model.model.multi_modal_projector(
                 patch_features(model, data.pixels(loaded, [scene.image]).to(device)))
             _, logits, target, (_, branch) = answers_loss(model, loaded, ids, pos, mask, sup, feats)
-        hit = logits.argmax(-1) == target
-        for k, qa in enumerate(scene.qa, start=1):
-            right.setdefault(qa.qtype, []).append(bool(hit[branch == k][:-1].all()))
+        tally_answers(right, scene.qa, logits.argmax(-1) == target, branch)
     return {t: sum(v) / len(v) for t, v in right.items()}
 
 
@@ -178,13 +176,8 @@ def train_joint(args) -> None:
         opt.step()
         return {"loss": loss.item(), **rec}
 
-    def evaluate(step):
-        if args.eval_every and (step + 1) % args.eval_every == 0:
-            model.eval()
-            ev = joint_accuracy(model, loaded, list(SPLITS["val"][:args.eval_scenes]), args.device)
-            model.train()
-            history[-1]["val"] = ev
-            log("val answers on rendered images: " + " ".join(f"{k}={v:.2f}" for k, v in ev.items()))
+    evaluate = periodic_eval(args, model, history, lambda seeds: joint_accuracy(model, loaded, seeds, args.device),
+                             "on rendered images")
 
     metrics = ("loss", "answer_loss", "tok_acc") + (("grid_loss", "acc_words") if args.grid_weight > 0 else ()) + (
         ("text_kl",) if texts else ())

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model("embedded", device="cpu", dtype="float32")
+    loaded = load_model("embedded-base", device="cpu", dtype="float32")
     tok = loaded.tokenizer
     strict, loose = defaultdict(list), defaultdict(list)
     for seed in tqdm(split_seeds("test", args.scenes), desc="scenes", file=sys.stderr):

@@ -178,7 +178,7 @@ def train_stage(args) -> None:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model("embedded", device="cpu", dtype="float32")
+    loaded = load_model("embedded-base", device="cpu", dtype="float32")
     model = loaded.model
     model.train()  # no dropout in CLIP/Llama configs here; train() only matters for consistency
     for p in model.parameters():

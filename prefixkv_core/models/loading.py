@@ -14,7 +14,7 @@ import torch
 from .configs import META_KEY, TINY_VARIANTS
 from .descriptor import LoadedModel, describe_model
 from .device import place_model, resolve_device, resolve_dtype
-from .embedded import EMBEDDED_SLUG, _embedded_cache_root, embedded_dir
+from .embedded import EMBEDDED_BASE, EMBEDDED_SLUG, _embedded_cache_root, embedded_dir
 from .errors import ModelLoadError
 from .processor import image_only_onevision_processor_class
 from .families import SUPPORTED_MODEL_TYPES, model_class, supported_text
@@ -98,7 +98,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a LLaVA model + processor.
 
-    spec: "embedded" | "tiny-llama" | "tiny-qwen2" | "tiny-<family>" (tiny-llava-1.5, tiny-llava-interleave,
+    spec: "embedded" | "embedded-base" (the embedded model as training starts from it: no trained vision, no
+          adapter) | "tiny-llama" | "tiny-qwen2" | "tiny-<family>" (tiny-llava-1.5, tiny-llava-interleave,
           tiny-llava-next, tiny-llava-onevision: a tiny random model of that family, saved under the cache
           directory and loaded from there like a checkpoint) | a local directory | a hub id.
     device: "auto" (cuda if available, else cpu), "auto-multi" (accelerate device_map="auto"),
@@ -127,15 +128,15 @@ def load_model(
         family = spec.lower()[len("tiny-"):]
         spec = save_tiny_family(_embedded_cache_root(cache_dir) / "tiny" / family, family)
 
-    if spec.lower() == "embedded":
-        src, vision_trained, notes = embedded_dir(cache_dir)
+    if spec.lower() in ("embedded", EMBEDDED_BASE):
+        src, vision_trained, notes = embedded_dir(cache_dir, base=spec.lower() == EMBEDDED_BASE)
         _, model, processor, dev = _load_pretrained(
             str(src), device=dev, dtype=dt, multi=multi, cache_dir=None, name=spec
         )
         notes = list(notes) + ["language model: SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"]
         return describe_model(
-            model, processor, name=spec, slug=EMBEDDED_SLUG, device=dev, dtype=dt,
-            vision_trained=vision_trained, notes=notes,
+            model, processor, name=spec, slug=EMBEDDED_SLUG + ("-base" if spec.lower() == EMBEDDED_BASE else ""),
+            device=dev, dtype=dt, vision_trained=vision_trained, notes=notes,
         )
 
     is_dir = os.path.isdir(spec)
