@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import StatRequest
 from ..lorenz import distribute
 from . import scoring
-from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView,
-                   budget_count, knob)
+from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, PolicyState, Prefilled, PrefillView, budget_count,
+                   knob)
 from .equal_memory import held_keep_across_heads, snap_rank
-from .snapkv import KERNEL_HELP, WINDOW_HELP, check_kernel, clamp_window
+from .snapkv import SnapKVPolicy, SnapState, clamp_window
 
 
 def best_first(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -58,13 +57,12 @@ def padded_keep(chosen: list[torch.Tensor], tail: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class AdaKVState(PolicyState):
-    window: int = 0  # the observation window used on this prompt
+class AdaKVState(SnapState):
     head_counts: list[list[int]] = field(default_factory=list)  # per layer, prompt entries kept per KV head
 
 
 @dataclass(frozen=True)
-class AdaKVPolicy(Policy):
+class AdaKVPolicy(SnapKVPolicy):
     """AdaKV (Ada-SnapKV): head-wise budgets over SnapKV's observation-window votes, the layer's total fixed.
     Paper: "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference"
     (Feng et al., 2024), https://arxiv.org/abs/2407.11550"""
@@ -77,16 +75,12 @@ class AdaKVPolicy(Policy):
     schedule = "prompt only"
     stage = "KV eviction"
 
-    window: int = knob(32, help=WINDOW_HELP, low=1, high=4096, integer=True)
-    kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
+    # SnapKV's window and kernel knobs, check and statistics request, inherited
     floor_alpha: float = knob(0.2, help="share of the per-head budget every KV head keeps whatever the ranking "
                                         "(the reference's safeguard; 0 = purely adaptive)", low=0.0, high=1.0)
 
-    def check(self) -> None:
-        check_kernel(self.label, self.kernel)
-
-    def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=clamp_window(self.window, prompt_len, self.budget)[0])
+    def new_state(self, window: int) -> AdaKVState:
+        return AdaKVState(window=window)
 
     def plans_rows_together(self) -> bool:
         return False  # each prompt's heads split the budget their own way: a cache per prompt
@@ -94,7 +88,9 @@ class AdaKVPolicy(Policy):
     def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
         w, clamped = clamp_window(self.window, n, self.budget)
-        state = AdaKVState(notes=[clamped] if clamped else [], window=w)
+        state = self.new_state(w)
+        if clamped:
+            state.notes.append(clamped)
         capacity = budget_count(self.budget, n, min_keep=w + 1)  # per KV head on average, window included
         plans: list[LayerPlan | None] = []
         for i in range(view.num_layers):
