@@ -68,3 +68,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def threads_restored():
+    """The benchmarks set torch's thread count (--threads 1); put it back for the other tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

@@ -518,13 +518,6 @@ def test_app_lorenz_chart_draws_the_curves_prefixkv_used(app_controller, noise_i
     assert box2.run.prefill.curves["prefixkv"] == pytest.approx(box2.run.prefill.importance)
 
 
-@pytest.fixture
-def threads_restored():
-    """The benchmarks set torch's thread count (--threads 1); put it back for the other tests."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
 
 def test_quality_benchmark_equal_memory_says_so(tmp_path, threads_restored):
     from benchmarks import quality

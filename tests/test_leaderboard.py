@@ -7,7 +7,6 @@ import io
 import json
 
 import pytest
-import torch
 
 from prefixkv_core.leaderboard import (COLUMNS, LeaderboardRow, compression_ratio, held_in_equal_memory,
                                        method_name, ratio_text, to_csv)
@@ -44,12 +43,6 @@ def test_names_and_ratios_follow_kvpress():
     assert held_in_equal_memory("prefixkv", "equal_memory", {"prefixkv": {"decode": "grow"}})
     assert not held_in_equal_memory("prefixkv", "equal_memory")
 
-
-@pytest.fixture
-def threads_restored():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("flags,suffix", [([], "_query_aware"), (["--query-agnostic"], ""),

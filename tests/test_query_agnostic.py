@@ -231,12 +231,6 @@ def test_app_offers_the_switch_with_one_line_of_help(tiny_llama):
     assert switches[0].info == QUERY_AGNOSTIC_INFO and "\n" not in QUERY_AGNOSTIC_INFO
 
 
-@pytest.fixture
-def threads_restored():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
 
 def test_quality_benchmark_query_agnostic_says_so(tmp_path, threads_restored):
     from benchmarks import quality
