@@ -1,6 +1,6 @@
 """What the tests build on: the tiny random LLaVA models (`models.tiny`: CLIP vision with a Llama (MHA) or Qwen2 (GQA)
 language model, and a tiny model of every LLaVA family) built in memory or saved as checkpoints, and the
-reference masks of the eviction == masking tests. The models' outputs are meaningless; they build in about a
+reference masks of the eviction == masking tests, and synthetic prompt caches for the policy planners. The models' outputs are meaningless; they build in about a
 second."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenize
 
 __all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
            "FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
-           "kept_entry_masks"]
+           "kept_entry_masks", "synthetic_prompt_cache"]
 
 
 def build_tiny_model(variant: str = "llama", seed: int = 0) -> LoadedModel:
@@ -60,3 +60,26 @@ def kept_entry_masks(compressed, prompt_len: int) -> dict:
         masks[layer_idx] = held[..., 1:] > 0
     return masks
 
+
+def synthetic_prompt_cache(n: int = 40, n_layers: int = 3, h: int = 2, seed: int = 0, image: tuple[int, int] = (5, 25),
+                           sink: float = 6.0, skew: float = 3.0):
+    """(TrackedCache, prefill statistics) of an `n`-entry prompt whose entries image[0]:image[1] came from the
+    image: random keys and values (dim 8), column sums that grow more concentrated with depth (raised to
+    1 + skew·layer) with `sink` added to the first entry, kept as the layers' scores, and window votes."""
+    from .cache import TrackedCache, TrackedLayer
+
+    g = torch.Generator().manual_seed(seed)
+    cache = TrackedCache(n_layers)
+    stats = {}
+    for i in range(n_layers):
+        layer = TrackedLayer()
+        layer.update(torch.randn(1, h, n, 8, generator=g), torch.randn(1, h, n, 8, generator=g))
+        flags = torch.zeros(1, n, dtype=torch.bool)
+        flags[:, image[0]:image[1]] = True
+        layer.append_meta(torch.arange(n)[None], flags, h)
+        colsum = torch.rand(1, h, n, generator=g) ** (1 + skew * i)
+        colsum[..., 0] += sink
+        layer.scores = colsum.clone()
+        stats[i] = {"colsum": colsum, "window": torch.rand(1, h, n, generator=g)}
+        cache.layers[i] = layer
+    return cache, stats

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from prefixkv_core.cache import TrackedCache, TrackedLayer
 from prefixkv_core.lorenz import retention_curves
 from prefixkv_core.policies import allocation, make_policy, scoring
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans, tiered_keep
 from prefixkv_core.policies.lookm import lookm_rank_keep
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
+from prefixkv_core.testing import synthetic_prompt_cache
 
 
 # -- scoring -------------------------------------------------------------------------------------------------
@@ -164,22 +164,9 @@ def test_lorenz_bisection_matches_the_naive_spec(seed, budget):
 
 
 # -- PrefixKV's knobs ----------------------------------------------------------------------------------------
-def _prefill_view(n=40, n_layers=3, h=2, seed=0, window=8):
-    g = torch.Generator().manual_seed(seed)
-    cache = TrackedCache(n_layers)
-    stats = {}
-    for i in range(n_layers):
-        layer = TrackedLayer()
-        layer.update(torch.randn(1, h, n, 8, generator=g), torch.randn(1, h, n, 8, generator=g))
-        flags = torch.zeros(1, n, dtype=torch.bool)
-        flags[:, 5:25] = True
-        layer.append_meta(torch.arange(n)[None], flags, h)
-        colsum = torch.rand(1, h, n, generator=g) ** (1 + 3 * i)
-        colsum[..., 0] += 6.0
-        stats[i] = {"colsum": colsum, "window": torch.rand(1, h, n, generator=g)}
-        layer.scores = colsum.clone()
-        cache.layers[i] = layer
-    return cache, stats
+def _prefill_view(n=40, n_layers=3, h=2, seed=0):
+    """Image tokens 5..24, column sums more concentrated with depth, a strong sink."""
+    return synthetic_prompt_cache(n, n_layers, h, seed, image=(5, 25), sink=6.0, skew=3.0)
 
 
 def test_prefixkv_window_scorer_asks_for_its_window_and_selects_per_kv_head():

@@ -14,6 +14,7 @@ from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
 from prefixkv_core.policies.equal_memory import HoldRank, held_keep_across_heads, hold_plans, layer_shares
 from prefixkv_core.policies.lookm import similarity_merge
+from prefixkv_core.testing import synthetic_prompt_cache
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 BUDGETED = [m for m in METHODS if REGISTRY[m].uses_budget]
@@ -160,21 +161,8 @@ def _steps(policy, cache, prompt_len, prefilled, steps, turn=0, seed=0):
 
 
 def _synthetic(n=40, n_layers=3, h=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cache = TrackedCache(n_layers)
-    stats = {}
-    for i in range(n_layers):
-        layer = TrackedLayer()
-        layer.update(torch.randn(1, h, n, 8, generator=g), torch.randn(1, h, n, 8, generator=g))
-        flags = torch.zeros(1, n, dtype=torch.bool)
-        flags[:, 4:28] = True  # image tokens 4..27
-        layer.append_meta(torch.arange(n)[None], flags, h)
-        colsum = torch.rand(1, h, n, generator=g)
-        colsum[..., 0] += 3.0
-        layer.scores = colsum.clone()
-        stats[i] = {"colsum": colsum, "window": torch.rand(1, h, n, generator=g)}
-        cache.layers[i] = layer
-    return cache, stats
+    """Image tokens 4..27, every layer's column sums uniform with a sink."""
+    return synthetic_prompt_cache(n, n_layers, h, seed, image=(4, 28), sink=3.0, skew=0.0)
 
 
 def _held_run(method, budget, knobs=None, steps=8, turn=0, n=40):
