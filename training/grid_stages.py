@@ -113,7 +113,8 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
     return lr_at(step, steps, warmup)
 
 
-def _scene(seed: int, loose_share: float) -> object:
+def training_scene(seed: int, loose_share: float) -> object:
+    """The scene of a training seed: a looser one (loose_scenes.py) for a `loose_share` of the seeds."""
     rng = random.Random(seed * 13 + 5)
     return render_loose(seed) if rng.random() < loose_share else render_scene(seed, data.RENDER_SIZE)
 
@@ -250,7 +251,7 @@ def train_words(args) -> None:
     base = STAGE_BASE["W"] + 10_000 * args.seed
 
     def make_batch(step):  # CPU side, in a worker when --workers > 0
-        scenes = [_scene(base + step * args.batch + i, args.loose_share) for i in range(args.batch)]
+        scenes = [training_scene(base + step * args.batch + i, args.loose_share) for i in range(args.batch)]
         return data.pixels(loaded, [s.image for s in scenes]), grid_classes(loaded.tokenizer, vocab, scenes, args.layout)
 
     feed = prefetch.batches(make_batch, start, args.steps, args.workers)

@@ -21,8 +21,8 @@ from scenes import all_qa, render_scene
 from scenes.phrasings import casual_qa
 
 from . import data, prefetch, text_corpus, word_grid
-from .grid_stages import (Checkpoint, VocabIndex, _scene, autocast, frozen_model, grid_classes, grid_loss, log,
-                          periodic_eval, read_state, run_steps, tally_answers)
+from .grid_stages import (Checkpoint, VocabIndex, autocast, frozen_model, grid_classes, grid_loss, log,
+                          periodic_eval, read_state, run_steps, tally_answers, training_scene)
 
 STAGE_BASE = 900_000
 
@@ -145,7 +145,7 @@ def train_joint(args) -> None:
         for i in range(args.batch):
             seed = base + step * args.batch + i
             rng = random.Random(seed * 31 + args.seed)
-            scene = _scene(seed, args.loose_share)
+            scene = training_scene(seed, args.loose_share)
             scenes.append(scene)
             trees.append(data.tree_example(loaded, scene_branches(scene, rng, args.desc_prob, args.max_branches,
                                                                   args.casual)))

@@ -121,15 +121,14 @@ def answer_accuracy(model, loaded, seeds: list[int]) -> dict[str, float]:
     the argmax after the correct earlier ones), with the scenes' own test-style questions."""
     from scenes import render_scene
 
+    from .grid_stages import tally_answers
+
     right: dict[str, list[bool]] = {}
     for seed in seeds:
         scene = render_scene(seed, data.RENDER_SIZE)
         ids, pos, mask, sup = data.tree_example(loaded, [(qa.question, qa.answer) for qa in scene.qa])
         logits, target, turn = supervised_logits(model, ids, sup, data.pixels(loaded, [scene.image]), pos, mask)
-        hit = logits.argmax(-1) == target
-        for k, qa in enumerate(scene.qa, start=1):
-            sel = turn == k
-            right.setdefault(qa.qtype, []).append(bool(hit[sel][:-1].all()))  # answer tokens, not the eos
+        tally_answers(right, scene.qa, logits.argmax(-1) == target, turn)
     return {t: sum(v) / len(v) for t, v in right.items()}
 
 
