@@ -36,8 +36,9 @@ class StatRequest:
     # Further observation windows recorded in the same pass, each as stats[f"window:{w}"], so methods that
     # asked for different windows each get their own (a shared prefill serves several methods).
     windows: tuple[int, ...] = ()
-    # Batch rows whose last-query statistic is wanted (None = every row); the statistic then has one row each.
-    last_query_rows: torch.Tensor | None = None
+    # How many batch rows, counted from the first, want the last-query statistic (None = every row); the
+    # statistic then has one row each. The runner puts those rows first, so they are a view of the batch.
+    last_query_rows: int | None = None
 
     def any(self) -> bool:
         return self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
@@ -107,16 +108,13 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     if request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
     elif _only_last_query(request):
-        # decode steps: the fused kernel for the output, one softmax row per query head for the statistic
-        out = _sdpa_output(query, key, value, scale, extra_mask)
-        rows = request.last_query_rows
-        if rows is None:
-            probe.stats[layer] = {"last_query": _last_query_row(query, key, scale, extra_mask)}
-        else:  # row by row on views: indexing the wanted rows out of the batch would copy their whole caches
-            probe.stats[layer] = {"last_query": torch.cat([
-                _last_query_row(query[r:r + 1], key[r:r + 1], scale,
-                                extra_mask[r:r + 1] if extra_mask is not None else None)
-                for r in rows.tolist()])}
+        rows = bsz if request.last_query_rows is None else request.last_query_rows
+        if q_len == 1:  # a decode step: the rows that want the statistic get it from their attention itself
+            out, probe.stats[layer] = _decode_with_last_query(query, key, value, scale, extra_mask, rows)
+        else:  # the fused kernel for the output, one softmax row per query head for the statistic
+            out = _sdpa_output(query, key, value, scale, extra_mask)
+            probe.stats[layer] = {"last_query": _last_query_row(query[:rows], key[:rows], scale,
+                                                                _leading(extra_mask, rows))}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
         probe.stats[layer] = stats
@@ -135,6 +133,35 @@ def _sdpa_output(query, key, value, scale, extra_mask):
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )
+
+
+def _leading(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The first `rows` batch rows of a key mask (one broadcast over the batch stays as it is)."""
+    return mask if mask is None or mask.shape[0] == 1 else mask[:rows]
+
+
+def _trailing(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return mask if mask is None or mask.shape[0] == 1 else mask[rows:]
+
+
+def _decode_with_last_query(query, key, value, scale, extra_mask, rows: int):
+    """One decode query per row. The first `rows` rows are computed from their softmax in fp32, which is also
+    their statistic (the query's attention averaged over each KV head's query group, [rows, Hkv, Tk]): one
+    softmax serves both. The other rows take the fused kernel. Each row is computed the same way whatever
+    else is in the batch, so a batched row equals the row alone."""
+    bsz, n_heads, _, head_dim = query.shape
+    n_kv = key.shape[1]
+    q = query[:rows].float().reshape(rows, n_kv, n_heads // n_kv, head_dim)
+    scores = torch.matmul(q, key[:rows].float().transpose(-1, -2)).mul_(scale)  # [rows, Hkv, group, Tk]
+    mask = _leading(extra_mask, rows)
+    if mask is not None:
+        scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    out = torch.matmul(probs, value[:rows].float()).to(query.dtype).view(rows, n_heads, 1, head_dim)
+    if rows < bsz:
+        rest = _sdpa_output(query[rows:], key[rows:], value[rows:], scale, _trailing(extra_mask, rows))
+        out = torch.cat([out, rest])
+    return out, {"last_query": probs.mean(dim=2)}
 
 
 def _only_last_query(req: StatRequest) -> bool:

@@ -14,6 +14,7 @@ as a per-head (flattened) cache would store them. `stored_nbytes` says what the 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -163,12 +164,15 @@ class TrackedLayer(DynamicLayer):
         super().__init__()
         self.segments: list[QuantSegment] = []
         self._image_count: int | None = None  # cached image_count(); None = recount
+        self._empty: tuple[float, int] | None = None  # cached empty-slot counts (row 0 per head, all); None = recount
         self.has_empty_slots = False  # some KV head holds empty slots (position -1): mask them from attention
 
     # -- storage ------------------------------------------------------------------------------------
     def _assign(self, name: str, value: torch.Tensor | None) -> None:
+        if name == "positions":
+            self._empty = None  # appends never make empty slots; only new positions do
         if value is None:
-            self._stores.pop(name, None)
+            self._stores = {n: st for n, st in self._stores.items() if n != name}
             return
         store = self._stores.get(name)
         rows = self._rows
@@ -186,7 +190,7 @@ class TrackedLayer(DynamicLayer):
         if self._stores and any(s.data.shape[0] != store.data.shape[0] or self._rows != (0, s.data.shape[0])
                                 for s in self._stores.values()):
             self.own_storage()
-        self._stores[name] = store
+        self._stores = {**self._stores, name: store}  # never changed in place: a batch's rows share one dict
         self._rows = (0, store.data.shape[0])
 
     def own_storage(self) -> None:
@@ -198,7 +202,8 @@ class TrackedLayer(DynamicLayer):
 
     def lives_in(self, stores: dict[str, EntryStore], row: int) -> bool:
         """Whether every field of this (batch-1) layer is row `row` of `stores`."""
-        return self._rows[0] == row and all(self._stores.get(n) is s for n, s in stores.items())
+        return self._rows[0] == row and (self._stores is stores or
+                                         all(self._stores.get(n) is s for n, s in stores.items()))
 
     def move_into(self, stores: dict[str, EntryStore], row: int) -> None:
         """Copy this batch-1 layer's entries into row `row` of `stores` (a batch's shared stores) and keep them
@@ -208,7 +213,7 @@ class TrackedLayer(DynamicLayer):
             raise RuntimeError("only a layer holding entries can move into a batch's stores")
         for name, store in stores.items():
             store.write((row, row + 1), fields[name])
-        self._stores = dict(stores)
+        self._stores = stores  # the batch's own dict, shared by its rows (so `lives_in` is one identity check)
         self._rows = (row, row + 1)
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -280,7 +285,15 @@ class TrackedLayer(DynamicLayer):
         """Entries held, averaged over the KV heads (of the first batch row); the length when no slot is empty."""
         if not self.has_empty_slots:
             return float(self.length)
-        return float((self.positions[0] >= 0).sum(dim=-1).float().mean())
+        return self.length - self._empty_slots()[0]
+
+    def _empty_slots(self) -> tuple[float, int]:
+        """(empty slots per KV head of the first row, averaged; empty slots in all rows), counted again only
+        after the positions were rewritten (events ask every step)."""
+        if self._empty is None:
+            empty = self.positions < 0
+            self._empty = (float(empty[0].sum()) / empty.shape[1], int(empty.sum()))
+        return self._empty
 
     # -- edits ----------------------------------------------------------------------------------------
     def gather(self, index: torch.Tensor, empty_slots: bool = False) -> None:
@@ -369,16 +382,18 @@ class TrackedLayer(DynamicLayer):
             store = self._stores.get(name)
             if store is not None:  # from the store's shape: events ask every step, no view needed
                 d = store.data
-                fp += (self._rows[1] - self._rows[0]) * store.lengths[self._rows[0]] * (d[0, :, 0].numel()) * \
-                    d.element_size()
+                per_entry = math.prod(d.shape[3:]) * d.shape[1] * d.element_size()
+                fp += (self._rows[1] - self._rows[0]) * store.lengths[self._rows[0]] * per_entry
         return fp + sum(s.nbytes() for s in self.segments)
 
     def nbytes(self) -> int:
         """Bytes of the entries this layer keeps: packed segments as stored, empty slots not counted."""
         if not self.has_empty_slots or self.keys is None:
             return self.stored_nbytes()
-        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
-        return int((self.positions >= 0).sum()) * per_entry + sum(s.nbytes() for s in self.segments)
+        keys, values = self._stores["keys"].data, self._stores["values"].data
+        per_entry = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
+        held = (self._rows[1] - self._rows[0]) * keys.shape[1] * self.length - self._empty_slots()[1]
+        return held * per_entry + sum(s.nbytes() for s in self.segments)
 
     def image_count(self) -> int:
         """Image entries, averaged over KV heads (head-wise methods keep different entries per head).
@@ -386,7 +401,8 @@ class TrackedLayer(DynamicLayer):
         if self.is_image is None:
             return 0
         if self._image_count is None:
-            self._image_count = int(round(self.is_image[0].sum(dim=-1).float().mean().item()))
+            flags = self.is_image[0]  # the mean over heads of each head's count: their total over the heads
+            self._image_count = int(round(int(flags.sum()) / flags.shape[0]))
         return self._image_count
 
 

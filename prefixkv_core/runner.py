@@ -86,6 +86,9 @@ class StepBuffers:
         """The shared stores of layer `layer_idx` holding `rows` (batch-1 layers) as rows 0..B-1, each row moved
         in unless it lives there already. A row holding quantised entries stays out (`refresh_row`)."""
         stores = self._stores.get(layer_idx)
+        if stores is not None and stores["keys"].data.shape[0] == len(rows) and all(
+                (layer._stores is stores and layer._rows[0] == r) or layer.segments for r, layer in enumerate(rows)):
+            return stores  # every row lives here already (the usual decode step): nothing to check or move
         if stores is None or stores["keys"].data.shape[0] != len(rows) or not self._fit(
                 stores, [layer for layer in rows[:1] if not layer.segments]):
             resident = [layer for layer in rows if not layer.segments]
@@ -185,8 +188,7 @@ class _DecodeLayer(DynamicLayer):
             layer = rows[r]
             layer._append("keys", key_states[r:r + 1])
             layer._append("values", value_states[r:r + 1])
-            layer.append_meta_per_head(*per_head_meta(step.positions[r:r + 1], step.no_image[r:r + 1], h),
-                                       has_image=False)
+            layer.append_meta_per_head(*step.row_meta(r, h), has_image=False)
             step.buffers.refreshed(self.layer_idx, r, layer)
         self.new_lengths = [n + 1 for n in old]
         t = max(self.new_lengths)
@@ -208,12 +210,20 @@ class _DecodeCache(DynamicCache):
                  buffers: StepBuffers):
         super().__init__()
         self.buffers, self.caches, self.positions, self.probe = buffers, list(caches), positions, probe
-        self.no_image = torch.zeros_like(positions, dtype=torch.bool)
+        self._row_meta: dict[tuple[int, int], tuple] = {}
         self.layer_class_to_replicate = None
         self.layers = [_DecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def row_meta(self, r: int, n_kv: int) -> tuple:
+        """Row r's new entry as per-KV-head position, image flag and zero score (the same in every layer)."""
+        found = self._row_meta.get((r, n_kv))
+        if found is None:
+            pos = self.positions[r:r + 1]
+            found = self._row_meta[(r, n_kv)] = per_head_meta(pos, torch.zeros_like(pos, dtype=torch.bool), n_kv)
+        return found
 
 
 class _StepLayer(DynamicLayer):
@@ -299,13 +309,12 @@ class StepOutput:
     attention: list[dict[int, torch.Tensor] | None]  # per row: layer -> last query's attention [1, Hkv, T_row]
 
 
-def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, k: int, old_lengths: dict[int, list[int]],
+def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, old_lengths: dict[int, list[int]],
                    chunk: int, q: int) -> dict[int, torch.Tensor]:
-    """Row r's slice (the statistic's k-th row) of the batched last-query statistic, aligned with its own
-    entries (old + new)."""
+    """Row r's slice of the batched last-query statistic, aligned with its own entries (old + new)."""
     out = {}
     for layer, s in stats.items():
-        row = s["last_query"][k:k + 1]
+        row = s["last_query"][r:r + 1]
         olds = old_lengths[layer]
         t_old = max(olds)
         out[layer] = torch.cat([row[..., :olds[r]], row[..., t_old + q - chunk:]], dim=-1)
@@ -362,14 +371,29 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     scoring), aligned with that row's entries. Pass the same `buffers` to every step of a turn to reuse the
     padded tensors."""
     b = len(caches)
-    lengths = [len(c) for c in chunks]
-    if min(lengths) < 1:
+    if min(len(c) for c in chunks) < 1:
         raise ValueError("every row needs at least one token to feed")
+    order = sorted(range(b), key=lambda r: not want_attention[r])  # the rows that want attention first
+    if order == list(range(b)):
+        return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers)
+    out = _forward_ordered_rows(model, [caches[r] for r in order], [chunks[r] for r in order],
+                                [starts[r] for r in order], sum(map(bool, want_attention)), device, buffers)
+    at = {r: k for k, r in enumerate(order)}
+    back = torch.tensor([at[r] for r in range(b)], device=out.logits.device)
+    return StepOutput(out.logits.index_select(0, back), [out.attention[at[r]] for r in range(b)])
+
+
+def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]],
+                          starts: Sequence[int], wanted: int, device: torch.device,
+                          buffers: StepBuffers | None) -> StepOutput:
+    """`forward_rows` with the rows that want attention first (the first `wanted` rows): the attention function
+    then computes their statistic on a view of the batch."""
+    b = len(caches)
+    lengths = [len(c) for c in chunks]
     q = max(lengths)
-    wanted = [r for r in range(b) if want_attention[r]]
-    request = StatRequest(last_query=bool(wanted))
-    if wanted and len(wanted) < b:
-        request.last_query_rows = torch.tensor(wanted, device=device)
+    request = StatRequest(last_query=wanted > 0)
+    if 0 < wanted < b:
+        request.last_query_rows = wanted
     probe = AttentionProbe(request)
     ids = torch.zeros(b, q, dtype=torch.long)
     positions = torch.zeros(b, q, dtype=torch.long)
@@ -381,7 +405,7 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     ids, positions = ids.to(device), positions.to(device)
     if b == 1:
         logits, stats = forward_group(model, caches[0], ids, starts[0], request)
-        return StepOutput(logits, [last_query(stats) if want_attention[0] else None])
+        return StepOutput(logits, [last_query(stats) if wanted else None])
     buffers = buffers if buffers is not None else StepBuffers()
     if q == 1:  # a decode step: rows append in place in the shared stores
         step = _DecodeCache(caches, positions, probe, buffers)
@@ -392,13 +416,13 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
                     kv_probe=probe)
         attention: list[dict[int, torch.Tensor] | None] = [None] * b
         if q == 1:
-            for k, r in enumerate(wanted):  # row r's entries are the first ones of its row
-                attention[r] = {i: probe.stats[i]["last_query"][k:k + 1, :, :layer.new_lengths[r]]
+            for r in range(wanted):  # row r's entries are the first ones of its row
+                attention[r] = {i: probe.stats[i]["last_query"][r:r + 1, :, :layer.new_lengths[r]]
                                 for i, layer in enumerate(step.layers)}
         else:
             old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
-            for k, r in enumerate(wanted):
-                attention[r] = _row_attention(probe.stats, r, k, old_lengths, lengths[r], q)
+            for r in range(wanted):
+                attention[r] = _row_attention(probe.stats, r, old_lengths, lengths[r], q)
     finally:
         step.layers, step.caches = [], []  # the step and its layers point at each other: free the rows now, not
         # whenever the garbage collector next runs
