@@ -145,8 +145,11 @@ class MethodRun:
                                       [needs] * len(chunks), sm.device, self.buffers)
             logits, attention = out.logits, out.attention
         self.true_len += chunk.shape[1]
-        for cache, state, att in zip(self.caches, self.states, attention):
-            runner.compress_decode(policy, state, cache, self.true_len, self.prompt_len, step, att, self.reduced_by)
+        rows = [runner.DecodeRow(policy, state, cache, self.true_len, self.prompt_len, step, att, self.reduced_by)
+                for cache, state, att in zip(self.caches, self.states, attention)]
+        for _, error in runner.compress_decode_rows(rows, sm.device):
+            if error is not None:
+                raise error
         return logits
 
     def kv_bytes(self) -> int:

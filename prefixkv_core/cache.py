@@ -16,8 +16,10 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -404,6 +406,58 @@ class TrackedLayer(DynamicLayer):
             flags = self.is_image[0]  # the mean over heads of each head's count: their total over the heads
             self._image_count = int(round(int(flags.sum()) / flags.shape[0]))
         return self._image_count
+
+
+def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
+    """`layer.gather(index)` for every (layer, index) pair, the batch-1 full-precision layers that are rows of
+    one set of shared stores gathered together (`gather_rows`); each layer at most once."""
+    groups: dict[int, tuple[list[TrackedLayer], list[torch.Tensor]]] = {}
+    for layer, index in pairs:
+        if layer.segments or layer.has_empty_slots or layer._rows[1] - layer._rows[0] != 1 or index.shape[0] != 1:
+            layer.gather(index)
+            continue
+        group = groups.setdefault(id(layer._stores), ([], []))
+        group[0].append(layer)
+        group[1].append(index)
+    for layers, indices in groups.values():
+        if len(layers) == 1:
+            layers[0].gather(indices[0])
+        else:
+            gather_rows(layers, indices)
+
+
+def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:
+    """`layers[k].gather(indices[k])` for batch-1 layers that are rows of one set of shared stores (a batch's
+    rows, one layer each), done as one gather per field for all of them: the same entries kept, in a few
+    operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
+    stores = layers[0]._stores
+    if any(layer._stores is not stores or layer.segments or layer.has_empty_slots for layer in layers):
+        raise ValueError("gather_rows takes full-precision rows of one set of shared stores")
+    heads = stores["keys"].data.shape[1]
+    counts = [int(i.shape[-1]) for i in indices]
+    longest = max(layer.length for layer in layers)
+    rows = torch.tensor([layer._rows[0] for layer in layers], device=indices[0].device)
+    # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 into slots past its new length (never read)
+    index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
+    index = index.transpose(1, 2)
+    kept_image = None
+    with torch.inference_mode():
+        for name in ENTRY_FIELDS:
+            data = stores[name].data
+            tail = data.shape[3:]
+            where = index.view(*index.shape, *(1,) * len(tail)).expand(*index.shape, *tail)
+            kept = data.narrow(2, 0, longest).index_select(0, rows).gather(2, where)
+            data.narrow(2, 0, index.shape[2]).index_copy_(0, rows, kept)
+            if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
+                ends = torch.tensor(counts, device=kept.device)[:, None]
+                valid = torch.arange(index.shape[2], device=kept.device) < ends
+                kept_image = (kept & valid[:, None, :]).sum(dim=(1, 2)).tolist()
+    for name in ENTRY_FIELDS:
+        lengths = stores[name].lengths
+        for layer, k in zip(layers, counts):
+            lengths[layer._rows[0]] = k
+    for layer, images in zip(layers, kept_image):
+        layer._image_count = int(round(images / heads))
 
 
 class TrackedCache(DynamicCache):

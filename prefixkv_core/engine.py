@@ -484,16 +484,16 @@ class Session:
                 state.fail(exc)
             return torch.zeros(len(states), 1), 0.0, {}
         forward_s = runner.now(device) - t0
-        policy_s = {}
+        rows = []
         for r, (state, chunk) in enumerate(zip(states, chunks)):
             state.true_len += len(chunk)
-            t1 = runner.now(device)
-            try:
-                runner.compress_decode(state.policy, state.policy_state, state.cache, state.true_len,
-                                       state.prompt_len, step, out.attention[r], state.reduced_by)
-            except Exception as exc:  # one method failing must not stop the others
-                state.fail(exc)
-            policy_s[state.name] = runner.now(device) - t1
+            rows.append(runner.DecodeRow(state.policy, state.policy_state, state.cache, state.true_len,
+                                         state.prompt_len, step, out.attention[r], state.reduced_by))
+        policy_s = {}
+        for state, (seconds, error) in zip(states, runner.compress_decode_rows(rows, device)):
+            if error is not None:  # one method failing must not stop the others
+                state.fail(error)
+            policy_s[state.name] = seconds
         return out.logits, forward_s, policy_s
 
     def _decode_all(self, cancel: threading.Event | None, states: list[MethodState] | None = None,

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from .attention import AttentionProbe, StatRequest
 from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, per_head_meta
 from .policies import Policy, PolicyState
-from .policies.base import DecodeView, PrefillView, apply_plans
+from .policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 
 
 def sync(device: torch.device) -> None:
@@ -530,8 +530,73 @@ def compress_decode(policy: Policy, state: PolicyState, cache: TrackedCache, tru
     """After new tokens were fed: accumulate their attention into the scores, then let `policy` compress (and,
     in equal-memory mode, hold a prompt-only method at r·N_t, N_t counting the `reduced_by` tokens an own
     prefill kept from the language model)."""
-    if attention is not None:
-        cache.add_scores(attention)
-    view = DecodeView(cache, true_len, prompt_len, step, attention, reduced_by)
-    apply_plans(cache, policy.decode(view, state))
-    apply_plans(cache, policy.equal_memory_plans(view, state))
+    row = DecodeRow(policy, state, cache, true_len, prompt_len, step, attention, reduced_by)
+    apply_plans(cache, row.plans())
+    row.hold()
+
+
+@dataclass
+class DecodeRow:
+    """One row of a step, as its policy sees it after the step's tokens were fed (what `compress_decode` takes)."""
+
+    policy: Policy
+    state: PolicyState
+    cache: TrackedCache
+    true_len: int
+    prompt_len: int
+    step: int
+    attention: dict[int, torch.Tensor] | None = None
+    reduced_by: int = 0
+
+    def view(self) -> DecodeView:
+        return DecodeView(self.cache, self.true_len, self.prompt_len, self.step, self.attention, self.reduced_by)
+
+    def plans(self) -> list[LayerPlan | None] | None:
+        """Accumulate the step's attention into the scores; the policy's plans for this step."""
+        if self.attention is not None:
+            self.cache.add_scores(self.attention)
+        return self.policy.decode(self.view(), self.state)
+
+    def hold(self) -> None:
+        """Equal-memory mode: bring a prompt-only method back to r·N_t after its own plans."""
+        apply_plans(self.cache, self.policy.equal_memory_plans(self.view(), self.state))
+
+
+def compress_decode_rows(rows: Sequence[DecodeRow], device: torch.device) -> list[tuple[float, Exception | None]]:
+    """`compress_decode` for every row of one batched step: each policy plans on its own, then every row's
+    eviction is carried out together (`apply_plans_together`: one gather per layer and field for all rows).
+    Returns per row the seconds of its own policy time (its planning and holding, and its share of the joint
+    eviction, split evenly among the rows that evicted) and the error that stopped it, if any: a failing
+    policy fails its own row only."""
+    seconds = [0.0] * len(rows)
+    errors: list[Exception | None] = [None] * len(rows)
+    planned: list[tuple[int, list[LayerPlan | None]]] = []
+    for r, row in enumerate(rows):
+        t0 = now(device)
+        try:
+            plans = row.plans()
+            if plans and any(p is not None for p in plans):
+                planned.append((r, plans))
+        except Exception as exc:  # noqa: BLE001 - reported as the method's error
+            errors[r] = exc
+        seconds[r] += now(device) - t0
+    if planned:
+        t0 = now(device)
+        try:
+            apply_plans_together([(rows[r].cache, plans) for r, plans in planned])
+        except Exception as exc:  # noqa: BLE001
+            for r, _ in planned:
+                errors[r] = exc
+        share = (now(device) - t0) / len(planned)
+        for r, _ in planned:
+            seconds[r] += share
+    for r, row in enumerate(rows):
+        if errors[r] is not None:
+            continue
+        t0 = now(device)
+        try:
+            row.hold()
+        except Exception as exc:  # noqa: BLE001
+            errors[r] = exc
+        seconds[r] += now(device) - t0
+    return list(zip(seconds, errors))

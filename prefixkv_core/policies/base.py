@@ -12,12 +12,12 @@ run. How many entries each layer keeps and which ones are small pieces shared by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
 from ..attention import StatRequest
-from ..cache import TrackedCache, TrackedLayer
+from ..cache import TrackedCache, TrackedLayer, gather_many
 from . import scoring
 from .facts import Fact, facts_to_extras, note
 from .budget import Budget, check_budget
@@ -26,7 +26,7 @@ from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 __all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "Budget", "check_budget",
            "budget_count", "protected_mask", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
-           "layer_importance", "apply_plans"]
+           "layer_importance", "apply_plans", "apply_plans_together"]
 
 # How budgeted methods are compared. "published": each as its paper runs it (prompt-only methods compress the
 # prompt once and then let the cache grow). "equal_memory": the prompt-only ones are also held at about r·N_t
@@ -426,3 +426,23 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
         if plan.quantise is not None:
             q = plan.quantise
             layer.quantize_fp_part(q.important, q.bits_hi, q.bits_lo, q.group_size)
+
+
+def apply_plans_together(rows: Sequence[tuple[TrackedCache, list[LayerPlan | None] | None]]) -> None:
+    """`apply_plans` for the caches of one batched step (each with its own plans). Plans that only keep entries
+    (the usual decode-time eviction) are carried out together, one gather per layer and field for every row of
+    a batch's shared stores; merging, quantising and empty slots go row by row."""
+    together: list[tuple[TrackedLayer, torch.Tensor]] = []
+    for cache, plans in rows:
+        if not plans:
+            continue
+        alone: list[LayerPlan | None] = []
+        for layer, plan in zip(cache.layers, plans):
+            if plan is not None and plan.keep is not None and plan.merge is None and plan.quantise is None \
+                    and not plan.empty_slots:
+                together.append((layer, plan.keep))
+                alone.append(None)
+            else:
+                alone.append(plan)
+        apply_plans(cache, alone)
+    gather_many(together)
