@@ -304,6 +304,13 @@ class TrackedLayer(DynamicLayer):
         if self.segments:
             raise RuntimeError("entries stored quantised cannot be evicted; this method does not evict")
         b, h, _, d = self.keys.shape
+        if index.shape[0] == 1 and index.shape[1] == 1 and not empty_slots:
+            # one index for every row and head: whole entries copied as they lie (far cheaper than a gather)
+            idx = index.view(-1)
+            keys, values, positions, is_image, scores = (getattr(self, n).index_select(2, idx) for n in ENTRY_FIELDS)
+            self.keys, self.values, self.positions, self.is_image, self.scores = keys, values, positions, is_image, scores
+            self._image_count = None
+            return
         idx = index.expand(b, h, -1)
         empty = None
         if empty_slots:
@@ -428,30 +435,35 @@ def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
 
 def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:
     """`layers[k].gather(indices[k])` for batch-1 layers that are rows of one set of shared stores (a batch's
-    rows, one layer each), done as one gather per field for all of them: the same entries kept, in a few
+    rows, one layer each), done as one copy per field for all of them: the same entries kept, in a few
     operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
     stores = layers[0]._stores
     if any(layer._stores is not stores or layer.segments or layer.has_empty_slots for layer in layers):
         raise ValueError("gather_rows takes full-precision rows of one set of shared stores")
+    device = indices[0].device
     heads = stores["keys"].data.shape[1]
     counts = [int(i.shape[-1]) for i in indices]
-    longest = max(layer.length for layer in layers)
-    rows = torch.tensor([layer._rows[0] for layer in layers], device=indices[0].device)
     # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 into slots past its new length (never read)
     index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
     index = index.transpose(1, 2)
+    rows = torch.tensor([layer._rows[0] for layer in layers], device=device)
+    first = (rows[:, None] * heads + torch.arange(heads, device=device)).unsqueeze(-1)  # [rows, Hkv, 1]
+    slots = torch.arange(index.shape[2], device=device)
+    flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # capacity -> (entries read, slots written)
     kept_image = None
     with torch.inference_mode():
         for name in ENTRY_FIELDS:
             data = stores[name].data
-            tail = data.shape[3:]
-            where = index.view(*index.shape, *(1,) * len(tail)).expand(*index.shape, *tail)
-            kept = data.narrow(2, 0, longest).index_select(0, rows).gather(2, where)
-            data.narrow(2, 0, index.shape[2]).index_copy_(0, rows, kept)
+            cap = data.shape[2]
+            if cap not in flat:  # every (row, head) slot as one row of the flattened store: plain row copies
+                flat[cap] = ((first * cap + index).reshape(-1), (first * cap + slots).reshape(-1))
+            read, written = flat[cap]
+            entries = data.view(-1, *data.shape[3:])
+            kept = entries.index_select(0, read)
+            entries.index_copy_(0, written, kept)
             if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
-                ends = torch.tensor(counts, device=kept.device)[:, None]
-                valid = torch.arange(index.shape[2], device=kept.device) < ends
-                kept_image = (kept & valid[:, None, :]).sum(dim=(1, 2)).tolist()
+                valid = slots < torch.tensor(counts, device=device)[:, None]
+                kept_image = (kept.view(index.shape) & valid[:, None, :]).sum(dim=(1, 2)).tolist()
     for name in ENTRY_FIELDS:
         lengths = stores[name].lengths
         for layer, k in zip(layers, counts):

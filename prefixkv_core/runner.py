@@ -86,9 +86,12 @@ class StepBuffers:
         """The shared stores of layer `layer_idx` holding `rows` (batch-1 layers) as rows 0..B-1, each row moved
         in unless it lives there already. A row holding quantised entries stays out (`refresh_row`)."""
         stores = self._stores.get(layer_idx)
-        if stores is not None and stores["keys"].data.shape[0] == len(rows) and all(
-                (layer._stores is stores and layer._rows[0] == r) or layer.segments for r, layer in enumerate(rows)):
-            return stores  # every row lives here already (the usual decode step): nothing to check or move
+        if stores is not None and stores["keys"].data.shape[0] == len(rows):
+            for r, layer in enumerate(rows):
+                if (layer._stores is not stores or layer._rows[0] != r) and not layer.segments:
+                    break
+            else:
+                return stores  # every row lives here already (the usual decode step): nothing to check or move
         if stores is None or stores["keys"].data.shape[0] != len(rows) or not self._fit(
                 stores, [layer for layer in rows[:1] if not layer.segments]):
             resident = [layer for layer in rows if not layer.segments]
@@ -194,7 +197,7 @@ class _DecodeLayer(DynamicLayer):
         t = max(self.new_lengths)
         empty_slots = any(layer.has_empty_slots for layer in rows)
         if empty_slots or min(old) != max(old):
-            valid = torch.arange(t, device=key_states.device) < (ends + 1)[:, None]  # [B, T]
+            valid = step.slots(t) <= ends[:, None]  # [B, T]: a row's entries and its new one
             if empty_slots:
                 valid = valid[:, None, :] & (stores["positions"].data[:, :, :t] >= 0)
             else:
@@ -211,11 +214,18 @@ class _DecodeCache(DynamicCache):
         super().__init__()
         self.buffers, self.caches, self.positions, self.probe = buffers, list(caches), positions, probe
         self._row_meta: dict[tuple[int, int], tuple] = {}
+        self._slots: torch.Tensor | None = None
         self.layer_class_to_replicate = None
         self.layers = [_DecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def slots(self, t: int) -> torch.Tensor:
+        """0, 1, ..., t - 1 (made once per step, long enough for every layer)."""
+        if self._slots is None or self._slots.shape[0] < t:
+            self._slots = torch.arange(t + SPARE_ENTRIES, device=self.positions.device)
+        return self._slots[:t]
 
     def row_meta(self, r: int, n_kv: int) -> tuple:
         """Row r's new entry as per-KV-head position, image flag and zero score (the same in every layer)."""
