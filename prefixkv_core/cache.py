@@ -54,6 +54,7 @@ class EntryStore:
 
     def __init__(self, data: torch.Tensor, lengths: list[int]):
         self.data, self.lengths = data, lengths
+        self.entry_bytes = math.prod(data.shape[3:]) * data.shape[1] * data.element_size()  # one entry, every head
         self._views: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # rows -> (view, its length)
 
     @classmethod
@@ -173,6 +174,8 @@ class TrackedLayer(DynamicLayer):
     def _assign(self, name: str, value: torch.Tensor | None) -> None:
         if name == "positions":
             self._empty = None  # appends never make empty slots; only new positions do
+        elif name == "is_image":
+            self._image_count = None
         if value is None:
             self._stores = {n: st for n, st in self._stores.items() if n != name}
             return
@@ -387,13 +390,12 @@ class TrackedLayer(DynamicLayer):
     def stored_nbytes(self) -> int:
         """Bytes of the entries as stored (empty slots included; not the stores' spare room)."""
         fp = 0
+        rows = self._rows
         for name in ("keys", "values"):
             store = self._stores.get(name)
             if store is not None:  # from the store's shape: events ask every step, no view needed
-                d = store.data
-                per_entry = math.prod(d.shape[3:]) * d.shape[1] * d.element_size()
-                fp += (self._rows[1] - self._rows[0]) * store.lengths[self._rows[0]] * per_entry
-        return fp + sum(s.nbytes() for s in self.segments)
+                fp += (rows[1] - rows[0]) * store.lengths[rows[0]] * store.entry_bytes
+        return fp + sum(s.nbytes() for s in self.segments) if self.segments else fp
 
     def nbytes(self) -> int:
         """Bytes of the entries this layer keeps: packed segments as stored, empty slots not counted."""
@@ -407,6 +409,8 @@ class TrackedLayer(DynamicLayer):
     def image_count(self) -> int:
         """Image entries, averaged over KV heads (head-wise methods keep different entries per head).
         Counted again only after entries were dropped or image entries added (events ask every step)."""
+        if self._image_count is not None:
+            return self._image_count
         if self.is_image is None:
             return 0
         if self._image_count is None:
