@@ -419,6 +419,31 @@ class TrackedLayer(DynamicLayer):
         return self._image_count
 
 
+def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str, EntryStore]) -> None:
+    """`layer.move_into(stores, row)` for several (row, batch-1 layer) pairs at once: one padded copy per field
+    for all of them (a turn's first batched step moves every row in)."""
+    rows = [r for r, _ in movers]
+    index = None if rows == list(range(rows[0], rows[0] + len(rows))) else torch.tensor(rows)
+    for name, store in stores.items():
+        fields = [getattr(layer, name) for _, layer in movers]
+        if any(f is None for f in fields):
+            raise RuntimeError("only a layer holding entries can move into a batch's stores")
+        longest = max(f.shape[2] for f in fields)
+        store.reserve(longest)
+        # [rows, Hkv, longest, *tail]; a shorter row's padding lands past its length (never read)
+        padded = pad_sequence([f[0].transpose(0, 1) for f in fields], batch_first=True).transpose(1, 2)
+        target = store.data.narrow(2, 0, longest)
+        with torch.inference_mode():
+            if index is None:
+                target.narrow(0, rows[0], len(rows)).copy_(padded)
+            else:
+                target.index_copy_(0, index.to(target.device), padded)
+        for r, f in zip(rows, fields):
+            store.lengths[r] = f.shape[2]
+    for r, layer in movers:
+        layer._stores, layer._rows = stores, (r, r + 1)
+
+
 def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     """`layer.gather(index)` for every (layer, index) pair, the batch-1 full-precision layers that are rows of
     one set of shared stores gathered together (`gather_rows`); each layer at most once."""

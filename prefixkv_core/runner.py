@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .attention import AttentionProbe, StatRequest
-from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, per_head_meta
+from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, move_rows_into, per_head_meta
 from .policies import Policy, PolicyState
 from .policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 
@@ -107,14 +107,19 @@ class StepBuffers:
             self._occupants[layer_idx] = [_dead] * len(rows)
             self._refreshed[layer_idx] = [None] * len(rows)
         occupants = self._occupants[layer_idx]
+        movers = []
         for r, layer in enumerate(rows):
             if layer.segments or layer.lives_in(stores, r):
                 continue
             previous = occupants[r]()
             if previous is not None and previous is not layer and previous.lives_in(stores, r):
                 previous.own_storage()  # a row that left the batch keeps its entries
-            layer.move_into(stores, r)
+            movers.append((r, layer))
             occupants[r] = weakref.ref(layer)
+        if len(movers) > 1:
+            move_rows_into(movers, stores)
+        elif movers:
+            movers[0][1].move_into(stores, movers[0][0])
         return stores
 
     @staticmethod
