@@ -40,7 +40,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: E402
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
                                run_info, run_title, save_figure)
-from prefixkv_core.method_args import add_method_args  # noqa: E402
+from prefixkv_core.method_args import add_knob_flags, add_method_args  # noqa: E402
 from prefixkv_core.models import RANDOM_KINDS, LoadedModel, build_random_model  # noqa: E402
 
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
@@ -159,9 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper", action="store_true",
                    help="PrefixKV Table 3: random LLaVA-1.5-7B shapes, batch 16, settings 1024x512 and 624x256, "
                         "the methods of the paper's table (explicit options override)")
-    p.add_argument("--prefixkv-mode", default="auto", choices=("auto", "offline", "online"),
-                   help="offline: calibrated ratios from assets/prefix_configs; auto (default): calibrated if "
-                        "present, else online; online: the per-prompt search (a cache per prompt)")
+    add_knob_flags(p)  # --prefixkv-mode: a knob a policy lets the benchmarks set as a flag of its own
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and random weights")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None,
@@ -183,9 +181,8 @@ def load_speed_model(args) -> LoadedModel:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from prefixkv_core.method_args import MethodArgError, method_args
-    from prefixkv_core.policies import REGISTRY, PolicyError, ResolveContext, role_method
-    from prefixkv_core.policies.prefixkv import PrefixKVPolicy, mode_knobs
+    from prefixkv_core.method_args import MethodArgError, flag_knob_values, method_args
+    from prefixkv_core.policies import REGISTRY, PolicyError, ResolveContext, make_policy, role_method
 
     if args.paper:
         if args.model is None and args.random_weights is None:
@@ -235,20 +232,29 @@ def main(argv: list[str] | None = None) -> int:
             for b in (budgets if uses else [None]):
                 configs.append((si, m, b))
     inputs = {si: synthetic_batch(sm, batch, p, seed=args.seed + si) for si, (p, _) in enumerate(settings)}
-    prefix_modes: dict[tuple[int, float], str] = {}
+    flag_notes: dict[tuple[int, str, float | None], str] = {}  # what knob flags such as --prefixkv-mode chose
     knob_cache: dict[tuple[int, str, Any], dict] = {}
 
     def knobs_for(si: int, m: str, b: float | None) -> dict:
+        """The method's knobs at this budget: --knob, then its flags (auto: its pick for the model and budget),
+        then what its own resolve hook fills in (e.g. PrefixKV's calibrated ratios), as the app runs it."""
         key = (si, m, b)
         if key not in knob_cache:
             base = dict(knobs_all.get(m, {}))
-            if m == PrefixKVPolicy.name:  # --prefixkv-mode: its calibrated ratios, found by its own resolve hook
-                try:
-                    base, desc = mode_knobs(args.prefixkv_mode, b, base,
-                                            ResolveContext(sm.slug, sm.name, sm.num_layers, b))
-                except PolicyError as exc:
-                    raise SystemExit(f"--prefixkv-mode: {exc}") from None
-                prefix_modes[(si, b)] = desc
+            context = ResolveContext(sm.slug, sm.name, sm.num_layers, 1.0 if b is None else b)
+            try:
+                flagged = flag_knob_values(args, m, base, context)
+                if flagged:
+                    base.update(flagged)
+                    asked = make_policy(m, context.budget, **base)
+                    resolved = asked.resolve(context)
+                    filled = {k: getattr(resolved, k) for k in REGISTRY[m].knobs()
+                              if getattr(resolved, k) != getattr(asked, k)}
+                    base.update(filled)
+                    flag_notes[(si, m, b)] = ", ".join(f"{k} {v}" for k, v in flagged.items()) + (
+                        f" ({', '.join(filled)} filled in for this model)" if filled else "")
+            except (MethodArgError, PolicyError) as exc:
+                raise SystemExit(str(exc)) from None
             knob_cache[key] = base
         return knob_cache[key]
 
@@ -314,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         if stock_tps and full_tps:
             t.notes.append(f"Engine overhead: full through the engine decodes at {full_tps / stock_tps:.2f}x the "
                            f"speed of {STOCK} (plain DynamicCache + sdpa).")
-        for (sj, b), desc in sorted(prefix_modes.items(), key=lambda x: (x[0][0], x[0][1])):
+        for (sj, m, b), desc in flag_notes.items():
             if sj == si:
-                t.notes.append(f"PrefixKV @ {b:.1f}: {desc}.")
+                t.notes.append(f"{REGISTRY[m].label}" + (f" @ {b:.1f}" if b is not None else "") + f": {desc}.")
         tables.append(t)
         pk = final.get((si, featured, 0.2))
         if featured in methods and 0.2 in budgets and pk is not None:
@@ -354,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                "settings": settings, "budgets": budgets, "methods": rows, "budget_mode": budget_mode,
                "query_agnostic": query_agnostic,
                "warmup_steps": warmup,
-               "repeats": args.repeats, "prefixkv_modes": {f"{settings[s][0]}x{settings[s][1]}@{b}": d
-                                                           for (s, b), d in prefix_modes.items()},
+               "repeats": args.repeats, "flag_knobs": {f"{m} {settings[s][0]}x{settings[s][1]}@{b}": d
+                                                       for (s, m, b), d in flag_notes.items()},
                "header": header, "claims": claims, "results": raw, "model_notes": sm.notes}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     fig = make_figure(raw, settings, budgets, featured, f"Speed vs budget: {sm.name}, batch {batch}, {mode_title}")

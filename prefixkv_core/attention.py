@@ -72,6 +72,11 @@ class AttentionProbe:
     # (layer, stats recorded so far) -> key mask or None, asked when `key_masks` has none for that layer: lets a
     # later layer stop attending to tokens chosen from what earlier layers of the same forward recorded (FastV)
     mask_rule: Callable[[int, dict[int, dict[str, torch.Tensor]]], torch.Tensor | None] | None = None
+    # layer -> the batch's rows in groups, each kept in tensors of its own (a decode step of the runner whose rows
+    # are split by length): (rows [G] ascending, keys [G, Hkv, T_g, D], values, key mask [G, 1|Hkv, T_g] or
+    # None). Attention then reads each group where it lives instead of the keys and values it was handed.
+    row_groups: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = field(
+        default_factory=dict)
 
     def key_mask(self, layer: int) -> torch.Tensor | None:
         mask = self.key_masks.get(layer)
@@ -105,7 +110,10 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
 
     if request is not None:
         _check_rows(request)
-    if request is None or not request.any():
+    groups = probe.row_groups.get(layer) if probe is not None else None
+    if groups:
+        out = _grouped_decode(query, groups, scale, probe, layer)
+    elif request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
     elif _only_last_query(request):
         rows = bsz if request.last_query_rows is None else request.last_query_rows
@@ -162,6 +170,34 @@ def _decode_with_last_query(query, key, value, scale, extra_mask, rows: int):
         rest = _sdpa_output(query[rows:], key[rows:], value[rows:], scale, _trailing(extra_mask, rows))
         out = torch.cat([out, rest])
     return out, {"last_query": probs.mean(dim=2)}
+
+
+def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> torch.Tensor:
+    """A decode step whose rows live in groups (`AttentionProbe.row_groups`): each group attends over its own
+    keys; the rows that want the last query's statistic (the batch's first rows, so each group's first ones)
+    get it from their softmax, zero-padded to the longest group."""
+    request = probe.request
+    if query.shape[2] != 1 or (request.any() and not _only_last_query(request)):
+        raise ValueError("rows in groups are for decode steps that at most ask for the last query's row")
+    bsz = query.shape[0]
+    wanted = (bsz if request.last_query_rows is None else request.last_query_rows) if request.last_query else 0
+    out = torch.empty_like(query)
+    stat = None
+    if wanted:
+        longest = max(keys.shape[2] for _, keys, _, _ in groups)
+        stat = query.new_zeros(wanted, groups[0][1].shape[1], longest, dtype=torch.float32)
+    for rows, keys, values, mask in groups:
+        q = query.index_select(0, rows)
+        mine = int((rows < wanted).sum()) if wanted else 0
+        if mine:
+            out_g, found = _decode_with_last_query(q, keys, values, scale, mask, mine)
+            stat[:, :, :keys.shape[2]].index_copy_(0, rows[:mine], found["last_query"])
+        else:
+            out_g = _sdpa_output(q, keys, values, scale, mask)
+        out.index_copy_(0, rows, out_g)
+    if stat is not None:
+        probe.stats[layer] = {"last_query": stat}
+    return out
 
 
 def _only_last_query(req: StatRequest) -> bool:

@@ -420,26 +420,19 @@ class TrackedLayer(DynamicLayer):
 
 
 def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str, EntryStore]) -> None:
-    """`layer.move_into(stores, row)` for several (row, batch-1 layer) pairs at once: one padded copy per field
-    for all of them (a turn's first batched step moves every row in)."""
-    rows = [r for r, _ in movers]
-    index = None if rows == list(range(rows[0], rows[0] + len(rows))) else torch.tensor(rows)
-    for name, store in stores.items():
-        fields = [getattr(layer, name) for _, layer in movers]
-        if any(f is None for f in fields):
-            raise RuntimeError("only a layer holding entries can move into a batch's stores")
-        longest = max(f.shape[2] for f in fields)
-        store.reserve(longest)
-        # [rows, Hkv, longest, *tail]; a shorter row's padding lands past its length (never read)
-        padded = pad_sequence([f[0].transpose(0, 1) for f in fields], batch_first=True).transpose(1, 2)
-        target = store.data.narrow(2, 0, longest)
-        with torch.inference_mode():
-            if index is None:
-                target.narrow(0, rows[0], len(rows)).copy_(padded)
-            else:
-                target.index_copy_(0, index.to(target.device), padded)
-        for r, f in zip(rows, fields):
-            store.lengths[r] = f.shape[2]
+    """`layer.move_into(stores, row)` for several (row, batch-1 layer) pairs at once (a turn's first batched
+    step moves every row in): each row's entries copied as they lie, with none of the per-write checks."""
+    fields = {name: [getattr(layer, name) for _, layer in movers] for name in stores}
+    if any(f is None for values in fields.values() for f in values):
+        raise RuntimeError("only a layer holding entries can move into a batch's stores")
+    with torch.inference_mode():
+        for name, store in stores.items():
+            store.reserve(max(f.shape[2] for f in fields[name]))
+            data, lengths = store.data, store.lengths
+            for (r, _), f in zip(movers, fields[name]):
+                n = f.shape[2]
+                data[r].narrow(1, 0, n).copy_(f[0])
+                lengths[r] = n
     for r, layer in movers:
         layer._stores, layer._rows = stores, (r, r + 1)
 

@@ -86,18 +86,27 @@ def resolve_knob_flags(args: argparse.Namespace, chosen: MethodArgs, context: Re
     `chosen.knobs`; returns {method: {knob: value}} as the methods will run."""
     out: dict[str, dict[str, Any]] = {}
     for method in chosen.methods:
-        cls = REGISTRY[method]
-        for knob in cls.flag_knobs:
-            given = chosen.knobs.get(method, {})
-            if knob not in given:
-                value = getattr(args, _knob_dest(method, knob), AUTO)
-                if value == AUTO:
-                    try:
-                        value = cls.auto_knob(knob, context)
-                    except (PolicyError, ValueError) as exc:
-                        raise MethodArgError(f"{knob_flag(method, knob)}: {exc}") from None
-                chosen.knobs.setdefault(method, {})[knob] = value
-            out.setdefault(method, {})[knob] = chosen.knobs[method][knob]
+        flagged = flag_knob_values(args, method, chosen.knobs.get(method, {}), context)
+        if flagged:
+            chosen.knobs.setdefault(method, {}).update(flagged)
+            out[method] = flagged
+    return out
+
+
+def flag_knob_values(args: argparse.Namespace, method: str, given: dict[str, Any], context: ResolveContext
+                     ) -> dict[str, Any]:
+    """One method's knobs that the flags of `add_knob_flags` set, auto resolved for the model and budget in
+    `context`; a knob in `given` (from --knob) keeps its value."""
+    cls = REGISTRY[method]
+    out: dict[str, Any] = {}
+    for knob in cls.flag_knobs:
+        value = given.get(knob, getattr(args, _knob_dest(method, knob), AUTO))
+        if value == AUTO:
+            try:
+                value = cls.auto_knob(knob, context)
+            except (PolicyError, ValueError) as exc:
+                raise MethodArgError(f"{knob_flag(method, knob)}: {exc}") from None
+        out[knob] = value
     return out
 
 

@@ -5,9 +5,10 @@ batch-1 `TrackedCache` whose layers hold different numbers of entries, per layer
 feeds each row its next tokens in ONE model call:
 
 - a decode step (one token per row) reads the rows where they live: per layer, the rows sit in shared stores
-  (`StepBuffers`, row r = the r-th row's entries, moved in once), each row's new entry is written after its
-  entries in place, and attention reads the stores' first T entries through a key mask of the rows' lengths.
-  No step copies anything that grows with the cache;
+  (`StepBuffers`: one group, or two when one method keeps far more entries than the rest; row k of a group =
+  its k-th row's entries, moved in once), each row's new entry is written after its entries in place, and
+  attention reads a group's first T entries through a key mask of its rows' lengths. No step copies anything
+  that grows with the cache;
 - a multi-token step (a follow-up's tokens) lays the rows out as `[row's entries | padding | this step's
   tokens]` so bottom-right causal alignment holds; shorter chunks are left-padded, the padding tokens are
   masked as keys and never stored;
@@ -25,7 +26,6 @@ calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks 
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
@@ -34,9 +34,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .attention import AttentionProbe, StatRequest
-from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, move_rows_into, per_head_meta
+from .cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
 from .policies import Policy, PolicyState
 from .policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
+from .step_buffers import StepBuffers
 
 
 def sync(device: torch.device) -> None:
@@ -48,111 +49,6 @@ def now(device: torch.device) -> float:
     """A timestamp after all queued device work has finished (honest CUDA timings)."""
     sync(device)
     return time.perf_counter()
-
-
-# -- what batched steps keep from one step to the next --------------------------------------------------------
-
-class StepBuffers:
-    """What a turn's batched steps keep from one step to the next (one per turn; drop it afterwards).
-
-    - The rows' shared stores, per layer: row r of every field (keys, values, positions, flags, scores) is the
-      r-th row's entries. Rows move in once (a copy of their entries); from then on decode steps append each
-      row's new entry in place and attention reads every row at once through its length (a key mask), so a
-      step copies nothing that grows with the cache. Policies evict and merge in the row's own slot.
-    - The padded tensors of multi-token steps (a follow-up's or the question's tokens, once per turn), laid
-      out as [row's entries | padding | the step's tokens], reused without zeroing: a row attends only to its
-      own entries and the step's tokens (the key mask), and the rest holds earlier finite entries, which the
-      mask turns into exact zeros."""
-
-    def __init__(self):
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stores: dict[int, dict[str, EntryStore]] = {}
-        self._occupants: dict[int, list[weakref.ref]] = {}  # layer -> the layer living in each row (weakly)
-        self._refreshed: dict[int, list[tuple | None]] = {}  # layer -> per row: what its working copy holds
-
-    def get(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H, t, D] padded views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""
-        b, h, _, d = keys.shape
-        found = self._layers.get(layer_idx)
-        if (found is None or found[0].shape[0] < b or found[0].shape[2] < t or found[0].shape[1] != h
-                or found[0].shape[3] != d or found[0].dtype != keys.dtype or found[0].device != keys.device):
-            grown = t if found is None else max(t, found[0].shape[2] + found[0].shape[2] // 2)
-            rows = b if found is None else max(b, found[0].shape[0])
-            found = (keys.new_zeros(rows, h, grown + 16, d), values.new_zeros(rows, h, grown + 16, values.shape[-1]))
-            self._layers[layer_idx] = found
-        return found[0][:b, :, :t], found[1][:b, :, :t]
-
-    def stores(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> dict[str, EntryStore]:
-        """The shared stores of layer `layer_idx` holding `rows` (batch-1 layers) as rows 0..B-1, each row moved
-        in unless it lives there already. A row holding quantised entries stays out (`refresh_row`)."""
-        stores = self._stores.get(layer_idx)
-        if stores is not None and stores["keys"].data.shape[0] == len(rows):
-            for r, layer in enumerate(rows):
-                if (layer._stores is not stores or layer._rows[0] != r) and not layer.segments:
-                    break
-            else:
-                return stores  # every row lives here already (the usual decode step): nothing to check or move
-        if stores is None or stores["keys"].data.shape[0] != len(rows) or not self._fit(
-                stores, [layer for layer in rows[:1] if not layer.segments]):
-            resident = [layer for layer in rows if not layer.segments]
-            longest = max(layer.length for layer in rows)
-            like = resident[0] if resident else rows[0]
-            stores = {}
-            for name in ENTRY_FIELDS:
-                t = getattr(like, name) if resident else (like.full_keys() if name == "keys" else
-                                                         like.full_values() if name == "values" else getattr(like, name))
-                stores[name] = EntryStore(t.new_zeros(len(rows), t.shape[1], longest + SPARE_ENTRIES, *t.shape[3:]),
-                                          [0] * len(rows))
-            self._stores[layer_idx] = stores
-            self._occupants[layer_idx] = [_dead] * len(rows)
-            self._refreshed[layer_idx] = [None] * len(rows)
-        occupants = self._occupants[layer_idx]
-        movers = []
-        for r, layer in enumerate(rows):
-            if layer.segments or layer.lives_in(stores, r):
-                continue
-            previous = occupants[r]()
-            if previous is not None and previous is not layer and previous.lives_in(stores, r):
-                previous.own_storage()  # a row that left the batch keeps its entries
-            movers.append((r, layer))
-            occupants[r] = weakref.ref(layer)
-        if len(movers) > 1:
-            move_rows_into(movers, stores)
-        elif movers:
-            movers[0][1].move_into(stores, movers[0][0])
-        return stores
-
-    @staticmethod
-    def _fit(stores: dict[str, EntryStore], resident: Sequence[TrackedLayer]) -> bool:
-        return all(stores[name].fits(getattr(layer, name), (0, 1)) for layer in resident for name in ENTRY_FIELDS)
-
-    def refresh_row(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
-        """Row r of the shared stores as the working copy of a layer that holds quantised entries: its entries
-        dequantised, written again only when its entries changed other than by the steps' own appends (a new
-        quantised block), since a step appends the new entry to both."""
-        stores = self._stores[layer_idx]
-        signature = (tuple(id(seg) for seg in layer.segments), layer.length)
-        if self._refreshed[layer_idx][r] == signature and stores["keys"].lengths[r] == layer.length:
-            return
-        if any(layer._stores.get(n) is s for n, s in stores.items()):
-            layer.own_storage()
-        stores["keys"].write((r, r + 1), layer.full_keys())
-        stores["values"].write((r, r + 1), layer.full_values())
-        for name in ("positions", "is_image", "scores"):
-            stores[name].write((r, r + 1), getattr(layer, name))
-        self._refreshed[layer_idx][r] = signature
-
-    def refreshed(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
-        """Row r's working copy took the step's new entry, as the layer did."""
-        self._refreshed[layer_idx][r] = (tuple(id(seg) for seg in layer.segments), layer.length)
-
-    def nbytes(self) -> int:
-        padded = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._layers.values())
-        return padded + sum(s.nbytes() for stores in self._stores.values() for s in stores.values())
-
-
-def _dead():
-    return None
 
 
 class _DecodeLayer(DynamicLayer):
@@ -170,45 +66,63 @@ class _DecodeLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         step = self.step
-        b, h = key_states.shape[:2]
         rows = [c.layers[self.layer_idx] for c in step.caches]
-        stores = step.buffers.stores(self.layer_idx, rows)
+        groups = step.buffers.groups(self.layer_idx, rows)
         quantised = [r for r, layer in enumerate(rows) if layer.segments]
         for r in quantised:
             step.buffers.refresh_row(self.layer_idx, r, rows[r])
+        self.new_lengths = [0] * len(rows)
+        found = [self._append(g, rows, key_states, value_states) for g in groups]
+        for r in quantised:  # its own storage gets the new entry too
+            layer = rows[r]
+            layer._append("keys", key_states[r:r + 1])
+            layer._append("values", value_states[r:r + 1])
+            layer.append_meta_per_head(*step.row_meta(r, key_states.shape[1]), has_image=False)
+            step.buffers.refreshed(self.layer_idx, r, layer)
+        if len(found) == 1:
+            keys, values, mask = found[0]
+            if mask is not None:
+                step.probe.key_masks[self.layer_idx] = mask
+            return keys, values
+        # rows in two groups: attention reads each group where it lives (the probe carries them)
+        step.probe.row_groups[self.layer_idx] = [(g.index, *f) for g, f in zip(groups, found)]
+        return found[0][0], found[0][1]
+
+    def _append(self, group, rows, key_states, value_states):
+        """Write the new entry of every row of `group` after its entries, in place; its keys and values as
+        attention reads them (the first T entries, T its longest row) and their key mask (None: every entry)."""
+        step, stores = self.step, group.stores
+        if group.whole:
+            positions = step.positions[:, :1]
+        else:
+            key_states, value_states = key_states.index_select(0, group.index), value_states.index_select(0, group.index)
+            positions = step.positions.index_select(0, group.index)[:, :1]
+        b, h = key_states.shape[:2]
         old = list(stores["keys"].lengths)
         ends = torch.tensor(old, device=key_states.device)
         for store in stores.values():
             store.reserve(max(old) + 1)
-        # row r's next slot in every head: one scatter per field for all rows
+        # row k's next slot in every head: one scatter per field for all rows
         at = ends.view(b, 1, 1)
-        stores["positions"].data.scatter_(2, at.expand(b, h, 1), step.positions[:, :1, None].expand(b, h, 1))
+        stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
         stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
         stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
         at = at.unsqueeze(-1)
         stores["keys"].data.scatter_(2, at.expand(b, h, 1, key_states.shape[-1]), key_states)
         stores["values"].data.scatter_(2, at.expand(b, h, 1, value_states.shape[-1]), value_states)
+        new = [n + 1 for n in old]
         for store in stores.values():
-            lengths = store.lengths
-            for r in range(b):
-                lengths[r] = old[r] + 1
-        for r in quantised:  # its own storage gets the new entry too
-            layer = rows[r]
-            layer._append("keys", key_states[r:r + 1])
-            layer._append("values", value_states[r:r + 1])
-            layer.append_meta_per_head(*step.row_meta(r, h), has_image=False)
-            step.buffers.refreshed(self.layer_idx, r, layer)
-        self.new_lengths = [n + 1 for n in old]
-        t = max(self.new_lengths)
-        empty_slots = any(layer.has_empty_slots for layer in rows)
+            store.lengths[:] = new
+        for r, n in zip(group.rows, new):
+            self.new_lengths[r] = n
+        t = max(new)
+        mask = None
+        empty_slots = any(rows[r].has_empty_slots for r in group.rows)
         if empty_slots or min(old) != max(old):
-            valid = step.slots(t) <= ends[:, None]  # [B, T]: a row's entries and its new one
+            mask = (step.slots(t) <= ends[:, None])[:, None, :]  # [B, 1, T]: a row's entries and its new one
             if empty_slots:
-                valid = valid[:, None, :] & (stores["positions"].data[:, :, :t] >= 0)
-            else:
-                valid = valid[:, None, :]
-            step.probe.key_masks[self.layer_idx] = valid
-        return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t]
+                mask = mask & (stores["positions"].data[:, :, :t] >= 0)
+        return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t], mask
 
 
 class _DecodeCache(DynamicCache):

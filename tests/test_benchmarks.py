@@ -246,6 +246,15 @@ def test_speed_batch2_every_method_batches(tmp_path):
         assert r["peak_bytes"] > r["kv_bytes"] > 0
     rows_csv = read_csv(tmp_path / "speed.csv")
     assert len(rows_csv) == 1 + 1 + len(METHODS) and rows_csv[0][0] == "method @ budget"
+    assert res["flag_knobs"] == {"prefixkv 40x4@0.2": "mode online"}  # auto: the tiny model is not calibrated
+
+
+def test_speed_knob_flags_are_the_shared_ones(tmp_path):
+    """--prefixkv-mode is the flag the policy declares (as in quality.py), resolved per budget by the policy's own
+    hooks: offline on a model without calibrated ratios stops with the policy's message."""
+    assert "--prefixkv-mode" in speed.build_parser().format_help()
+    with pytest.raises(SystemExit, match="no calibrated PrefixKV configuration for model 'tiny-llama'"):
+        speed.main(SPEED_ARGS + ["--methods", "full,prefixkv", "--prefixkv-mode", "offline", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("method,knobs", [(m, {}) for m in METHODS]

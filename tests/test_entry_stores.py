@@ -168,13 +168,13 @@ def test_decode_steps_keep_rows_in_place(tiny_qwen2, prefilled):
             starts = [n + step] * 3
             runner.forward_rows(tiny_qwen2.model, rows, tokens, starts, [True] * 3, tiny_qwen2.device, buffers)
             if step == 0:
-                data = {i: buffers._stores[i]["keys"].data for i in buffers._stores}
+                data = {i: groups[0].stores["keys"].data for i, groups in buffers._groups.items()}
             for row, tok, start in zip(plain, tokens, starts):
                 runner.forward_rows(tiny_qwen2.model, [row], [tok], [start], [True], tiny_qwen2.device)
-    assert all(buffers._stores[i]["keys"].data is data[i] for i in data)  # written in place, never re-copied
+    assert all(buffers._groups[i][0].stores["keys"].data is data[i] for i in data)  # written in place, never re-copied
     for r, (row, ref) in enumerate(zip(rows, plain)):
         for i, (mine, theirs) in enumerate(zip(row.layers, ref.layers)):
-            assert mine.lives_in(buffers._stores[i], r)
+            assert mine.lives_in(buffers._groups[i][0].stores, r)
             assert torch.equal(mine.positions, theirs.positions)
             torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
 

@@ -8,6 +8,7 @@ from prefixkv_core import runner
 from prefixkv_core.attention import tracked_attention_enabled
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import METHODS
+from prefixkv_core.step_buffers import split_by_length
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 FOLLOW_UP = "and what colour is the largest one"
@@ -181,3 +182,43 @@ def test_a_finished_session_frees_its_caches_without_the_garbage_collector(tiny_
         assert all(ref() is None for ref in caches)
     finally:
         gc.enable()
+
+
+def test_rows_split_by_length_when_that_saves_enough():
+    """One long row beside short ones gets a group of its own only when the saving is large (in bytes and in
+    share); small caches and rows of similar lengths stay in one group."""
+    assert split_by_length([700, 200, 210, 190], spare=64, entry_bytes=8192) == [[0], [1, 2, 3]]
+    assert split_by_length([200, 700, 710, 190], spare=64, entry_bytes=16384) == [[1, 2], [0, 3]]
+    assert split_by_length([700, 200, 210, 190], spare=64, entry_bytes=64) == [[0, 1, 2, 3]]  # saves < 8 MiB
+    assert split_by_length([700, 650, 680, 690], spare=64, entry_bytes=8192) == [[0, 1, 2, 3]]  # saves < 30 %
+    assert split_by_length([500], spare=64, entry_bytes=8192) == [[0]]
+
+
+SPLIT_METHODS = ["full", "local", "h2o", "snapkv", "adakv", "zipvl", "fastv", "prefixkv"]
+
+
+def test_rows_in_two_groups_equal_each_alone(tiny, noise_image, monkeypatch):
+    """With every batch split in two groups by length (the long rows: Full, ZipVL's working copy, FastV), each
+    method, the ones that score while decoding, keep empty slots or quantise included, gets exactly its own
+    tokens, counts and bytes over a first turn and a follow-up."""
+    from prefixkv_core import step_buffers
+
+    monkeypatch.setattr(step_buffers, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(step_buffers, "SPLIT_SHARE", 1.0)
+    made = []
+    new_groups = step_buffers.StepBuffers._new_groups
+
+    def recording(self, layer_idx, rows):
+        groups = new_groups(self, layer_idx, rows)
+        made.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(step_buffers.StepBuffers, "_new_groups", recording)
+    engine = Engine(tiny)
+    settings = GenerationSettings(max_new_tokens=7)
+    together = _turns(engine.new_session(noise_image, PROMPT, SPLIT_METHODS, 0.3, settings, KNOBS))
+    assert made and all(n == 2 for n in made)
+    for method in SPLIT_METHODS:
+        alone = _turns(engine.new_session(noise_image, PROMPT, [method], 0.3, GenerationSettings(max_new_tokens=7),
+                                          {k: v for k, v in KNOBS.items() if k == method}))
+        assert together[method] == alone[method], method

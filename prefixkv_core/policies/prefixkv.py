@@ -201,27 +201,3 @@ class PrefixKVPolicy(Policy):
             out.append(note(f"offline ratios calibrated for this model ({self.ratios_source})"
                             if self.ratios_source else "offline ratios given by the caller"))
         return out + super().facts(state)
-
-
-def mode_knobs(mode: str, budget: float, knobs: dict[str, Any], context: ResolveContext) -> tuple[dict[str, Any], str]:
-    """The benchmarks' --prefixkv-mode: "offline" (this model's calibrated ratios, or an error), "online" (the
-    per-prompt search) or "auto" (offline when calibrated, else online); explicit knobs win. Returns the knobs to
-    run with and, in words, which mode and where its ratios came from."""
-    knobs = dict(knobs)
-    if knobs.get("mode") == "online":
-        return knobs, "online (per-prompt search)"
-    if knobs.get("ratios"):
-        return {**knobs, "mode": "offline"}, "offline (ratios from --knob)"
-    if mode == "online":
-        return {**knobs, "mode": "online"}, "online (per-prompt search)"
-    from . import make_policy  # the registry (it imports this module)
-
-    try:  # the policy's own hook finds this model's calibrated ratios, as in the app
-        found = make_policy(PrefixKVPolicy.name, budget, **{**knobs, "mode": "offline"}).resolve(context)
-        return {**knobs, "mode": "offline", "ratios": list(found.ratios)}, f"offline ({found.ratios_source})"
-    except PolicyError:
-        if mode == "offline":
-            raise PolicyError(f"no calibrated PrefixKV configuration for {context.model_slug}: run `python -m "
-                              f"prefixkv_core calibrate --model ...` or use --prefixkv-mode auto") from None
-    return {**knobs, "mode": "online"}, "online (per-prompt search; no calibrated ratios for this model)"
-

@@ -1,0 +1,177 @@
+"""What a turn's batched steps keep from one step to the next: the rows' shared stores, and the padded tensors of
+multi-token steps.
+
+Per layer, the batch's rows live in one or two groups of shared stores (`RowGroup`): row k of a group's stores
+(keys, values, positions, flags, scores) is the entries of the group's k-th row. Rows move in once (a copy of
+their entries); from then on decode steps append each row's new entry in place and attention reads a group's
+rows at once through their lengths (a key mask), so a step copies nothing that grows with the cache. Policies
+evict and merge in a row's own slot.
+
+A group is as long as its longest row, and every row of it is read that far (masked). When one method keeps
+far more entries than the others (Full and a method that quantises beside several that evict), one group
+would hold and read mostly padding: then the long rows get a group of their own, when that saves at least
+`SPLIT_MIN_BYTES` of the layer's stores and a `1 - SPLIT_SHARE` share of them. Small caches (the embedded
+model) stay in one group, where one attention call per layer is cheaper than two.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedLayer, move_rows_into
+
+SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
+SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size
+
+
+def split_by_length(lengths: Sequence[int], spare: int = SPARE_ENTRIES, entry_bytes: int = 0) -> list[list[int]]:
+    """The batch's rows (indices into `lengths`, each row's entries) as one group, or two (the longest rows, the
+    rest) when that saves enough of the stores: each group holds its longest row plus `spare` entries per row,
+    `entry_bytes` an entry of every head (keys and values). Each group's rows ascending."""
+    b = len(lengths)
+    whole = b * (max(lengths) + spare)
+    order = sorted(range(b), key=lambda r: (-lengths[r], r))
+    best, cut = whole, 0
+    for k in range(1, b):
+        cost = k * (lengths[order[0]] + spare) + (b - k) * (lengths[order[k]] + spare)
+        if cost < best:
+            best, cut = cost, k
+    if cut and (whole - best) * entry_bytes >= SPLIT_MIN_BYTES and best <= SPLIT_SHARE * whole:
+        return [sorted(order[:cut]), sorted(order[cut:])]
+    return [list(range(b))]
+
+
+@dataclass
+class RowGroup:
+    """Batch rows (ascending) that share one set of stores: the group's k-th row is row k of the stores."""
+
+    rows: list[int]
+    stores: dict[str, EntryStore]
+    index: torch.Tensor  # the rows, as a tensor on the model's device (to pick them out of a step's tensors)
+    whole: bool  # the group holds every row of the batch, in order
+    occupants: list = field(default_factory=list)  # per row: the layer living there (weakly)
+    refreshed: list = field(default_factory=list)  # per row: what a quantised row's working copy holds
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.stores.values())
+
+
+def _dead():
+    return None
+
+
+class StepBuffers:
+    """What a turn's batched steps keep from one step to the next (one per turn; drop it afterwards).
+
+    - Per layer, the rows' shared stores (`groups`), see the module's docstring.
+    - The padded tensors of multi-token steps (a follow-up's or the question's tokens, once per turn), laid
+      out as [row's entries | padding | the step's tokens], reused without zeroing: a row attends only to its
+      own entries and the step's tokens (the key mask), and the rest holds earlier finite entries, which the
+      mask turns into exact zeros."""
+
+    def __init__(self):
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._groups: dict[int, list[RowGroup]] = {}
+        self._where: dict[int, dict[int, tuple[RowGroup, int]]] = {}  # layer -> batch row -> (group, row in it)
+
+    def get(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H, t, D] padded views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""
+        b, h, _, d = keys.shape
+        found = self._layers.get(layer_idx)
+        if (found is None or found[0].shape[0] < b or found[0].shape[2] < t or found[0].shape[1] != h
+                or found[0].shape[3] != d or found[0].dtype != keys.dtype or found[0].device != keys.device):
+            grown = t if found is None else max(t, found[0].shape[2] + found[0].shape[2] // 2)
+            rows = b if found is None else max(b, found[0].shape[0])
+            found = (keys.new_zeros(rows, h, grown + 16, d), values.new_zeros(rows, h, grown + 16, values.shape[-1]))
+            self._layers[layer_idx] = found
+        return found[0][:b, :, :t], found[1][:b, :, :t]
+
+    def groups(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> list[RowGroup]:
+        """The groups of shared stores of layer `layer_idx` holding `rows` (batch-1 layers, the batch's rows in
+        order), each row moved in unless it lives there already. A row holding quantised entries stays out
+        (`refresh_row`)."""
+        groups = self._groups.get(layer_idx)
+        if groups is not None and sum(len(g.rows) for g in groups) == len(rows):
+            for g in groups:
+                stores = g.stores
+                for k, r in enumerate(g.rows):
+                    layer = rows[r]
+                    if (layer._stores is not stores or layer._rows[0] != k) and not layer.segments:
+                        break
+                else:
+                    continue
+                break
+            else:
+                return groups  # every row lives here already (the usual decode step): nothing to check or move
+        if groups is None or sum(len(g.rows) for g in groups) != len(rows) or not self._fit(
+                groups[0].stores, [layer for layer in rows[:1] if not layer.segments]):
+            groups = self._new_groups(layer_idx, rows)
+        for g in groups:
+            movers = []
+            for k, r in enumerate(g.rows):
+                layer = rows[r]
+                if layer.segments or layer.lives_in(g.stores, k):
+                    continue
+                previous = g.occupants[k]()
+                if previous is not None and previous is not layer and previous.lives_in(g.stores, k):
+                    previous.own_storage()  # a row that left the batch keeps its entries
+                movers.append((k, layer))
+                g.occupants[k] = weakref.ref(layer)
+            if len(movers) > 1:
+                move_rows_into(movers, g.stores)
+            elif movers:
+                movers[0][1].move_into(g.stores, movers[0][0])
+        return groups
+
+    def _new_groups(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> list[RowGroup]:
+        resident = [layer for layer in rows if not layer.segments]
+        like = resident[0] if resident else rows[0]
+        fields = {name: getattr(like, name) if resident else (like.full_keys() if name == "keys" else
+                                                             like.full_values() if name == "values" else
+                                                             getattr(like, name)) for name in ENTRY_FIELDS}
+        entry_bytes = sum(fields[n][0, :, :1].numel() * fields[n].element_size() for n in ("keys", "values"))
+        lengths = [layer.length for layer in rows]
+        device = fields["keys"].device
+        groups = []
+        for members in split_by_length(lengths, SPARE_ENTRIES, entry_bytes):
+            room = max(lengths[r] for r in members) + SPARE_ENTRIES
+            stores = {name: EntryStore(t.new_zeros(len(members), t.shape[1], room, *t.shape[3:]), [0] * len(members))
+                      for name, t in fields.items()}
+            groups.append(RowGroup(members, stores, torch.tensor(members, device=device),
+                                   members == list(range(len(rows))), [_dead] * len(members), [None] * len(members)))
+        self._groups[layer_idx] = groups
+        self._where[layer_idx] = {r: (g, k) for g in groups for k, r in enumerate(g.rows)}
+        return groups
+
+    @staticmethod
+    def _fit(stores: dict[str, EntryStore], resident: Sequence[TrackedLayer]) -> bool:
+        return all(stores[name].fits(getattr(layer, name), (0, 1)) for layer in resident for name in ENTRY_FIELDS)
+
+    def refresh_row(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
+        """Batch row r's slot in its group as the working copy of a layer that holds quantised entries: its
+        entries dequantised, written again only when its entries changed other than by the steps' own appends (a
+        new quantised block), since a step appends the new entry to both."""
+        group, k = self._where[layer_idx][r]
+        stores = group.stores
+        signature = (tuple(id(seg) for seg in layer.segments), layer.length)
+        if group.refreshed[k] == signature and stores["keys"].lengths[k] == layer.length:
+            return
+        if any(layer._stores.get(n) is s for n, s in stores.items()):
+            layer.own_storage()
+        stores["keys"].write((k, k + 1), layer.full_keys())
+        stores["values"].write((k, k + 1), layer.full_values())
+        for name in ("positions", "is_image", "scores"):
+            stores[name].write((k, k + 1), getattr(layer, name))
+        group.refreshed[k] = signature
+
+    def refreshed(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
+        """Batch row r's working copy took the step's new entry, as the layer did."""
+        group, k = self._where[layer_idx][r]
+        group.refreshed[k] = (tuple(id(seg) for seg in layer.segments), layer.length)
+
+    def nbytes(self) -> int:
+        padded = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._layers.values())
+        return padded + sum(g.nbytes() for groups in self._groups.values() for g in groups)
