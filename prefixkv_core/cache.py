@@ -14,6 +14,7 @@ as a per-head (flattened) cache would store them. `stored_nbytes` says what the 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -437,6 +438,19 @@ def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str,
         layer._stores, layer._rows = stores, (r, r + 1)
 
 
+@functools.lru_cache(maxsize=256)
+def _slot_starts(rows: tuple[int, ...], heads: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """[rows, Hkv, 1]: where each (row, head) slot of a store of this capacity starts, flattened (the same rows
+    evict step after step, so these are made once)."""
+    index = torch.tensor(rows, device=device)[:, None] * heads + torch.arange(heads, device=device)
+    return (index * capacity).unsqueeze(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
 def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     """`layer.gather(index)` for every (layer, index) pair, the batch-1 full-precision layers that are rows of
     one set of shared stores gathered together (`gather_rows`); each layer at most once."""
@@ -468,9 +482,8 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
     # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 into slots past its new length (never read)
     index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
     index = index.transpose(1, 2)
-    rows = torch.tensor([layer._rows[0] for layer in layers], device=device)
-    first = (rows[:, None] * heads + torch.arange(heads, device=device)).unsqueeze(-1)  # [rows, Hkv, 1]
-    slots = torch.arange(index.shape[2], device=device)
+    rows = tuple(layer._rows[0] for layer in layers)
+    slots = _slots(index.shape[2], device)
     flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # capacity -> (entries read, slots written)
     kept_image = None
     with torch.inference_mode():
@@ -478,7 +491,8 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
             data = stores[name].data
             cap = data.shape[2]
             if cap not in flat:  # every (row, head) slot as one row of the flattened store: plain row copies
-                flat[cap] = ((first * cap + index).reshape(-1), (first * cap + slots).reshape(-1))
+                first = _slot_starts(rows, heads, cap, device)
+                flat[cap] = ((first + index).reshape(-1), (first + slots).reshape(-1))
             read, written = flat[cap]
             entries = data.view(-1, *data.shape[3:])
             kept = entries.index_select(0, read)

@@ -208,6 +208,8 @@ class Session:
     def _first_turn(self, cancel: threading.Event | None) -> Iterator[PrefillInfo | MethodEvent]:
         yield self._prefill_all()
         alone = not self.batched
+        if not alone:
+            self._form_batch(list(self.states.values()))
         for state in self.states.values():
             yield self._event(state, "start", alone=alone)
         if alone:
@@ -271,6 +273,7 @@ class Session:
         copies = [s.twin() for s in live] if self.time_alone else []
         self._timing = copies
         self._feed_turn(live, new_ids)
+        self._form_batch(live)
         for state in live:
             yield self._event(state, "error" if state.error is not None else "start")
         yield from self._decode_all(cancel)
@@ -465,6 +468,21 @@ class Session:
             state.pending = self._sample(state, logits[r])
             state.turn_ids = [state.pending]
             state.text = self._detok(state.turn_ids)
+
+    def _form_batch(self, states: list[MethodState]) -> None:
+        """The methods about to decode together move into the batch's shared stores before the first step."""
+        max_new = self.generation.max_new_tokens
+        active = [s for s in states if s.error is None and s.cache is not None and not s.finished
+                  and not self._is_done(s, max_new)]
+        if len(active) < 2:
+            return
+        if self._buffers is None:
+            self._buffers = runner.StepBuffers()
+        try:
+            runner.form_batch([s.cache for s in active], [s.policy.decode_needs_attention() for s in active],
+                              self._buffers)
+        except Exception:  # noqa: BLE001 - the first step meets the same problem and fails its rows with it
+            self._buffers = None
 
     def _advance(self, states: list[MethodState], chunks: list[list[int]], step: int
                  ) -> tuple[torch.Tensor, float, dict[str, float]]:

@@ -302,7 +302,7 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     b = len(caches)
     if min(len(c) for c in chunks) < 1:
         raise ValueError("every row needs at least one token to feed")
-    order = sorted(range(b), key=lambda r: not want_attention[r])  # the rows that want attention first
+    order = _row_order(want_attention)
     if order == list(range(b)):
         return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers)
     out = _forward_ordered_rows(model, [caches[r] for r in order], [chunks[r] for r in order],
@@ -310,6 +310,23 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     at = {r: k for k, r in enumerate(order)}
     back = torch.tensor([at[r] for r in range(b)], device=out.logits.device)
     return StepOutput(out.logits.index_select(0, back), [out.attention[at[r]] for r in range(b)])
+
+
+def _row_order(want_attention: Sequence[bool]) -> list[int]:
+    """The order a batched step holds its rows in: the rows that want attention first (stable)."""
+    return sorted(range(len(want_attention)), key=lambda r: not want_attention[r])
+
+
+def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], buffers: StepBuffers) -> None:
+    """Move the rows of the coming decode steps into `buffers`' shared stores now, every layer, in the order
+    `forward_rows` holds them, so that the steps only append (as a plain loop builds its batch cache before it
+    decodes). Optional: a step moves in whatever row is not there yet."""
+    if len(caches) < 2:
+        return
+    rows = [caches[r] for r in _row_order(want_attention)]
+    with torch.inference_mode():
+        for i in range(len(rows[0].layers)):
+            buffers.groups(i, [c.layers[i] for c in rows])
 
 
 def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]],

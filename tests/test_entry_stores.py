@@ -193,3 +193,33 @@ def test_a_row_replaced_in_the_batch_keeps_its_entries(tiny_qwen2, prefilled):
     for mine, theirs in zip(b.layers, kept.layers):
         assert torch.equal(mine.positions, theirs.positions)
         torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_a_formed_batch_is_where_the_steps_find_it(tiny_qwen2, prefilled):
+    """`form_batch` moves the rows in before the first step, in the order the steps hold them (rows that want
+    attention first): the steps then find every row in place and allocate nothing, and give what plain rows
+    give."""
+    cache, n = prefilled
+    rows = [cache.clone() for _ in range(3)]
+    for r, row in enumerate(rows):
+        for layer in row.layers:
+            layer.gather(torch.arange(0, n, r + 1).view(1, 1, -1))
+    plain = [row.clone() for row in rows]
+    want = [False, True, False]
+    buffers = runner.StepBuffers()
+    runner.form_batch(rows, want, buffers)
+    groups = {i: buffers._groups[i] for i in buffers._groups}
+    assert len(groups) == tiny_qwen2.num_layers
+    for i, (g,) in groups.items():  # small caches: one group, row 1 (wants attention) first
+        assert g.rows == [0, 1, 2]
+        for k, r in enumerate((1, 0, 2)):
+            assert rows[r].layers[i].lives_in(g.stores, k)
+    with tracked_attention_enabled(tiny_qwen2.model):
+        out = runner.forward_rows(tiny_qwen2.model, rows, [[5], [6], [7]], [n] * 3, want, tiny_qwen2.device, buffers)
+        alone = [runner.forward_rows(tiny_qwen2.model, [row], [[t]], [n], [w], tiny_qwen2.device)
+                 for row, t, w in zip(plain, (5, 6, 7), want)]
+    assert all(buffers._groups[i] is groups[i] for i in groups)  # nothing re-formed
+    for r, single in enumerate(alone):
+        torch.testing.assert_close(out.logits[r], single.logits[0], atol=1e-5, rtol=1e-5)
+    for layer, att in alone[1].attention[0].items():
+        torch.testing.assert_close(out.attention[1][layer], att, atol=1e-6, rtol=1e-5)

@@ -350,7 +350,7 @@ def top_k_keep(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None)
     fp32 with +inf for forced entries, never by adding a large constant in low precision."""
     s = scores.float()
     if forced is not None:
-        s = torch.where(forced, torch.full_like(s, float("inf")), s)
+        s = s.masked_fill(forced, float("inf"))
     k = max(0, min(k, s.shape[-1]))
     idx = torch.topk(s, k, dim=-1, sorted=False).indices
     return idx.sort(dim=-1).values
