@@ -116,13 +116,12 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     elif request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
     elif _only_last_query(request):
+        # the fused kernel for the output; one softmax row per query head for the statistic, for the rows that
+        # want it (the first ones: a view of the batch, no copy)
         rows = bsz if request.last_query_rows is None else request.last_query_rows
-        if q_len == 1:  # a decode step: the rows that want the statistic get it from their attention itself
-            out, probe.stats[layer] = _decode_with_last_query(query, key, value, scale, extra_mask, rows)
-        else:  # the fused kernel for the output, one softmax row per query head for the statistic
-            out = _sdpa_output(query, key, value, scale, extra_mask)
-            probe.stats[layer] = {"last_query": _last_query_row(query[:rows], key[:rows], scale,
-                                                                _leading(extra_mask, rows))}
+        out = _sdpa_output(query, key, value, scale, extra_mask)
+        probe.stats[layer] = {"last_query": _last_query_row(query[:rows], key[:rows], scale,
+                                                            _leading(extra_mask, rows))}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
         probe.stats[layer] = stats
@@ -148,34 +147,10 @@ def _leading(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return mask if mask is None or mask.shape[0] == 1 else mask[:rows]
 
 
-def _trailing(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    return mask if mask is None or mask.shape[0] == 1 else mask[rows:]
-
-
-def _decode_with_last_query(query, key, value, scale, extra_mask, rows: int):
-    """One decode query per row. The first `rows` rows are computed from their softmax in fp32, which is also
-    their statistic (the query's attention averaged over each KV head's query group, [rows, Hkv, Tk]): one
-    softmax serves both. The other rows take the fused kernel. Each row is computed the same way whatever
-    else is in the batch, so a batched row equals the row alone."""
-    bsz, n_heads, _, head_dim = query.shape
-    n_kv = key.shape[1]
-    q = query[:rows].float().reshape(rows, n_kv, n_heads // n_kv, head_dim)
-    scores = torch.matmul(q, key[:rows].float().transpose(-1, -2)).mul_(scale)  # [rows, Hkv, group, Tk]
-    mask = _leading(extra_mask, rows)
-    if mask is not None:
-        scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    out = torch.matmul(probs, value[:rows].float()).to(query.dtype).view(rows, n_heads, 1, head_dim)
-    if rows < bsz:
-        rest = _sdpa_output(query[rows:], key[rows:], value[rows:], scale, _trailing(extra_mask, rows))
-        out = torch.cat([out, rest])
-    return out, {"last_query": probs.mean(dim=2)}
-
-
 def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> torch.Tensor:
     """A decode step whose rows live in groups (`AttentionProbe.row_groups`): each group attends over its own
     keys; the rows that want the last query's statistic (the batch's first rows, so each group's first ones)
-    get it from their softmax, zero-padded to the longest group."""
+    get it zero-padded to the longest group."""
     request = probe.request
     if query.shape[2] != 1 or (request.any() and not _only_last_query(request)):
         raise ValueError("rows in groups are for decode steps that at most ask for the last query's row")
@@ -188,13 +163,11 @@ def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> 
         stat = query.new_zeros(wanted, groups[0][1].shape[1], longest, dtype=torch.float32)
     for rows, keys, values, mask in groups:
         q = query.index_select(0, rows)
+        out.index_copy_(0, rows, _sdpa_output(q, keys, values, scale, mask))
         mine = int((rows < wanted).sum()) if wanted else 0
         if mine:
-            out_g, found = _decode_with_last_query(q, keys, values, scale, mask, mine)
-            stat[:, :, :keys.shape[2]].index_copy_(0, rows[:mine], found["last_query"])
-        else:
-            out_g = _sdpa_output(q, keys, values, scale, mask)
-        out.index_copy_(0, rows, out_g)
+            found = _last_query_row(q[:mine], keys[:mine], scale, _leading(mask, mine))
+            stat[:, :, :keys.shape[2]].index_copy_(0, rows[:mine], found)
     if stat is not None:
         probe.stats[layer] = {"last_query": stat}
     return out
