@@ -465,8 +465,9 @@ def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     for layers, indices in groups.values():
         if len(layers) == 1:
             layers[0].gather(indices[0])
-        else:
-            gather_rows(layers, indices)
+        else:  # in row order, so rows next to each other are written as one block
+            order = sorted(range(len(layers)), key=lambda k: layers[k]._rows[0])
+            gather_rows([layers[k] for k in order], [indices[k] for k in order])
 
 
 def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:
@@ -483,8 +484,9 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
     index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
     index = index.transpose(1, 2)
     rows = tuple(layer._rows[0] for layer in layers)
+    block = rows == tuple(range(rows[0], rows[0] + len(rows)))
     slots = _slots(index.shape[2], device)
-    flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # capacity -> (entries read, slots written)
+    flat: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # capacity -> (entries read, slots written)
     kept_image = None
     with torch.inference_mode():
         for name in ENTRY_FIELDS:
@@ -492,11 +494,15 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
             cap = data.shape[2]
             if cap not in flat:  # every (row, head) slot as one row of the flattened store: plain row copies
                 first = _slot_starts(rows, heads, cap, device)
-                flat[cap] = ((first + index).reshape(-1), (first + slots).reshape(-1))
+                flat[cap] = ((first + index).reshape(-1), None if block else (first + slots).reshape(-1))
             read, written = flat[cap]
             entries = data.view(-1, *data.shape[3:])
             kept = entries.index_select(0, read)
-            entries.index_copy_(0, written, kept)
+            if block:  # rows next to each other: one block copy
+                data.narrow(0, rows[0], len(rows)).narrow(2, 0, index.shape[2]).copy_(
+                    kept.view(*index.shape, *data.shape[3:]))
+            else:
+                entries.index_copy_(0, written, kept)
             if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
                 valid = slots < torch.tensor(counts, device=device)[:, None]
                 kept_image = (kept.view(index.shape) & valid[:, None, :]).sum(dim=(1, 2)).tolist()

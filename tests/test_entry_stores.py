@@ -85,22 +85,24 @@ def test_eviction_in_a_shared_store_equals_the_naive_reference(empty_slots):
             assert torch.equal(getattr(layers[r], name), before[r][name]), name
 
 
-def test_joint_eviction_of_several_rows_equals_each_row_alone():
+@pytest.mark.parametrize("evicted, untouched_row", [((2, 0, 1), 3), ((3, 0, 1), 2)])  # a block, and rows apart
+def test_joint_eviction_of_several_rows_equals_each_row_alone(evicted, untouched_row):
     """`gather_many`: rows of one set of shared stores evicted together (head-shared and head-wise indices,
     different counts) hold exactly what each row's own gather gives, their image counts included; a row of its
     own stores and an untouched neighbour stay as they should."""
     layers = [_layer(t, seed) for seed, t in enumerate((9, 12, 7, 10))]
     loner = _layer(8, 9)
     stores = _shared(layers)
-    keeps = {0: torch.tensor([[[0, 3, 4, 8]]]), 1: torch.tensor([[[0, 2, 3, 7, 10, 11], [1, 4, 5, 6, 9, 11]]]),
-             2: torch.tensor([[[0, 1, 2, 3, 4, 5]]])}
+    by_row = {0: torch.tensor([[[0, 3, 4, 8]]]), 1: torch.tensor([[[0, 2, 3, 7, 10, 11], [1, 4, 5, 6, 9, 11]]]),
+              2: torch.tensor([[[0, 1, 2, 3, 4, 5]]]), 3: torch.tensor([[[0, 1, 2, 3, 4, 9]]])}
+    keeps = {r: by_row[r] for r in evicted}  # given out of row order
     references = {}
     for r, keep in keeps.items():
         references[r] = TrackedLayer()
         for name, value in _fields(layers[r]).items():
             setattr(references[r], name, value)
         references[r].gather(keep)
-    untouched = _fields(layers[3])
+    untouched = _fields(layers[untouched_row])
     loner_reference = _layer(8, 9)
     loner_reference.gather(torch.tensor([[[0, 5, 7]]]))
     gather_many([(layers[r], keep) for r, keep in keeps.items()] + [(loner, torch.tensor([[[0, 5, 7]]]))])
@@ -110,7 +112,7 @@ def test_joint_eviction_of_several_rows_equals_each_row_alone():
             assert torch.equal(getattr(layers[r], name), getattr(reference, name)), (r, name)
         assert layers[r].image_count() == reference.image_count()
     for name in ENTRY_FIELDS:
-        assert torch.equal(getattr(layers[3], name), untouched[name]), name
+        assert torch.equal(getattr(layers[untouched_row], name), untouched[name]), name
         assert torch.equal(getattr(loner, name), getattr(loner_reference, name)), name
 
 
