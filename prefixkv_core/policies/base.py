@@ -25,7 +25,7 @@ from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
 __all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "Budget", "check_budget",
-           "budget_count", "protected_mask", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
+           "budget_count", "protected_mask", "protected_positions", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans", "apply_plans_together"]
 
 # How budgeted methods are compared. "published": each as its paper runs it (prompt-only methods compress the
@@ -339,7 +339,11 @@ def budget_count(ratio: float, n: int, min_keep: int = 1) -> int:
 def protected_mask(layer: TrackedLayer, prompt_len: int, sink: int = 1) -> torch.Tensor:
     """[B, Hkv, T] True for entries that must survive: the first `sink` positions and the last prompt token
     (never an empty slot)."""
-    pos = layer.positions
+    return protected_positions(layer.positions, prompt_len, sink)
+
+
+def protected_positions(pos: torch.Tensor, prompt_len: int, sink: int = 1) -> torch.Tensor:
+    """`protected_mask` for true positions of any shape (e.g. several layers stacked)."""
     return ((pos < sink) & (pos >= 0)) | (pos == prompt_len - 1)
 
 
