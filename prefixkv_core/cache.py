@@ -543,9 +543,9 @@ class TrackedCache(DynamicCache):
 
     def add_scores(self, stats: dict[int, torch.Tensor]) -> None:
         """Accumulate per-layer attention ([B, Hkv, T], aligned with the layer's entries) into scores."""
-        for layer_idx, s in stats.items():
-            scores = self.layers[layer_idx].scores
-            with torch.inference_mode():  # in place, in the layer's own slot
+        with torch.inference_mode():  # in place, in each layer's own slot
+            for layer_idx, s in stats.items():
+                scores = self.layers[layer_idx].scores
                 scores.add_(s.to(scores.device))
 
     def clone(self) -> "TrackedCache":
