@@ -43,6 +43,12 @@ class StatRequest:
     def any(self) -> bool:
         return self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
 
+    def last_query_count(self, batch: int) -> int:
+        """How many of a batch's first rows want the last query's row (0 when none is asked for)."""
+        if not self.last_query:
+            return 0
+        return batch if self.last_query_rows is None else self.last_query_rows
+
     def all_windows(self) -> tuple[int, ...]:
         return tuple(sorted({w for w in (self.window, *self.windows) if w > 0}))
 
@@ -118,7 +124,7 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     elif _only_last_query(request):
         # the fused kernel for the output; one softmax row per query head for the statistic, for the rows that
         # want it (the first ones: a view of the batch, no copy)
-        rows = bsz if request.last_query_rows is None else request.last_query_rows
+        rows = request.last_query_count(bsz)
         out = _sdpa_output(query, key, value, scale, extra_mask)
         probe.stats[layer] = {"last_query": _last_query_row(query[:rows], key[:rows], scale,
                                                             _leading(extra_mask, rows))}
@@ -154,8 +160,7 @@ def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> 
     request = probe.request
     if query.shape[2] != 1 or (request.any() and not _only_last_query(request)):
         raise ValueError("rows in groups are for decode steps that at most ask for the last query's row")
-    bsz = query.shape[0]
-    wanted = (bsz if request.last_query_rows is None else request.last_query_rows) if request.last_query else 0
+    wanted = request.last_query_count(query.shape[0])
     out = torch.empty_like(query)
     stat = None
     if wanted:

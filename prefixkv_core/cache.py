@@ -214,13 +214,7 @@ class TrackedLayer(DynamicLayer):
     def move_into(self, stores: dict[str, EntryStore], row: int) -> None:
         """Copy this batch-1 layer's entries into row `row` of `stores` (a batch's shared stores) and keep them
         there: later appends, evictions and merges write that row in place."""
-        fields = {name: getattr(self, name) for name in stores}
-        if any(t is None for t in fields.values()):
-            raise RuntimeError("only a layer holding entries can move into a batch's stores")
-        for name, store in stores.items():
-            store.write((row, row + 1), fields[name])
-        self._stores = stores  # the batch's own dict, shared by its rows (so `lives_in` is one identity check)
-        self._rows = (row, row + 1)
+        move_rows_into([(row, self)], stores)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -308,21 +302,19 @@ class TrackedLayer(DynamicLayer):
         if self.segments:
             raise RuntimeError("entries stored quantised cannot be evicted; this method does not evict")
         b, h, _, d = self.keys.shape
+        empty = None
         if index.shape[0] == 1 and index.shape[1] == 1 and not empty_slots:
             # one index for every row and head: whole entries copied as they lie (far cheaper than a gather)
             idx = index.view(-1)
             keys, values, positions, is_image, scores = (getattr(self, n).index_select(2, idx) for n in ENTRY_FIELDS)
-            self.keys, self.values, self.positions, self.is_image, self.scores = keys, values, positions, is_image, scores
-            self._image_count = None
-            return
-        idx = index.expand(b, h, -1)
-        empty = None
-        if empty_slots:
-            empty = idx < 0
-            idx = idx.clamp_min(0)
-        keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
-        values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
-        positions, is_image, scores = (getattr(self, n).gather(2, idx) for n in ("positions", "is_image", "scores"))
+        else:
+            idx = index.expand(b, h, -1)
+            if empty_slots:
+                empty = idx < 0
+                idx = idx.clamp_min(0)
+            keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
+            values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+            positions, is_image, scores = (getattr(self, n).gather(2, idx) for n in ("positions", "is_image", "scores"))
         if empty is not None:
             keys, values = keys.masked_fill_(empty[..., None], 0), values.masked_fill_(empty[..., None], 0)
             positions, scores = positions.masked_fill_(empty, -1), scores.masked_fill_(empty, 0.0)
@@ -396,7 +388,7 @@ class TrackedLayer(DynamicLayer):
             store = self._stores.get(name)
             if store is not None:  # from the store's shape: events ask every step, no view needed
                 fp += (rows[1] - rows[0]) * store.lengths[rows[0]] * store.entry_bytes
-        return fp + sum(s.nbytes() for s in self.segments) if self.segments else fp
+        return fp + sum(s.nbytes() for s in self.segments)
 
     def nbytes(self) -> int:
         """Bytes of the entries this layer keeps: packed segments as stored, empty slots not counted."""
@@ -414,9 +406,8 @@ class TrackedLayer(DynamicLayer):
             return self._image_count
         if self.is_image is None:
             return 0
-        if self._image_count is None:
-            flags = self.is_image[0]  # the mean over heads of each head's count: their total over the heads
-            self._image_count = int(round(int(flags.sum()) / flags.shape[0]))
+        flags = self.is_image[0]  # the mean over heads of each head's count: their total over the heads
+        self._image_count = int(round(int(flags.sum()) / flags.shape[0]))
         return self._image_count
 
 
@@ -434,7 +425,7 @@ def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str,
                 n = f.shape[2]
                 data[r].narrow(1, 0, n).copy_(f[0])
                 lengths[r] = n
-    for r, layer in movers:
+    for r, layer in movers:  # the batch's own dict, shared by its rows (so `lives_in` is one identity check)
         layer._stores, layer._rows = stores, (r, r + 1)
 
 

@@ -120,10 +120,8 @@ class StepBuffers:
                     previous.own_storage()  # a row that left the batch keeps its entries
                 movers.append((k, layer))
                 g.occupants[k] = weakref.ref(layer)
-            if len(movers) > 1:
+            if movers:
                 move_rows_into(movers, g.stores)
-            elif movers:
-                movers[0][1].move_into(g.stores, movers[0][0])
         return groups
 
     def _new_groups(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> list[RowGroup]:

@@ -25,7 +25,7 @@ from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
 __all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "Budget", "check_budget",
-           "budget_count", "protected_mask", "protected_positions", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
+           "budget_count", "protected_mask", "protected_positions", "plans_by_equal_count", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans", "apply_plans_together"]
 
 # How budgeted methods are compared. "published": each as its paper runs it (prompt-only methods compress the
@@ -379,6 +379,22 @@ def drop_range_keep(length: int, start: int, count: int, device) -> torch.Tensor
     idx = torch.arange(length, device=device)
     keep = torch.cat([idx[:start], idx[start + count :]])
     return keep.view(1, 1, -1)
+
+
+def plans_by_equal_count(cache: TrackedCache, targets: list[int], keep) -> list[LayerPlan | None]:
+    """A plan for every layer holding more than its target (None for the others). The layers that hold the same
+    count and target are planned at once: `keep(layers, target)` gives their kept indices stacked,
+    [len(layers), B, 1|Hkv, target] (one ranking for all of them, the same as ranking each alone)."""
+    plans: list[LayerPlan | None] = [None] * len(cache.layers)
+    same: dict[tuple[int, int], list[int]] = {}  # (entries held, target) -> the layers over their target
+    for i, (layer, target) in enumerate(zip(cache.layers, targets)):
+        if layer.length > target:
+            same.setdefault((layer.length, target), []).append(i)
+    for (_, target), members in same.items():
+        kept = keep([cache.layers[i] for i in members], target)
+        for j, i in enumerate(members):
+            plans[i] = LayerPlan(keep=kept[j])
+    return plans
 
 
 def fixed_point_decode(view: DecodeView, targets: list[int], anchors: list[int]) -> list[LayerPlan | None]:

@@ -9,8 +9,8 @@ import torch
 
 from ..attention import StatRequest
 from . import allocation, scoring
-from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, protected_positions, \
-    top_k_keep
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, plans_by_equal_count, \
+    protected_positions, top_k_keep
 
 
 @dataclass(frozen=True)
@@ -38,23 +38,15 @@ class H2OPolicy(Policy):
 
     def _plans(self, cache, true_len: int, prompt_len: int) -> list[LayerPlan | None]:
         targets = allocation.uniform(self.budget, true_len, len(cache.layers), min_keep=2)
-        plans: list[LayerPlan | None] = [None] * len(cache.layers)
-        same: dict[tuple[int, int], list[int]] = {}  # (entries held, target) -> the layers over their target
-        for i, (layer, target) in enumerate(zip(cache.layers, targets)):
-            if layer.length > target:
-                same.setdefault((layer.length, target), []).append(i)
-        for (length, target), members in same.items():
-            # layers holding the same count are ranked at once, stacked (the same ranking as one by one)
-            layers = [cache.layers[i] for i in members]
+
+        def keep(layers, target):  # heavy hitters over the stacked layers, the sink and a recent window forced
             scores = torch.stack([layer.scores for layer in layers])  # [L, B, Hkv, T]
-            b = scores.shape[1]
-            heat = scoring.accumulated(scores.flatten(0, 1)).view(len(members), b, 1, length)
+            heat = scoring.accumulated(scores.flatten(0, 1)).view(len(layers), scores.shape[1], 1, scores.shape[3])
             forced = protected_positions(torch.stack([layer.positions[:, :1] for layer in layers]), prompt_len)
             forced[..., -max(1, int(round(self.recent_fraction * target))):] = True
-            keep = top_k_keep(heat, target, forced)  # [L, B, 1, target]
-            for j, i in enumerate(members):
-                plans[i] = LayerPlan(keep=keep[j])
-        return plans
+            return top_k_keep(heat, target, forced)
+
+        return plans_by_equal_count(cache, targets, keep)
 
     def prefill(self, view: PrefillView) -> Prefilled:
         return Prefilled(self._plans(view.cache, view.prompt_len, view.prompt_len), PolicyState())

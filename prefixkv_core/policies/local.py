@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from . import allocation, scoring
-from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, top_k_keep
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, plans_by_equal_count, \
+    top_k_keep
 
 
 @dataclass(frozen=True)
@@ -28,18 +29,12 @@ class LocalPolicy(Policy):
 
     def _plans(self, cache, true_len: int) -> list[LayerPlan | None]:
         targets = allocation.uniform(self.budget, true_len, len(cache.layers), min_keep=self.sinks + 1)
-        plans: list[LayerPlan | None] = [None] * len(cache.layers)
-        same: dict[tuple[int, int], list[int]] = {}  # (entries held, target) -> the layers over their target
-        for i, (layer, target) in enumerate(zip(cache.layers, targets)):
-            if layer.length > target:
-                same.setdefault((layer.length, target), []).append(i)
-        for (_, target), members in same.items():
-            # layers holding the same count are ranked at once, stacked (the same ranking as one by one)
-            positions = torch.stack([cache.layers[i].positions[:, :1] for i in members])  # [L, B, 1, T]
-            keep = top_k_keep(scoring.recency(positions), target, positions < self.sinks)
-            for j, i in enumerate(members):
-                plans[i] = LayerPlan(keep=keep[j])
-        return plans
+
+        def keep(layers, target):  # the newest entries of the stacked layers, the sinks forced
+            positions = torch.stack([layer.positions[:, :1] for layer in layers])  # [L, B, 1, T]
+            return top_k_keep(scoring.recency(positions), target, positions < self.sinks)
+
+        return plans_by_equal_count(cache, targets, keep)
 
     def prefill(self, view: PrefillView) -> Prefilled:
         return Prefilled(self._plans(view.cache, view.prompt_len), PolicyState())
