@@ -182,7 +182,7 @@ def load_speed_model(args) -> LoadedModel:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from prefixkv_core.method_args import MethodArgError, flag_knob_values, method_args
-    from prefixkv_core.policies import REGISTRY, PolicyError, ResolveContext, make_policy, role_method
+    from prefixkv_core.policies import REGISTRY, PolicyError, ResolveContext, knob_value, make_policy, role_method
 
     if args.paper:
         if args.model is None and args.random_weights is None:
@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                     base.update(flagged)
                     asked = make_policy(m, context.budget, **base)
                     resolved = asked.resolve(context)
-                    filled = {k: getattr(resolved, k) for k in REGISTRY[m].knobs()
-                              if getattr(resolved, k) != getattr(asked, k)}
+                    filled = {k: knob_value(resolved, k) for k in REGISTRY[m].knobs()
+                              if knob_value(resolved, k) != knob_value(asked, k)}
                     base.update(filled)
                     flag_notes[(si, m, b)] = ", ".join(f"{k} {v}" for k, v in flagged.items()) + (
                         f" ({', '.join(filled)} filled in for this model)" if filled else "")

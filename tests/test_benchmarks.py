@@ -257,6 +257,17 @@ def test_speed_knob_flags_are_the_shared_ones(tmp_path):
         speed.main(SPEED_ARGS + ["--methods", "full,prefixkv", "--prefixkv-mode", "offline", "--out", str(tmp_path)])
 
 
+def test_speed_runs_prefixkv_offline_with_the_calibrated_ratios(tmp_path):
+    """On a calibrated model, auto is offline and the policy's resolve hook fills in its ratios (only those)."""
+    args = ["--model", "embedded", "--settings", "160x3", "--budgets", "0.2", "--methods", "full,prefixkv",
+            "--warmup-steps", "0", "--threads", "1", "--no-png", "--quiet", "--out", str(tmp_path)]
+    assert speed.main(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in res["results"]}
+    assert rows["prefixkv"]["status"] == "ok", rows["prefixkv"].get("error")
+    assert res["flag_knobs"] == {"prefixkv 160x3@0.2": "mode offline (ratios filled in for this model)"}
+
+
 @pytest.mark.parametrize("method,knobs", [(m, {}) for m in METHODS]
                          + [("prefixkv", {"mode": "offline", "ratios": [0.1, 0.2, 0.3, 0.2]})])
 def test_batched_rows_equal_single_runs(tiny_llama, method, knobs):
