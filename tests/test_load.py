@@ -125,7 +125,8 @@ def test_many_sessions_in_a_row_keep_memory_bounded_and_answers_intact(loaded_se
 
     steady.close()
     assert _wait(lambda: ctl.registry.count() == 0 and ctl.registry.held_bytes() == 0, timeout=20)
-    assert not ctl.engine.lock.locked()
+    # a cancelled run stops at its next token, so the engine may be busy a moment after its session is gone
+    assert _wait(lambda: not ctl.engine.lock.locked(), timeout=20)
     # 10 clients came and went: what stays is bounded (their gradio state, not model caches)
     assert _rss() - rss_start < 150 * MB
 
