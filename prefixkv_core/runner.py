@@ -99,9 +99,12 @@ class _DecodeLayer(DynamicLayer):
             positions = step.positions.index_select(0, group.index)[:, :1]
         b, h = key_states.shape[:2]
         old = list(stores["keys"].lengths)
-        ends = torch.tensor(old, device=key_states.device)
-        for store in stores.values():
-            store.reserve(max(old) + 1)
+        ends, masks = step.lengths_before(self.layer_idx) if group.whole else (None, None)
+        if ends is None or step.row_lengths[self.layer_idx] != old:
+            ends, masks = torch.tensor(old, device=key_states.device), None
+        if max(old) + 1 > min(store.capacity for store in stores.values()):
+            for store in stores.values():
+                store.reserve(max(old) + 1)
         # row k's next slot in every head: one scatter per field for all rows
         at = ends.view(b, 1, 1)
         stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
@@ -119,7 +122,8 @@ class _DecodeLayer(DynamicLayer):
         mask = None
         empty_slots = any(rows[r].has_empty_slots for r in group.rows)
         if empty_slots or min(old) != max(old):
-            mask = (step.slots(t) <= ends[:, None])[:, None, :]  # [B, 1, T]: a row's entries and its new one
+            # [B, 1, T]: a row's entries and its new one
+            mask = masks[:, None, :t] if masks is not None else (step.slots(t) <= ends[:, None])[:, None, :]
             if empty_slots:
                 mask = mask & (stores["positions"].data[:, :, :t] >= 0)
         return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t], mask
@@ -136,9 +140,23 @@ class _DecodeCache(DynamicCache):
         self._slots: torch.Tensor | None = None
         self.layer_class_to_replicate = None
         self.layers = [_DecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
+        self.row_lengths: list[list[int]] = []  # per layer: each row's entries before this step
+        self._ends: torch.Tensor | None = None
+        self._masks: torch.Tensor | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def lengths_before(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s row lengths before this step as a tensor [B], and the key mask they give [B, T+1]
+        (True up to and including a row's new entry): made for every layer at once at the first layer, so a
+        step makes two small tensors instead of two per layer. `row_lengths` says what they were made from."""
+        if self._ends is None:
+            self.row_lengths = [[c.layers[i].length for c in self.caches] for i in range(len(self.layers))]
+            self._ends = torch.tensor(self.row_lengths, device=self.positions.device)  # [L, B]
+            longest = max(max(lengths) for lengths in self.row_lengths) + 1
+            self._masks = self.slots(longest) <= self._ends[..., None]  # [L, B, T+1]
+        return self._ends[layer_idx], self._masks[layer_idx]
 
     def slots(self, t: int) -> torch.Tensor:
         """0, 1, ..., t - 1 (made once per step, long enough for every layer)."""
