@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -33,13 +33,16 @@ class QuantSegment:
 
     keys: QuantizedTensor
     values: QuantizedTensor
+    _nbytes: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
         return self.keys.shape[2]
 
     def nbytes(self) -> int:
-        return self.keys.nbytes() + self.values.nbytes()
+        if self._nbytes is None:  # a segment never changes once packed; events ask for its size every step
+            self._nbytes = self.keys.nbytes() + self.values.nbytes()
+        return self._nbytes
 
 
 ENTRY_FIELDS = ("keys", "values", "positions", "is_image", "scores")
@@ -98,8 +101,8 @@ class EntryStore:
 
     def write(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         """Replace the entries of `rows` with `tensor` in place (a row's slot is its own)."""
-        if tensor._base is self.data or tensor is self.data:
-            tensor = tensor.clone()  # a view of this store (a slice of itself): copy before overwriting
+        if tensor.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
+            tensor = tensor.clone()  # a view of this store's memory (a slice of itself): copy before overwriting
         t = tensor.shape[2]
         self.reserve(t)
         _copy(self.data.narrow(0, rows[0], rows[1] - rows[0]).narrow(2, 0, t), tensor)
@@ -205,6 +208,11 @@ class TrackedLayer(DynamicLayer):
         self._stores = {name: EntryStore.holding(t) for name, t in fields.items()}
         rows = {t.shape[0] for t in fields.values()}
         self._rows = (0, rows.pop() if rows else 1)
+
+    def keep_in(self, stores: dict[str, EntryStore]) -> None:
+        """Keep every field in `stores`, each holding this batch-1 layer's entries as its only row (e.g. views of
+        a batch's working copy of a quantised layer)."""
+        self._stores, self._rows = dict(stores), (0, 1)
 
     def lives_in(self, stores: dict[str, EntryStore], row: int) -> bool:
         """Whether every field of this (batch-1) layer is row `row` of `stores`."""

@@ -73,8 +73,10 @@ class _DecodeLayer(DynamicLayer):
             step.buffers.refresh_row(self.layer_idx, r, rows[r])
         self.new_lengths = [0] * len(rows)
         found = [self._append(g, rows, key_states, value_states) for g in groups]
-        for r in quantised:  # its own storage gets the new entry too
+        for r in quantised:  # its own storage gets the new entry too (in place when it views the working copy)
             layer = rows[r]
+            if step.buffers.took_step_entry(self.layer_idx, r, layer):
+                continue
             layer._append("keys", key_states[r:r + 1])
             layer._append("values", value_states[r:r + 1])
             layer.append_meta_per_head(*step.row_meta(r, key_states.shape[1]), has_image=False)

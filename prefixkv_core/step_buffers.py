@@ -54,9 +54,25 @@ class RowGroup:
     whole: bool  # the group holds every row of the batch, in order
     occupants: list = field(default_factory=list)  # per row: the layer living there (weakly)
     refreshed: list = field(default_factory=list)  # per row: what a quantised row's working copy holds
+    linked: list = field(default_factory=list)  # per row: a quantised row's `Link` to its working copy, or None
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.stores.values())
+
+
+@dataclass
+class Link:
+    """A quantised layer whose own stores are views of its working copy (its full-precision keys and values after
+    the dequantised entries, its metadata over all of them), so a step's append writes both at once."""
+
+    layer: weakref.ref
+    own: dict[str, EntryStore]  # the layer's stores, views of the group's row
+    data: dict[str, torch.Tensor]  # the group's tensors they view (a store that grew has new ones)
+
+    def holds(self, layer: TrackedLayer, stores: dict[str, EntryStore]) -> bool:
+        """Whether `layer` still keeps its entries in these views and the group still has the tensors they view."""
+        return (self.layer() is layer and all(layer._stores.get(n) is s for n, s in self.own.items())
+                and all(stores[n].data is d for n, d in self.data.items()))
 
 
 def _dead():
@@ -118,6 +134,7 @@ class StepBuffers:
                 previous = g.occupants[k]()
                 if previous is not None and previous is not layer and previous.lives_in(g.stores, k):
                     previous.own_storage()  # a row that left the batch keeps its entries
+                self._unlink(g, k)
                 movers.append((k, layer))
                 g.occupants[k] = weakref.ref(layer)
             if movers:
@@ -139,7 +156,8 @@ class StepBuffers:
             stores = {name: EntryStore(t.new_zeros(len(members), t.shape[1], room, *t.shape[3:]), [0] * len(members))
                       for name, t in fields.items()}
             groups.append(RowGroup(members, stores, torch.tensor(members, device=device),
-                                   members == list(range(len(rows))), [_dead] * len(members), [None] * len(members)))
+                                   members == list(range(len(rows))), [_dead] * len(members), [None] * len(members),
+                                   [None] * len(members)))
         self._groups[layer_idx] = groups
         self._where[layer_idx] = {r: (g, k) for g in groups for k, r in enumerate(g.rows)}
         return groups
@@ -151,19 +169,52 @@ class StepBuffers:
     def refresh_row(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
         """Batch row r's slot in its group as the working copy of a layer that holds quantised entries: its
         entries dequantised, written again only when its entries changed other than by the steps' own appends (a
-        new quantised block), since a step appends the new entry to both."""
+        new quantised block). The layer's own stores then become views of the slot (`Link`): its full-precision
+        entries after the dequantised ones, its metadata over all of them, so a step's append writes both."""
         group, k = self._where[layer_idx][r]
         stores = group.stores
         signature = (tuple(id(seg) for seg in layer.segments), layer.length)
-        if group.refreshed[k] == signature and stores["keys"].lengths[k] == layer.length:
+        if group.refreshed[k] != signature or stores["keys"].lengths[k] != layer.length:
+            if any(layer._stores.get(n) is s for n, s in stores.items()):
+                layer.own_storage()
+            stores["keys"].write((k, k + 1), layer.full_keys())
+            stores["values"].write((k, k + 1), layer.full_values())
+            for name in ("positions", "is_image", "scores"):
+                stores[name].write((k, k + 1), getattr(layer, name))
+            group.refreshed[k] = signature
+        elif group.linked[k] is not None and group.linked[k].holds(layer, stores):
             return
-        if any(layer._stores.get(n) is s for n, s in stores.items()):
+        self._link(group, k, layer)
+
+    def _link(self, group: RowGroup, k: int, layer: TrackedLayer) -> None:
+        packed = layer.length - layer.keys.shape[2]  # entries held quantised, before the full-precision ones
+        own = {}
+        for name, store in group.stores.items():
+            start = packed if name in ("keys", "values") else 0
+            view = store.data.narrow(0, k, 1).narrow(2, start, store.capacity - start)
+            own[name] = EntryStore(view, [store.lengths[k] - start])
+        layer.keep_in(own)
+        group.linked[k] = Link(weakref.ref(layer), own, {n: st.data for n, st in group.stores.items()})
+
+    def _unlink(self, group: RowGroup, k: int) -> None:
+        """Before another row moves into slot k: a quantised layer whose stores view it takes its entries along."""
+        link = group.linked[k]
+        layer = link.layer() if link is not None else None
+        if layer is not None and any(layer._stores.get(n) is s for n, s in link.own.items()):
             layer.own_storage()
-        stores["keys"].write((k, k + 1), layer.full_keys())
-        stores["values"].write((k, k + 1), layer.full_values())
-        for name in ("positions", "is_image", "scores"):
-            stores[name].write((k, k + 1), getattr(layer, name))
-        group.refreshed[k] = signature
+        group.linked[k] = None
+
+    def took_step_entry(self, layer_idx: int, r: int, layer: TrackedLayer) -> bool:
+        """After a decode step's append: whether batch row r's quantised layer got the new entry in its own stores
+        too (they view its working copy), now counted; False when they do not (the caller appends it to them)."""
+        group, k = self._where[layer_idx][r]
+        link = group.linked[k]
+        if link is None or not link.holds(layer, group.stores):
+            return False
+        for store in link.own.values():
+            store.lengths[0] += 1
+        group.refreshed[k] = (group.refreshed[k][0], layer.length)
+        return True
 
     def refreshed(self, layer_idx: int, r: int, layer: TrackedLayer) -> None:
         """Batch row r's working copy took the step's new entry, as the layer did."""

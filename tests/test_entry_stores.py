@@ -225,3 +225,45 @@ def test_a_formed_batch_is_where_the_steps_find_it(tiny_qwen2, prefilled):
         torch.testing.assert_close(out.logits[r], single.logits[0], atol=1e-5, rtol=1e-5)
     for layer, att in alone[1].attention[0].items():
         torch.testing.assert_close(out.attention[1][layer], att, atol=1e-6, rtol=1e-5)
+
+
+def test_a_quantised_row_decodes_in_its_working_copy(tiny_qwen2, prefilled, monkeypatch):
+    """A row holding quantised entries (ZipVL) decodes in the batch through a working copy of its entries,
+    dequantised. Its own full-precision entries and metadata become views of that copy, so a step writes the new
+    entry once; re-quantising mid-batch and the stores growing past their room still give what a plain row
+    gives, step by step."""
+    from prefixkv_core import step_buffers
+
+    monkeypatch.setattr(step_buffers, "SPARE_ENTRIES", 2)  # the shared stores grow within a few steps
+    cache, n = prefilled
+    rows = [cache.clone() for _ in range(2)]
+    important = (torch.arange(n) % 3 == 0).view(1, 1, -1)
+    for layer in rows[1].layers:
+        layer.quantize_fp_part(important, 4, 2, None)
+    plain = [row.clone() for row in rows]
+    buffers = runner.StepBuffers()
+    with tracked_attention_enabled(tiny_qwen2.model):
+        for step in range(7):
+            if step == 3:  # a new quantised block: the working copy is written again
+                for row in (rows[1], plain[1]):
+                    for layer in row.layers:
+                        layer.quantize_fp_part(torch.tensor([[[True, False, True]]]), 4, 2, None)
+            tokens, starts = [[5 + step], [9 + step]], [n + step] * 2
+            out = runner.forward_rows(tiny_qwen2.model, rows, tokens, starts, [False, False], tiny_qwen2.device,
+                                      buffers)
+            for r, (row, tok, start) in enumerate(zip(plain, tokens, starts)):
+                alone = runner.forward_rows(tiny_qwen2.model, [row], [tok], [start], [False], tiny_qwen2.device)
+                torch.testing.assert_close(out.logits[r], alone.logits[0], atol=1e-5, rtol=1e-5)
+            if step in (1, 6):  # the row's full-precision keys live in its working copy (again after it grew)
+                for i, layer in enumerate(rows[1].layers):
+                    shared = buffers._groups[i][0].stores["keys"].data
+                    assert layer.keys.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+                grown = [g[0].stores["keys"].capacity for g in buffers._groups.values()]
+    assert all(c >= n + 7 for c in grown)  # the stores grew past their first room (n + 2)
+    for mine, theirs in zip(rows[1].layers, plain[1].layers):
+        assert len(mine.segments) == len(theirs.segments) == 4 and mine.length == theirs.length == n + 7
+        assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.is_image, theirs.is_image)
+        # fp32 keys of a batched step differ from a lone row's in the last bits; packing carries that along
+        torch.testing.assert_close(mine.full_keys(), theirs.full_keys(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.full_values(), theirs.full_values(), atol=1e-4, rtol=1e-4)
+        assert mine.nbytes() == theirs.nbytes()
