@@ -56,10 +56,14 @@ class EntryStore:
     entries (eviction, merging) writes its new contents at the front of its own slot. Several rows may share one
     store: the runner's batched rows, so a step reads them all without copying them."""
 
-    def __init__(self, data: torch.Tensor, lengths: list[int]):
+    def __init__(self, data: torch.Tensor, lengths: list[int], stack: "StoreStack | None" = None):
         self.data, self.lengths = data, lengths
         self.entry_bytes = math.prod(data.shape[3:]) * data.shape[1] * data.element_size()  # one entry, every head
         self._views: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # rows -> (view, its length)
+        # the stack of layers this store is one of (its data is rows `stack_row`... of the stack's), or None
+        self.stack, self.stack_row = stack, 0
+        if stack is not None:
+            self.stack_row = stack.add(self)
 
     @classmethod
     def holding(cls, tensor: torch.Tensor, spare: int = SPARE_ENTRIES) -> "EntryStore":
@@ -89,8 +93,12 @@ class EntryStore:
         return view
 
     def reserve(self, needed: int) -> None:
-        """Room for `needed` entries in every row (grown by at least half the capacity: amortised O(1))."""
+        """Room for `needed` entries in every row (grown by at least half the capacity: amortised O(1)); a store
+        in a stack grows with every layer of it."""
         if needed <= self.data.shape[2]:
+            return
+        if self.stack is not None:
+            self.stack.grow(needed)
             return
         grown = max(needed, self.capacity + self.capacity // 2 + 16)
         data = self.data.new_zeros(self.data.shape[0], self.data.shape[1], grown, *self.data.shape[3:])
@@ -123,6 +131,33 @@ class EntryStore:
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+class StoreStack:
+    """One field of a batch's shared stores for every layer in one tensor ([layers · rows, Hkv, capacity, *tail]:
+    layer l's store is rows l·B ... l·B + B - 1 of it), so that one copy per field evicts from many layers at once
+    (`gather_rows`), and every layer grows at the same time."""
+
+    def __init__(self, data: torch.Tensor, rows: int):
+        self.data, self.rows = data, rows
+        self.stores: list[EntryStore] = []
+
+    def add(self, store: EntryStore) -> int:
+        """Take `store` (a view of the next layer's rows of `data`); returns where its rows start."""
+        self.stores.append(store)
+        return (len(self.stores) - 1) * self.rows
+
+    def grow(self, needed: int) -> None:
+        """Room for `needed` entries in every row of every layer (by at least half the capacity)."""
+        capacity = self.data.shape[2]
+        grown = max(needed, capacity + capacity // 2 + 16)
+        data = self.data.new_zeros(self.data.shape[0], self.data.shape[1], grown, *self.data.shape[3:])
+        longest = max(max(store.lengths) for store in self.stores)
+        _copy(data.narrow(2, 0, longest), self.data.narrow(2, 0, longest))
+        self.data = data
+        for store in self.stores:
+            store.data = data.narrow(0, store.stack_row, self.rows)
+            store._views = {}
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -450,65 +485,76 @@ def _slots(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
+def _home(store: EntryStore) -> tuple[torch.Tensor, int]:
+    """The tensor a store's rows live in and where its first row sits there: its stack's, or its own data."""
+    return (store.stack.data, store.stack_row) if store.stack is not None else (store.data, 0)
+
+
 def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     """`layer.gather(index)` for every (layer, index) pair, the batch-1 full-precision layers that are rows of
-    one set of shared stores gathered together (`gather_rows`); each layer at most once."""
+    shared stores gathered together when their stores live in one tensor (`gather_rows`: one layer's shared
+    stores, or a stack of every layer's); each layer at most once."""
     groups: dict[int, tuple[list[TrackedLayer], list[torch.Tensor]]] = {}
     for layer, index in pairs:
         if layer.segments or layer.has_empty_slots or layer._rows[1] - layer._rows[0] != 1 or index.shape[0] != 1:
             layer.gather(index)
             continue
-        group = groups.setdefault(id(layer._stores), ([], []))
+        store = layer._stores["keys"]
+        group = groups.setdefault(id(store.stack) if store.stack is not None else id(layer._stores), ([], []))
         group[0].append(layer)
         group[1].append(index)
     for layers, indices in groups.values():
         if len(layers) == 1:
             layers[0].gather(indices[0])
-        else:  # in row order, so rows next to each other are written as one block
-            order = sorted(range(len(layers)), key=lambda k: layers[k]._rows[0])
+        else:  # in the order they lie, so rows next to each other are written as one block
+            order = sorted(range(len(layers)), key=lambda k: _home(layers[k]._stores["keys"])[1] + layers[k]._rows[0])
             gather_rows([layers[k] for k in order], [indices[k] for k in order])
 
 
 def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:
-    """`layers[k].gather(indices[k])` for batch-1 layers that are rows of one set of shared stores (a batch's
-    rows, one layer each), done as one copy per field for all of them: the same entries kept, in a few
-    operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
-    stores = layers[0]._stores
-    if any(layer._stores is not stores or layer.segments or layer.has_empty_slots for layer in layers):
-        raise ValueError("gather_rows takes full-precision rows of one set of shared stores")
+    """`layers[k].gather(indices[k])` for batch-1 layers whose entries live in one tensor per field (rows of one
+    layer's shared stores, or of a stack of layers), done as one copy per field for all of them: the same entries
+    kept, in a few operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
+    homes = {name: [_home(layer._stores[name]) for layer in layers] for name in ENTRY_FIELDS}
+    # each layer's rows in the tensor its fields live in (the same place in every field's)
+    rows = tuple(start + layer._rows[0] for (_, start), layer in zip(homes["keys"], layers))
+    if any(layer.segments or layer.has_empty_slots for layer in layers) or any(
+            any(data is not found[0][0] for data, _ in found)
+            or tuple(start + layer._rows[0] for (_, start), layer in zip(found, layers)) != rows
+            for found in homes.values()):
+        raise ValueError("gather_rows takes full-precision rows of shared stores that live in one tensor per field")
     device = indices[0].device
-    heads = stores["keys"].data.shape[1]
+    heads = homes["keys"][0][0].shape[1]
     counts = [int(i.shape[-1]) for i in indices]
-    # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 into slots past its new length (never read)
+    # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 (never written)
     index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
-    index = index.transpose(1, 2)
-    rows = tuple(layer._rows[0] for layer in layers)
-    block = rows == tuple(range(rows[0], rows[0] + len(rows)))
+    index = index.transpose(1, 2).contiguous()
     slots = _slots(index.shape[2], device)
-    flat: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # capacity -> (entries read, slots written)
+    valid = slots < torch.tensor(counts, device=device)[:, None, None]  # [rows, 1, max K]
+    # only the slots whose entry changes are written; kept indices ascend, so those are the slots from the first
+    # evicted entry on (a fixed-point eviction moves the newest few entries, not the row)
+    moved = ((index != slots) & valid).reshape(-1)
+    flat: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # capacity -> (all kept, read, written)
     kept_image = None
     with torch.inference_mode():
         for name in ENTRY_FIELDS:
-            data = stores[name].data
+            data = homes[name][0][0]
             cap = data.shape[2]
             if cap not in flat:  # every (row, head) slot as one row of the flattened store: plain row copies
                 first = _slot_starts(rows, heads, cap, device)
-                flat[cap] = ((first + index).reshape(-1), None if block else (first + slots).reshape(-1))
-            read, written = flat[cap]
+                everything = (first + index).reshape(-1)
+                flat[cap] = (everything, everything[moved], (first + slots).expand_as(index).reshape(-1)[moved])
+            everything, read, written = flat[cap]
             entries = data.view(-1, *data.shape[3:])
-            kept = entries.index_select(0, read)
-            if block:  # rows next to each other: one block copy
-                data.narrow(0, rows[0], len(rows)).narrow(2, 0, index.shape[2]).copy_(
-                    kept.view(*index.shape, *data.shape[3:]))
-            else:
-                entries.index_copy_(0, written, kept)
             if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
-                valid = slots < torch.tensor(counts, device=device)[:, None]
-                kept_image = (kept.view(index.shape) & valid[:, None, :]).sum(dim=(1, 2)).tolist()
+                kept = entries.index_select(0, everything).view(index.shape)
+                kept_image = (kept & valid).sum(dim=(1, 2)).tolist()
+                entries.index_copy_(0, written, kept.view(-1)[moved])
+            else:
+                entries.index_copy_(0, written, entries.index_select(0, read))
     for name in ENTRY_FIELDS:
-        lengths = stores[name].lengths
         for layer, k in zip(layers, counts):
-            lengths[layer._rows[0]] = k
+            layer._stores[name].lengths[layer._rows[0]] = k
     for layer, images in zip(layers, kept_image):
         layer._image_count = int(round(images / heads))
 

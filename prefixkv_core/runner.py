@@ -350,8 +350,7 @@ def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], b
         return
     rows = [caches[r] for r in _row_order(want_attention, evicting)]
     with torch.inference_mode():
-        for i in range(len(rows[0].layers)):
-            buffers.groups(i, [c.layers[i] for c in rows])
+        buffers.form([[c.layers[i] for c in rows] for i in range(len(rows[0].layers))])
 
 
 def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]],

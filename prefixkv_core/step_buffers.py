@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedLayer, move_rows_into
+from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, StoreStack, TrackedLayer, move_rows_into
 
 SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
 SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size
@@ -141,7 +141,34 @@ class StepBuffers:
                 move_rows_into(movers, g.stores)
         return groups
 
-    def _new_groups(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> list[RowGroup]:
+    def form(self, rows_by_layer: Sequence[Sequence[TrackedLayer]]) -> None:
+        """The shared stores of every layer at once (`rows_by_layer[i]`: layer i of each batch row, in order), rows
+        moved in. When no layer splits its rows, the layers' stores are stacked (`StoreStack`, one tensor per
+        field for all layers), so a step's evictions from many layers are one copy per field; otherwise each layer
+        gets its groups of its own."""
+        layouts = [self._layout(rows) for rows in rows_by_layer]
+        first = layouts[0][0]
+        stackable = all(len(split) == 1 for _, _, split in layouts) and all(
+            all(f.shape[1:2] + f.shape[3:] == first[n].shape[1:2] + first[n].shape[3:] and f.dtype == first[n].dtype
+                and f.device == first[n].device for n, f in fields.items()) for fields, _, _ in layouts)
+        if not stackable:
+            for i, rows in enumerate(rows_by_layer):
+                self._new_groups(i, rows)
+        else:
+            b = len(rows_by_layer[0])
+            room = max(max(lengths) for _, lengths, _ in layouts) + SPARE_ENTRIES
+            stacks = {name: StoreStack(t.new_zeros(len(layouts) * b, t.shape[1], room, *t.shape[3:]), b)
+                      for name, t in first.items()}
+            for i in range(len(layouts)):
+                stores = {name: EntryStore(stack.data.narrow(0, i * b, b), [0] * b, stack)
+                          for name, stack in stacks.items()}
+                self._set_groups(i, [(list(range(b)), stores)], b, first["keys"].device)
+        for i, rows in enumerate(rows_by_layer):
+            self.groups(i, rows)
+
+    @staticmethod
+    def _layout(rows: Sequence[TrackedLayer]) -> tuple[dict[str, torch.Tensor], list[int], list[list[int]]]:
+        """A layer's fields to shape its stores by, its rows' lengths, and its rows in one group or two."""
         resident = [layer for layer in rows if not layer.segments]
         like = resident[0] if resident else rows[0]
         fields = {name: getattr(like, name) if resident else (like.full_keys() if name == "keys" else
@@ -149,15 +176,22 @@ class StepBuffers:
                                                              getattr(like, name)) for name in ENTRY_FIELDS}
         entry_bytes = sum(fields[n][0, :, :1].numel() * fields[n].element_size() for n in ("keys", "values"))
         lengths = [layer.length for layer in rows]
-        device = fields["keys"].device
-        groups = []
-        for members in split_by_length(lengths, SPARE_ENTRIES, entry_bytes):
+        return fields, lengths, split_by_length(lengths, SPARE_ENTRIES, entry_bytes)
+
+    def _new_groups(self, layer_idx: int, rows: Sequence[TrackedLayer]) -> list[RowGroup]:
+        fields, lengths, split = self._layout(rows)
+        made = []
+        for members in split:
             room = max(lengths[r] for r in members) + SPARE_ENTRIES
-            stores = {name: EntryStore(t.new_zeros(len(members), t.shape[1], room, *t.shape[3:]), [0] * len(members))
-                      for name, t in fields.items()}
-            groups.append(RowGroup(members, stores, torch.tensor(members, device=device),
-                                   members == list(range(len(rows))), [_dead] * len(members), [None] * len(members),
-                                   [None] * len(members)))
+            made.append((members, {name: EntryStore(t.new_zeros(len(members), t.shape[1], room, *t.shape[3:]),
+                                                    [0] * len(members)) for name, t in fields.items()}))
+        return self._set_groups(layer_idx, made, len(rows), fields["keys"].device)
+
+    def _set_groups(self, layer_idx: int, made: list[tuple[list[int], dict[str, EntryStore]]], b: int,
+                    device: torch.device) -> list[RowGroup]:
+        groups = [RowGroup(members, stores, torch.tensor(members, device=device), members == list(range(b)),
+                           [_dead] * len(members), [None] * len(members), [None] * len(members))
+                  for members, stores in made]
         self._groups[layer_idx] = groups
         self._where[layer_idx] = {r: (g, k) for g in groups for k, r in enumerate(g.rows)}
         return groups

@@ -116,6 +116,53 @@ def test_joint_eviction_of_several_rows_equals_each_row_alone(evicted, untouched
         assert torch.equal(getattr(loner, name), getattr(loner_reference, name)), name
 
 
+def test_layers_stacked_in_one_store_evict_together_and_grow_together():
+    """`StepBuffers.form` stacks the stores of every layer when none splits its rows (one tensor per field): one
+    joint eviction over several layers and rows gives what each row's own gather gives (a permutation too, and
+    only the entries that change are written), the untouched rows stay, and growing one layer's store grows
+    every layer without losing an entry."""
+    from prefixkv_core.step_buffers import StepBuffers
+
+    lengths = [(9, 12, 7), (10, 6, 8), (7, 7, 7)]  # [layer][row]
+    by_layer = [[_layer(t, 10 * i + r) for r, t in enumerate(row)] for i, row in enumerate(lengths)]
+    buffers = StepBuffers()
+    buffers.form(by_layer)
+    stores = [buffers._groups[i][0].stores for i in range(3)]
+    stack = stores[0]["keys"].stack
+    assert stack is not None and all(s["keys"].stack is stack for s in stores)
+    assert all(layer.lives_in(stores[i], r) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows))
+    keeps = {(0, 0): torch.tensor([[[0, 3, 4, 8]]]), (0, 1): torch.tensor([[[0, 2, 3, 7, 10, 11], [1, 4, 5, 6, 9, 11]]]),
+             (1, 2): torch.tensor([[[0, 1, 2, 3, 4, 5]]]), (2, 0): torch.tensor([[[6, 5, 4, 3, 2, 1, 0]]])}
+    references, untouched = {}, {}
+    for (i, r), keep in keeps.items():
+        references[i, r] = TrackedLayer()
+        for name, value in _fields(by_layer[i][r]).items():
+            setattr(references[i, r], name, value)
+        references[i, r].gather(keep)
+    for i, rows in enumerate(by_layer):
+        for r, layer in enumerate(rows):
+            if (i, r) not in keeps:
+                untouched[i, r] = _fields(layer)
+    gather_many([(by_layer[i][r], keep) for (i, r), keep in keeps.items()])
+    for (i, r), reference in references.items():
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(by_layer[i][r], name), getattr(reference, name)), (i, r, name)
+        assert by_layer[i][r].image_count() == reference.image_count()
+    for (i, r), fields in untouched.items():
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)
+    before = {(i, r): _fields(layer) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows)}
+    capacity = stack.data.shape[2]
+    stores[1]["keys"].reserve(capacity + 1)  # one layer's store runs out of room: every layer's grows
+    assert stack.data.shape[2] > capacity and all(s["keys"].capacity == stack.data.shape[2] for s in stores)
+    for name in ENTRY_FIELDS:
+        stores[1][name].reserve(capacity + 1)
+    for (i, r), fields in before.items():
+        assert by_layer[i][r].lives_in(stores[i], r)
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)
+
+
 def test_merge_in_a_shared_store_equals_the_naive_reference():
     layers = [_layer(t, seed) for seed, t in enumerate((8, 10))]
     reference = TrackedLayer()
