@@ -66,6 +66,9 @@ class _DecodeLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         step = self.step
+        if self.layer_idx == 0 and not step.buffers.holds_batch(len(step.caches)):
+            # a new batch (a method left it): every layer's stores at once, stacked where they can be
+            step.buffers.form([[c.layers[i] for c in step.caches] for i in range(len(step.layers))])
         rows = [c.layers[self.layer_idx] for c in step.caches]
         groups = step.buffers.groups(self.layer_idx, rows)
         quantised = [r for r, layer in enumerate(rows) if layer.segments]

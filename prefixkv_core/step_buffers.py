@@ -166,6 +166,11 @@ class StepBuffers:
         for i, rows in enumerate(rows_by_layer):
             self.groups(i, rows)
 
+    def holds_batch(self, rows: int) -> bool:
+        """Whether the stores were formed for a batch of this many rows (else `form` them anew)."""
+        groups = self._groups.get(0)
+        return groups is not None and sum(len(g.rows) for g in groups) == rows
+
     @staticmethod
     def _layout(rows: Sequence[TrackedLayer]) -> tuple[dict[str, torch.Tensor], list[int], list[list[int]]]:
         """A layer's fields to shape its stores by, its rows' lengths, and its rows in one group or two."""
