@@ -121,13 +121,16 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
         out = _grouped_decode(query, groups, scale, probe, layer)
     elif request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
+    elif _only_last_query(request) and q_len == 1:
+        out, stat = _decode_with_statistic(query, key, value, scale, extra_mask, request.last_query_count(bsz))
+        probe.stats[layer] = {"last_query": stat}
     elif _only_last_query(request):
         # the fused kernel for the output; one softmax row per query head for the statistic, for the rows that
         # want it (the first ones: a view of the batch, no copy)
         rows = request.last_query_count(bsz)
         out = _sdpa_output(query, key, value, scale, extra_mask)
-        probe.stats[layer] = {"last_query": _last_query_row(query[:rows], key[:rows], scale,
-                                                            _leading(extra_mask, rows))}
+        probe.stats[layer] = {"last_query": _last_query_probs(query[:rows], key[:rows], scale,
+                                                              _leading(extra_mask, rows)).mean(dim=2)}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
         probe.stats[layer] = stats
@@ -162,6 +165,24 @@ def _leading(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return mask if mask is None or mask.shape[0] == 1 else mask[:rows]
 
 
+def _trailing(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The batch rows of a key mask after the first `rows`."""
+    return mask if mask is None or mask.shape[0] == 1 else mask[rows:]
+
+
+def _decode_with_statistic(query, key, value, scale, extra_mask, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step (one query per row) whose first `rows` rows want the last query's attention: their output
+    comes from the probabilities the statistic needs anyway (one softmax, the keys read once), the fused kernel
+    attends for the other rows. Returns (out [B, H, 1, D], the statistic [rows, Hkv, Tk])."""
+    bsz, n_heads, _, head_dim = query.shape
+    probs = _last_query_probs(query[:rows], key[:rows], scale, _leading(extra_mask, rows))  # [rows, Hkv, group, Tk]
+    out = torch.matmul(probs, value[:rows].float()).to(query.dtype).reshape(rows, n_heads, 1, head_dim)
+    if rows < bsz:
+        rest = _sdpa_output(query[rows:], key[rows:], value[rows:], scale, _trailing(extra_mask, rows))
+        out = torch.cat([out, rest])
+    return out, probs.mean(dim=2)
+
+
 def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> torch.Tensor:
     """A decode step whose rows live in groups (`AttentionProbe.row_groups`): each group attends over its own
     keys; the rows that want the last query's statistic (the batch's first rows, so each group's first ones)
@@ -177,11 +198,13 @@ def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> 
         stat = query.new_zeros(wanted, groups[0][1].shape[1], longest, dtype=torch.float32)
     for rows, keys, values, mask in groups:
         q = query.index_select(0, rows)
-        out.index_copy_(0, rows, _sdpa_output(q, keys, values, scale, mask))
         mine = int((rows < wanted).sum()) if wanted else 0
         if mine:
-            found = _last_query_row(q[:mine], keys[:mine], scale, _leading(mask, mine))
-            stat[:, :, :keys.shape[2]].index_copy_(0, rows[:mine], found)
+            found, statistic = _decode_with_statistic(q, keys, values, scale, mask, mine)
+            stat[:, :, :keys.shape[2]].index_copy_(0, rows[:mine], statistic)
+        else:
+            found = _sdpa_output(q, keys, values, scale, mask)
+        out.index_copy_(0, rows, found)
     if stat is not None:
         probe.stats[layer] = {"last_query": stat}
     return out
@@ -196,9 +219,10 @@ def _check_rows(req: StatRequest) -> None:
         raise ValueError("last_query_rows applies to a decode-time request for the last query's row only")
 
 
-def _last_query_row(query, key, scale, extra_mask) -> torch.Tensor:
-    """The last query's attention probabilities in fp32, averaged over each KV head's query group: [B, Hkv, Tk].
-    The last query sees every key (bottom-right causal alignment), so only the key mask applies."""
+def _last_query_probs(query, key, scale, extra_mask) -> torch.Tensor:
+    """The last query's attention probabilities in fp32, each KV head's query heads together: [B, Hkv, group, Tk]
+    (their mean over the group is the statistic). The last query sees every key (bottom-right causal
+    alignment), so only the key mask applies."""
     bsz, n_heads, _, head_dim = query.shape
     n_kv = key.shape[1]
     q = query[:, :, -1:].float().reshape(bsz, n_kv, n_heads // n_kv, head_dim) * scale
@@ -206,7 +230,7 @@ def _last_query_row(query, key, scale, extra_mask) -> torch.Tensor:
     if extra_mask is not None:
         scores = torch.where(extra_mask.unsqueeze(2), scores, float("-inf"))
     # never a fully masked row: the last query always sees its own token, which no key mask hides
-    return torch.softmax(scores, dim=-1).mean(dim=2)
+    return torch.softmax(scores, dim=-1)
 
 
 def _expand_heads(mask: torch.Tensor, n_heads: int) -> torch.Tensor:

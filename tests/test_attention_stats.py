@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv_core.attention import StatRequest, _attention_with_stats, _sdpa_output
+from prefixkv_core.attention import StatRequest, _attention_with_stats, _decode_with_statistic, _sdpa_output
 
 
 def _naive(q, k, v, scale, key_mask=None):
@@ -48,3 +48,24 @@ def test_key_mask_in_both_paths():
     torch.testing.assert_close(stats["colsum"], per_kv.sum(3).mean(2), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(_sdpa_output(q, k, v, 0.3, mask), ref_out, atol=1e-5, rtol=1e-5)
     assert float(stats["colsum"][~mask].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("per_head_mask", [False, True])
+def test_decode_step_matches_naive(rows, per_head_mask):
+    """A decode step (one query per row): the fused kernel with each KV head's query heads as its queries, and the
+    leading rows' output from the probabilities of their statistic, both equal full attention; the statistic is
+    the last query's row averaged over each KV head's query heads."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 6, 1, 8), torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
+    lengths = torch.tensor([40, 25, 33])
+    mask = (torch.arange(40) < lengths[:, None])[:, None, :]  # rows of different lengths
+    if per_head_mask:  # and empty slots at the front of some heads
+        mask = mask.repeat(1, 2, 1)
+        mask[1, 0, :4] = False
+        mask[2, 1, :7] = False
+    ref_out, per_kv = _naive(q, k, v, 0.3, mask)
+    torch.testing.assert_close(_sdpa_output(q, k, v, 0.3, mask), ref_out, atol=1e-5, rtol=1e-5)
+    out, stat = _decode_with_statistic(q, k, v, 0.3, mask, rows)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stat, per_kv[:rows, :, :, -1].mean(2), atol=1e-6, rtol=1e-5)
