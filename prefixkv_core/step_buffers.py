@@ -242,6 +242,7 @@ class StepBuffers:
         if layer is not None and any(layer._stores.get(n) is s for n, s in link.own.items()):
             layer.own_storage()
         group.linked[k] = None
+        group.refreshed[k] = None  # the slot no longer holds its working copy
 
     def took_step_entry(self, layer_idx: int, r: int, layer: TrackedLayer) -> bool:
         """After a decode step's append: whether batch row r's quantised layer got the new entry in its own stores
