@@ -143,26 +143,29 @@ class StepBuffers:
 
     def form(self, rows_by_layer: Sequence[Sequence[TrackedLayer]]) -> None:
         """The shared stores of every layer at once (`rows_by_layer[i]`: layer i of each batch row, in order), rows
-        moved in. When no layer splits its rows, the layers' stores are stacked (`StoreStack`, one tensor per
-        field for all layers), so a step's evictions from many layers are one copy per field; otherwise each layer
-        gets its groups of its own."""
+        moved in. When every layer groups its rows alike (one group, or the same two), each group's stores are
+        stacked over the layers (`StoreStack`, one tensor per field, as long as the group's longest row in any
+        layer), so a step's evictions from many layers are one copy per field; otherwise each layer gets groups
+        of its own."""
         layouts = [self._layout(rows) for rows in rows_by_layer]
-        first = layouts[0][0]
-        stackable = all(len(split) == 1 for _, _, split in layouts) and all(
+        first, _, split = layouts[0]
+        stackable = all(other == split for _, _, other in layouts) and all(
             all(f.shape[1:2] + f.shape[3:] == first[n].shape[1:2] + first[n].shape[3:] and f.dtype == first[n].dtype
                 and f.device == first[n].device for n, f in fields.items()) for fields, _, _ in layouts)
         if not stackable:
             for i, rows in enumerate(rows_by_layer):
                 self._new_groups(i, rows)
         else:
-            b = len(rows_by_layer[0])
-            room = max(max(lengths) for _, lengths, _ in layouts) + SPARE_ENTRIES
-            stacks = {name: StoreStack(t.new_zeros(len(layouts) * b, t.shape[1], room, *t.shape[3:]), b)
-                      for name, t in first.items()}
+            stacks = []
+            for members in split:
+                room = max(max(lengths[r] for r in members) for _, lengths, _ in layouts) + SPARE_ENTRIES
+                stacks.append({name: StoreStack(t.new_zeros(len(layouts) * len(members), t.shape[1], room,
+                                                            *t.shape[3:]), len(members)) for name, t in first.items()})
             for i in range(len(layouts)):
-                stores = {name: EntryStore(stack.data.narrow(0, i * b, b), [0] * b, stack)
-                          for name, stack in stacks.items()}
-                self._set_groups(i, [(list(range(b)), stores)], b, first["keys"].device)
+                made = [(members, {name: EntryStore(stack.data.narrow(0, i * len(members), len(members)),
+                                                    [0] * len(members), stack) for name, stack in group.items()})
+                        for members, group in zip(split, stacks)]
+                self._set_groups(i, made, len(rows_by_layer[i]), first["keys"].device)
         for i, rows in enumerate(rows_by_layer):
             self.groups(i, rows)
 

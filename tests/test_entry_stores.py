@@ -116,23 +116,29 @@ def test_joint_eviction_of_several_rows_equals_each_row_alone(evicted, untouched
         assert torch.equal(getattr(loner, name), getattr(loner_reference, name)), name
 
 
-def test_layers_stacked_in_one_store_evict_together_and_grow_together():
-    """`StepBuffers.form` stacks the stores of every layer when none splits its rows (one tensor per field): one
-    joint eviction over several layers and rows gives what each row's own gather gives (a permutation too, and
-    only the entries that change are written), the untouched rows stay, and growing one layer's store grows
-    every layer without losing an entry."""
-    from prefixkv_core.step_buffers import StepBuffers
+@pytest.mark.parametrize("split", [False, True])
+def test_layers_stacked_in_one_store_evict_together_and_grow_together(split, monkeypatch):
+    """`StepBuffers.form` stacks the stores of every layer when all layers group their rows alike (one group, or
+    the same two): one joint eviction over several layers and rows gives what each row's own gather gives (a
+    permutation too, and only the entries that change are written), the untouched rows stay, and growing one
+    layer's store grows every layer's without losing an entry."""
+    from prefixkv_core import step_buffers
 
-    lengths = [(9, 12, 7), (10, 6, 8), (7, 7, 7)]  # [layer][row]
+    if split:  # every layer puts its longest row (row 1) in a group of its own
+        monkeypatch.setattr(step_buffers, "SPLIT_MIN_BYTES", 0)
+        monkeypatch.setattr(step_buffers, "SPLIT_SHARE", 1.0)
+    lengths = [(9, 12, 7), (10, 16, 8), (7, 14, 7)]  # [layer][row]
     by_layer = [[_layer(t, 10 * i + r) for r, t in enumerate(row)] for i, row in enumerate(lengths)]
-    buffers = StepBuffers()
+    buffers = step_buffers.StepBuffers()
     buffers.form(by_layer)
-    stores = [buffers._groups[i][0].stores for i in range(3)]
-    stack = stores[0]["keys"].stack
-    assert stack is not None and all(s["keys"].stack is stack for s in stores)
-    assert all(layer.lives_in(stores[i], r) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows))
+    assert [g.rows for g in buffers._groups[0]] == ([[1], [0, 2]] if split else [[0, 1, 2]])
+    where = {(i, r): buffers._where[i][r] for i in range(3) for r in range(3)}  # (group, row in it)
+    for (i, r), (group, k) in where.items():
+        assert by_layer[i][r].lives_in(group.stores, k)
+        assert group.stores["keys"].stack is where[0, r][0].stores["keys"].stack is not None
     keeps = {(0, 0): torch.tensor([[[0, 3, 4, 8]]]), (0, 1): torch.tensor([[[0, 2, 3, 7, 10, 11], [1, 4, 5, 6, 9, 11]]]),
-             (1, 2): torch.tensor([[[0, 1, 2, 3, 4, 5]]]), (2, 0): torch.tensor([[[6, 5, 4, 3, 2, 1, 0]]])}
+             (1, 2): torch.tensor([[[0, 1, 2, 3, 4, 5]]]), (2, 0): torch.tensor([[[6, 5, 4, 3, 2, 1, 0]]]),
+             (1, 0): torch.tensor([[[0, 1, 2, 3, 4, 9]]])}
     references, untouched = {}, {}
     for (i, r), keep in keeps.items():
         references[i, r] = TrackedLayer()
@@ -152,13 +158,15 @@ def test_layers_stacked_in_one_store_evict_together_and_grow_together():
         for name in ENTRY_FIELDS:
             assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)
     before = {(i, r): _fields(layer) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows)}
+    group, _ = where[1, 0]
+    stack = group.stores["keys"].stack
     capacity = stack.data.shape[2]
-    stores[1]["keys"].reserve(capacity + 1)  # one layer's store runs out of room: every layer's grows
-    assert stack.data.shape[2] > capacity and all(s["keys"].capacity == stack.data.shape[2] for s in stores)
-    for name in ENTRY_FIELDS:
-        stores[1][name].reserve(capacity + 1)
+    for name in ENTRY_FIELDS:  # one layer's store runs out of room: that group's stores grow in every layer
+        group.stores[name].reserve(capacity + 1)
+    assert stack.data.shape[2] > capacity
+    assert all(where[i, 0][0].stores[name].capacity == stack.data.shape[2] for i in range(3) for name in ENTRY_FIELDS)
     for (i, r), fields in before.items():
-        assert by_layer[i][r].lives_in(stores[i], r)
+        assert by_layer[i][r].lives_in(where[i, r][0].stores, where[i, r][1])
         for name in ENTRY_FIELDS:
             assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)
 

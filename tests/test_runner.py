@@ -209,18 +209,18 @@ def test_rows_in_two_groups_equal_each_alone(tiny, noise_image, monkeypatch):
     monkeypatch.setattr(step_buffers, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(step_buffers, "SPLIT_SHARE", 1.0)
     made = []
-    new_groups = step_buffers.StepBuffers._new_groups
+    set_groups = step_buffers.StepBuffers._set_groups
 
-    def recording(self, layer_idx, rows):
-        groups = new_groups(self, layer_idx, rows)
-        made.append(len(groups))
-        return groups
+    def recording(self, layer_idx, groups, *args):
+        made.append((len(groups), groups[0][1]["keys"].stack is not None))
+        return set_groups(self, layer_idx, groups, *args)
 
-    monkeypatch.setattr(step_buffers.StepBuffers, "_new_groups", recording)
+    monkeypatch.setattr(step_buffers.StepBuffers, "_set_groups", recording)
     engine = Engine(tiny)
     settings = GenerationSettings(max_new_tokens=7)
     together = _turns(engine.new_session(noise_image, PROMPT, SPLIT_METHODS, 0.3, settings, KNOBS))
-    assert made and all(n == 2 for n in made)
+    assert made and all(n == 2 for n, _ in made)
+    assert any(stacked for _, stacked in made)  # layers that group their rows alike share stacked stores
     for method in SPLIT_METHODS:
         alone = _turns(engine.new_session(noise_image, PROMPT, [method], 0.3, GenerationSettings(max_new_tokens=7),
                                           {k: v for k, v in KNOBS.items() if k == method}))
