@@ -25,28 +25,6 @@ from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, StoreStack, TrackedL
 
 SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
 SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size
-# Layers that group their rows differently still share stacked stores, grouped alike, when that holds at most
-# this much more than each layer's own groups (a row long in some layers then lives with the long rows in all)
-STACK_SLACK = 1.25
-
-
-def stacked_split(lengths_by_layer: Sequence[Sequence[int]], splits: Sequence[list[list[int]]],
-                  spare: int = SPARE_ENTRIES) -> list[list[int]] | None:
-    """One grouping of the rows for every layer, from the layers' own (`splits[i]` for `lengths_by_layer[i]`):
-    the one whose stacked stores (each group as long as its longest row in any layer) hold the fewest entries,
-    when that is at most `STACK_SLACK` times what the layers' own groups hold; else None."""
-    def own(lengths, split):
-        return sum(len(members) * (max(lengths[r] for r in members) + spare) for members in split)
-
-    def stacked(split):
-        return len(lengths_by_layer) * sum(
-            len(members) * (max(max(lengths[r] for r in members) for lengths in lengths_by_layer) + spare)
-            for members in split)
-
-    candidates = {str(split): split for split in splits}.values()
-    best = min(candidates, key=stacked)
-    held = sum(own(lengths, split) for lengths, split in zip(lengths_by_layer, splits))
-    return best if stacked(best) <= STACK_SLACK * held else None
 
 
 def split_by_length(lengths: Sequence[int], spare: int = SPARE_ENTRIES, entry_bytes: int = 0) -> list[list[int]]:
@@ -165,17 +143,16 @@ class StepBuffers:
 
     def form(self, rows_by_layer: Sequence[Sequence[TrackedLayer]]) -> None:
         """The shared stores of every layer at once (`rows_by_layer[i]`: layer i of each batch row, in order), rows
-        moved in. The layers' rows are grouped alike (`stacked_split`: one group, or the same two) and each
-        group's stores stacked over the layers (`StoreStack`, one tensor per field, as long as the group's longest
-        row in any layer), so a step's evictions from many layers are one copy per field; when grouping them alike
-        would hold too much more than each layer's own groups, each layer gets groups of its own."""
+        moved in. When every layer groups its rows alike (one group, or the same two), each group's stores are
+        stacked over the layers (`StoreStack`, one tensor per field, as long as the group's longest row in any
+        layer), so a step's evictions from many layers are one copy per field; otherwise each layer gets groups
+        of its own."""
         layouts = [self._layout(rows) for rows in rows_by_layer]
-        first = layouts[0][0]
-        alike = all(all(f.shape[1:2] + f.shape[3:] == first[n].shape[1:2] + first[n].shape[3:]
-                        and f.dtype == first[n].dtype and f.device == first[n].device for n, f in fields.items())
-                    for fields, _, _ in layouts)
-        split = stacked_split([lengths for _, lengths, _ in layouts], [own for _, _, own in layouts]) if alike else None
-        if split is None:
+        first, _, split = layouts[0]
+        stackable = all(other == split for _, _, other in layouts) and all(
+            all(f.shape[1:2] + f.shape[3:] == first[n].shape[1:2] + first[n].shape[3:] and f.dtype == first[n].dtype
+                and f.device == first[n].device for n, f in fields.items()) for fields, _, _ in layouts)
+        if not stackable:
             for i, rows in enumerate(rows_by_layer):
                 self._new_groups(i, rows)
         else:

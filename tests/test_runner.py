@@ -197,23 +197,6 @@ def test_rows_split_by_length_when_that_saves_enough():
     assert split_by_length([500], spare=64, entry_bytes=8192) == [[0]]
 
 
-def test_layers_grouped_alike_for_stacked_stores():
-    """The layers' rows are grouped alike for stacked stores: the layers' common grouping, or, when they group
-    differently, the grouping whose stacked stores hold the fewest entries, if that is at most STACK_SLACK times
-    what each layer's own groups hold."""
-    from prefixkv_core.step_buffers import STACK_SLACK, stacked_split
-
-    assert stacked_split([[10, 100, 12], [10, 100, 14]], [[[1], [0, 2]]] * 2, spare=0) == [[1], [0, 2]]
-    # two long rows, one that is long only in the first layer (like PyramidKV's lowest layers), six short ones
-    lengths = [[100, 100, 80] + [10] * 6] + [[100, 100, 12] + [10] * 6] * 2
-    own = [[[0, 1, 2], list(range(3, 9))]] + [[[0, 1], list(range(2, 9))]] * 2
-    assert stacked_split(lengths, own, spare=0) == [[0, 1, 2], list(range(3, 9))]  # 1080 entries against 928
-    # a row long in one layer of four, beside one long and one short row: every grouping holds too much more
-    lengths = [[100, 90, 5]] + [[100, 5, 5]] * 3
-    own = [[[0, 1], [2]]] + [[[0], [1, 2]]] * 3
-    assert 820 > STACK_SLACK * 535 and stacked_split(lengths, own, spare=0) is None
-
-
 SPLIT_METHODS = ["full", "local", "h2o", "snapkv", "adakv", "zipvl", "fastv", "prefixkv"]
 
 
