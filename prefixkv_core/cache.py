@@ -506,9 +506,8 @@ def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     for layers, indices in groups.values():
         if len(layers) == 1:
             layers[0].gather(indices[0])
-        else:  # in the order they lie, so rows next to each other are written as one block
-            order = sorted(range(len(layers)), key=lambda k: _home(layers[k]._stores["keys"])[1] + layers[k]._rows[0])
-            gather_rows([layers[k] for k in order], [indices[k] for k in order])
+        else:
+            gather_rows(layers, indices)
 
 
 def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:

@@ -480,7 +480,7 @@ class Session:
             self._buffers = runner.StepBuffers()
         try:
             runner.form_batch([s.cache for s in active], [s.policy.decode_needs_attention() for s in active],
-                              self._buffers, [_evicts(s.policy) for s in active])
+                              self._buffers)
         except Exception:  # noqa: BLE001 - the first step meets the same problem and fails its rows with it
             self._buffers = None
 
@@ -496,8 +496,7 @@ class Session:
             if self._buffers is None:
                 self._buffers = runner.StepBuffers()
             out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
-                                      [s.policy.decode_needs_attention() for s in states], device, self._buffers,
-                                      [_evicts(s.policy) for s in states])
+                                      [s.policy.decode_needs_attention() for s in states], device, self._buffers)
         except Exception as exc:
             for state in states:
                 state.fail(exc)
@@ -567,7 +566,3 @@ class Session:
     def _event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
         return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
 
-
-def _evicts(policy) -> bool:
-    """Whether `policy` evicts after every decoded token (it holds its budget itself, or equal memory holds it)."""
-    return policy.keeps_budget_while_decoding() or policy.held_to_equal_memory()

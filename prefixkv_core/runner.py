@@ -317,16 +317,15 @@ def last_query(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Ten
 @torch.inference_mode()
 def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                  want_attention: Sequence[bool], device: torch.device,
-                 buffers: StepBuffers | None = None, evicting: Sequence[bool] | None = None) -> StepOutput:
+                 buffers: StepBuffers | None = None) -> StepOutput:
     """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
     rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
     scoring), aligned with that row's entries. Pass the same `buffers` to every step of a turn to reuse the
-    padded tensors. `evicting[r]` (a hint): row r's policy evicts after every step; such rows are held next to
-    each other, so their joint eviction writes one block."""
+    padded tensors."""
     b = len(caches)
     if min(len(c) for c in chunks) < 1:
         raise ValueError("every row needs at least one token to feed")
-    order = _row_order(want_attention, evicting)
+    order = _row_order(want_attention)
     if order == list(range(b)):
         return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers)
     out = _forward_ordered_rows(model, [caches[r] for r in order], [chunks[r] for r in order],
@@ -336,22 +335,19 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     return StepOutput(out.logits.index_select(0, back), [out.attention[at[r]] for r in range(b)])
 
 
-def _row_order(want_attention: Sequence[bool], evicting: Sequence[bool] | None = None) -> list[int]:
-    """The order a batched step holds its rows in (stable): the rows that want attention first, then the rows
-    that evict after every step."""
-    evicting = evicting if evicting is not None else [False] * len(want_attention)
-    return sorted(range(len(want_attention)), key=lambda r: (not want_attention[r], not evicting[r]))
+def _row_order(want_attention: Sequence[bool]) -> list[int]:
+    """The order a batched step holds its rows in (stable): the rows that want attention first."""
+    return sorted(range(len(want_attention)), key=lambda r: not want_attention[r])
 
 
-def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], buffers: StepBuffers,
-               evicting: Sequence[bool] | None = None) -> None:
+def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], buffers: StepBuffers) -> None:
     """Move the rows of the coming decode steps into `buffers`' shared stores now, every layer, in the order
-    `forward_rows` holds them (given the same `want_attention` and `evicting`), so that the steps only append
+    `forward_rows` holds them (given the same `want_attention`), so that the steps only append
     (as a plain loop builds its batch cache before it decodes). Optional: a step moves in whatever row is not
     there yet."""
     if len(caches) < 2:
         return
-    rows = [caches[r] for r in _row_order(want_attention, evicting)]
+    rows = [caches[r] for r in _row_order(want_attention)]
     with torch.inference_mode():
         buffers.form([[c.layers[i] for c in rows] for i in range(len(rows[0].layers))])
 
