@@ -100,11 +100,7 @@ class EntryStore:
         if self.stack is not None:
             self.stack.grow(needed)
             return
-        grown = max(needed, self.capacity + self.capacity // 2 + 16)
-        data = self.data.new_zeros(self.data.shape[0], self.data.shape[1], grown, *self.data.shape[3:])
-        longest = max(self.lengths)
-        _copy(data.narrow(2, 0, longest), self.data.narrow(2, 0, longest))
-        self.data = data
+        self.data = _grown(self.data, needed, max(self.lengths))
         self._views = {}
 
     def write(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
@@ -149,15 +145,19 @@ class StoreStack:
 
     def grow(self, needed: int) -> None:
         """Room for `needed` entries in every row of every layer (by at least half the capacity)."""
-        capacity = self.data.shape[2]
-        grown = max(needed, capacity + capacity // 2 + 16)
-        data = self.data.new_zeros(self.data.shape[0], self.data.shape[1], grown, *self.data.shape[3:])
-        longest = max(max(store.lengths) for store in self.stores)
-        _copy(data.narrow(2, 0, longest), self.data.narrow(2, 0, longest))
-        self.data = data
+        self.data = data = _grown(self.data, needed, max(max(store.lengths) for store in self.stores))
         for store in self.stores:
             store.data = data.narrow(0, store.stack_row, self.rows)
             store._views = {}
+
+
+def _grown(data: torch.Tensor, needed: int, longest: int) -> torch.Tensor:
+    """`data` ([rows, Hkv, capacity, *tail]) with room for at least `needed` entries and by at least half its
+    capacity more (amortised O(1) appends), its first `longest` entries of every row copied over."""
+    capacity = data.shape[2]
+    grown = data.new_zeros(data.shape[0], data.shape[1], max(needed, capacity + capacity // 2 + 16), *data.shape[3:])
+    _copy(grown.narrow(2, 0, longest), data.narrow(2, 0, longest))
+    return grown
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
