@@ -1,5 +1,5 @@
 """Prefill + decode of a batch of prompts for the speed benchmark, through the engine's own runner
-(`prefixkv_core.runner`, the same code the app's comparisons run on). Models are `LoadedModel`s: loaded ones,
+(`prefixkv_core.decoding.runner`, the same code the app's comparisons run on). Models are `LoadedModel`s: loaded ones,
 or randomly initialised ones with exact released shapes (`prefixkv_core.models.build_random_model`).
 
 B prompts of equal length and equal layout (BOS, image block, text) decode as one batch for every method: a
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from prefixkv_core import runner
-from prefixkv_core.attention import StatRequest, tracked_attention_enabled
-from prefixkv_core.cache import TrackedCache
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import StatRequest, tracked_attention_enabled
+from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import LoadedModel
 from prefixkv_core.policies import Policy, make_policy
 
@@ -81,7 +81,7 @@ def _processed_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int):
 # -- runners ---------------------------------------------------------------------------------------------------
 
 class MethodRun:
-    """One method on a batch of prompts through the engine's runner (`prefixkv_core.runner`): one prefill of all
+    """One method on a batch of prompts through the engine's runner (`prefixkv_core.decoding.runner`): one prefill of all
     prompts, then greedy decode steps, each followed by the policy's decode-time compression.
 
     When the policy's plan serves every row (its kept counts do not depend on the sample), the prompts share

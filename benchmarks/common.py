@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 from prefixkv_core.policies import REGISTRY
 from prefixkv_core.policies import parse_knobs as parse_knob_items
-from prefixkv_core.record import BUDGET_MODE_TITLES, mode_title as run_title  # noqa: F401 - used by the scripts
+from prefixkv_core.report.record import BUDGET_MODE_TITLES, mode_title as run_title  # noqa: F401 - used by the scripts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

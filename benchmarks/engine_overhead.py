@@ -28,11 +28,11 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from prefixkv_core import Engine, GenerationSettings, load_model  # noqa: E402
-from prefixkv_core.attention import AttentionProbe, StatRequest, tracked_attention_enabled  # noqa: E402
-from prefixkv_core.cache import TrackedCache  # noqa: E402
+from prefixkv_core.kv.attention import AttentionProbe, StatRequest, tracked_attention_enabled  # noqa: E402
+from prefixkv_core.kv.cache import TrackedCache  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
 from prefixkv_core.method_args import MethodArgError, add_method_args, method_args  # noqa: E402
-from prefixkv_core.runner import sync  # noqa: E402
+from prefixkv_core.decoding.runner import sync  # noqa: E402
 
 FILLER = ("The museum's east wing holds maps, letters and instruments from early voyages; each room is lit "
           "softly and every label gives the date, the maker and the place where the object was found. ")

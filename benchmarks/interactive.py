@@ -46,7 +46,7 @@ from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
 from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
 from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
-from prefixkv_core.runner import now  # noqa: E402
+from prefixkv_core.decoding.runner import now  # noqa: E402
 
 
 def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:

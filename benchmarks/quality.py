@@ -20,7 +20,7 @@ budget; Full's output is the ROUGE reference. Records are appended to <out>/reco
 same --out. Outputs in <out>: ppl / rouge_l / kv_kept tables (.md, .csv, .tex), results.json (every raw
 number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at every budget?), leaderboard.csv
 (kvpress's leaderboard layout: a row per method and compression ratio, a ROUGE-L column per task; see
-prefixkv_core/leaderboard.py), quality.html (+ quality.png when Chromium is installed).
+prefixkv_core/report/leaderboard.py), quality.html (+ quality.png when Chromium is installed).
 
 `--equal-memory` also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so
 every budgeted method is compared at the same memory. `--query-agnostic` compresses the image and any text
@@ -99,7 +99,7 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
                settings, knobs: dict, steps_bar=None) -> list[dict[str, Any]]:
     """One generation session and one teacher-forcing session for `methods` at `budget`."""
     from prefixkv_core import GenerationSettings
-    from prefixkv_core.events import MethodEvent
+    from prefixkv_core.report.events import MethodEvent
 
     gen = GenerationSettings(max_new_tokens=settings["max_new_tokens"])
     session_budget = 1.0 if budget is None else budget
@@ -188,12 +188,12 @@ def sample_task(sample: Sample, text_mode: bool = False) -> str:
 def leaderboard_rows(records: list[dict[str, Any]], samples: list[Sample], methods: list[str], budgets: list[float],
                      *, dataset: str, data_dir: str, model: str, budget_mode: str, query_agnostic: bool,
                      knobs: dict, text_mode: bool = False) -> tuple[list, list[str]]:
-    """The run in kvpress's leaderboard layout (prefixkv_core.leaderboard): one row per method and compression
+    """The run in kvpress's leaderboard layout (prefixkv_core.report.leaderboard): one row per method and compression
     ratio (1 - r; Full 0; a budget-free method once, at its measured ratio), a ROUGE-L × 100 column per task.
     Returns (rows, tasks in first-seen order)."""
-    from prefixkv_core.leaderboard import (LeaderboardRow, compression_ratio, held_in_equal_memory, method_name,
+    from prefixkv_core.report.leaderboard import (LeaderboardRow, compression_ratio, held_in_equal_memory, method_name,
                                            task_score)
-    from prefixkv_core.metrics import rouge_l
+    from prefixkv_core.report.metrics import rouge_l
     from prefixkv_core.policies import REGISTRY
 
     by_key = {record_key(r): r for r in records}
@@ -227,7 +227,7 @@ def aggregate(records: list[dict[str, Any]], sample_ids: list[str], methods: lis
               budgets: list[float]) -> dict[str, Any]:
     """Tables (method -> budget -> value) over `sample_ids` in that order, so every process count gives the
     same sums in the same order."""
-    from prefixkv_core.metrics import perplexity, rouge_l
+    from prefixkv_core.report.metrics import perplexity, rouge_l
     from prefixkv_core.policies import REGISTRY
 
     by_key = {record_key(r): r for r in records}
@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         written += t.write(out, name)
     claims = check_claims(agg, methods, settings["budgets"])
     (out / "claims.md").write_text("\n".join(claims) + "\n")
-    from prefixkv_core.leaderboard import to_csv as leaderboard_csv
+    from prefixkv_core.report.leaderboard import to_csv as leaderboard_csv
 
     lb_rows, lb_tasks = leaderboard_rows(
         records, samples, methods, settings["budgets"], knobs=knobs, model=loaded.name, budget_mode=budget_mode,

@@ -8,8 +8,8 @@ The engine never imports gradio. Typical use:
     for event in session.run():
         ...
 """
-from .engine import Engine, EngineError, GenerationSettings, Session
-from .events import MethodEvent, PrefillInfo
+from .session.engine import Engine, EngineError, GenerationSettings, Session
+from .report.events import MethodEvent, PrefillInfo
 from .models import LoadedModel, ModelLoadError, load_model
 from .policies import METHODS, PolicyError, describe, make_policy, resolve_methods
 

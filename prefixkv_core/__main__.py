@@ -28,7 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_compare(args) -> int:
     from . import Engine, GenerationSettings, load_model
-    from .events import MethodEvent
+    from .report.events import MethodEvent
 
     chosen = method_args(args)  # checked before the model loads
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .engine import EngineError
+    from .session.engine import EngineError
     from .models import ModelLoadError
     from .policies import PolicyError
 

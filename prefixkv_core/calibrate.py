@@ -140,7 +140,7 @@ def calibrate(engine, samples, budgets=DEFAULT_BUDGETS, progress: bool = True) -
     import torch
     from tqdm.auto import tqdm
 
-    from .lorenz import bisect_threshold, retention_curves
+    from .report.lorenz import bisect_threshold, retention_curves
 
     curves = []
     for sample in tqdm(samples, desc="calibration prefill", disable=not progress):

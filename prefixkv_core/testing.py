@@ -66,7 +66,7 @@ def synthetic_prompt_cache(n: int = 40, n_layers: int = 3, h: int = 2, seed: int
     """(TrackedCache, prefill statistics) of an `n`-entry prompt whose entries image[0]:image[1] came from the
     image: random keys and values (dim 8), column sums that grow more concentrated with depth (raised to
     1 + skew·layer) with `sink` added to the first entry, kept as the layers' scores, and window votes."""
-    from .cache import TrackedCache, TrackedLayer
+    from .kv.cache import TrackedCache, TrackedLayer
 
     g = torch.Generator().manual_seed(seed)
     cache = TrackedCache(n_layers)

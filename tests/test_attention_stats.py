@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv_core.attention import StatRequest, _attention_with_stats, _decode_with_statistic, _sdpa_output
+from prefixkv_core.kv.attention import StatRequest, _attention_with_stats, _decode_with_statistic, _sdpa_output
 
 
 def _naive(q, k, v, scale, key_mask=None):

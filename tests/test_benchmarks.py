@@ -74,7 +74,7 @@ def full_greedy_words(engine, image, question: str, n: int) -> str:
     """Full's greedy answer restricted to whole-word tokens (" word") that survive decode -> encode, so the
     reference answer re-tokenises to exactly the ids Full chose (byte-level pieces of a random model do not)."""
     from prefixkv_core import GenerationSettings
-    from prefixkv_core.attention import tracked_attention_enabled
+    from prefixkv_core.kv.attention import tracked_attention_enabled
 
     tok = engine.loaded.processor.tokenizer
     safe = torch.zeros(len(tok), dtype=torch.bool)

@@ -12,7 +12,7 @@ from benchmarks import quality
 from benchmarks.common import RecordStore
 from benchmarks.data import DataError, builtin_long_text, cut_text_pairs, load_long_text
 from prefixkv_core import Engine
-from prefixkv_core.engine import EngineError
+from prefixkv_core.session.engine import EngineError
 from prefixkv_core.policies import METHODS, REGISTRY
 
 BUDGETS = ["0.10", "0.50"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixkv_core.lorenz import retention_curves
+from prefixkv_core.report.lorenz import retention_curves
 from prefixkv_core.policies import allocation, make_policy, scoring
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans, tiered_keep
 from prefixkv_core.policies.lookm import lookm_rank_keep

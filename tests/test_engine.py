@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from prefixkv_core import Engine, EngineError, GenerationSettings
-from prefixkv_core.attention import ATTN_NAME, AttentionProbe, StatRequest, tracked_attention_enabled
-from prefixkv_core.cache import TrackedCache
+from prefixkv_core.kv.attention import ATTN_NAME, AttentionProbe, StatRequest, tracked_attention_enabled
+from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import encode, format_prompt
-from prefixkv_core import runner
+from prefixkv_core.decoding import runner
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.testing import kept_entry_masks
@@ -347,7 +347,7 @@ def test_one_failing_method_does_not_stop_the_others(tiny_llama, noise_image, mo
 
 
 def test_score_answer_teacher_forcing(tiny_llama, noise_image):
-    from prefixkv_core.metrics import perplexity
+    from prefixkv_core.report.metrics import perplexity
 
     engine = Engine(tiny_llama)
     scores = engine.new_session(noise_image, PROMPT, ["full", "local", "prefixkv"], 0.3).score_answer(

@@ -4,9 +4,9 @@ the same edit on a plain copy, and decode steps keep rows where they are instead
 import pytest
 import torch
 
-from prefixkv_core import runner
-from prefixkv_core.attention import tracked_attention_enabled
-from prefixkv_core.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, gather_many
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import tracked_attention_enabled
+from prefixkv_core.kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, gather_many
 from prefixkv_core.models import encode, format_prompt
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
@@ -122,7 +122,7 @@ def test_layers_stacked_in_one_store_evict_together_and_grow_together(split, mon
     the same two): one joint eviction over several layers and rows gives what each row's own gather gives (a
     permutation too, and only the entries that change are written), the untouched rows stay, and growing one
     layer's store grows every layer's without losing an entry."""
-    from prefixkv_core import step_buffers
+    from prefixkv_core.decoding import step_buffers
 
     if split:  # every layer puts its longest row (row 1) in a group of its own
         monkeypatch.setattr(step_buffers, "SPLIT_MIN_BYTES", 0)
@@ -287,7 +287,7 @@ def test_a_quantised_row_decodes_in_its_working_copy(tiny_qwen2, prefilled, monk
     dequantised. Its own full-precision entries and metadata become views of that copy, so a step writes the new
     entry once; re-quantising mid-batch and the stores growing past their room still give what a plain row
     gives, step by step."""
-    from prefixkv_core import step_buffers
+    from prefixkv_core.decoding import step_buffers
 
     monkeypatch.setattr(step_buffers, "SPARE_ENTRIES", 2)  # the shared stores grow within a few steps
     cache, n = prefilled

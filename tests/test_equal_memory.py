@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prefixkv_core import Engine, EngineError, GenerationSettings
-from prefixkv_core.cache import TrackedCache, TrackedLayer
+from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
 from prefixkv_core.policies.equal_memory import HoldRank, held_keep_across_heads, hold_plans, layer_shares
@@ -483,7 +483,7 @@ def test_app_offers_the_switch_and_the_knobs(app_controller, noise_image):
 
 
 def test_app_lorenz_chart_draws_the_curves_prefixkv_used(app_controller, noise_image):
-    from prefixkv_core.lorenz import retention_curves
+    from prefixkv_core.report.lorenz import retention_curves
     from ui.controller import SessionBox
 
     ctl = app_controller

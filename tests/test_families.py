@@ -7,9 +7,13 @@ import pytest
 import torch
 from PIL import Image
 
-from prefixkv_core import Engine, GenerationSettings, runner
+from prefixkv_core import Engine
+
+from prefixkv_core import GenerationSettings
+
+from prefixkv_core.decoding import runner
 from prefixkv_core import models as M
-from prefixkv_core.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.zipvl import probe_queries

@@ -4,9 +4,13 @@ and the cache it decodes on holds exactly the kept tokens in those layers."""
 import pytest
 import torch
 
-from prefixkv_core import Engine, GenerationSettings, runner
-from prefixkv_core.attention import AttentionProbe, tracked_attention_enabled
-from prefixkv_core.cache import TrackedCache
+from prefixkv_core import Engine
+
+from prefixkv_core import GenerationSettings
+
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from prefixkv_core.leaderboard import (COLUMNS, LeaderboardRow, compression_ratio, held_in_equal_memory,
+from prefixkv_core.report.leaderboard import (COLUMNS, LeaderboardRow, compression_ratio, held_in_equal_memory,
                                        method_name, ratio_text, to_csv)
-from prefixkv_core.metrics import rouge_l
+from prefixkv_core.report.metrics import rouge_l
 
 
 def _rows(text: str) -> list[dict[str, str]]:

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from prefixkv_core.cache import TrackedCache, TrackedLayer
-from prefixkv_core.lorenz import (bisect_threshold, counts_for_threshold, distribute, gini, lorenz_curves,
+from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
+from prefixkv_core.report.lorenz import (bisect_threshold, counts_for_threshold, distribute, gini, lorenz_curves,
                                   retention_curves)
 from prefixkv_core.policies import METHODS, PolicyError, describe, make_policy, resolve_methods
 from prefixkv_core.policies.base import DecodeView, LayerPlan, apply_plans, fixed_point_decode, top_k_keep

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixkv_core.cache import TrackedCache, TrackedLayer
+from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
 

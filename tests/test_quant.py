@@ -1,9 +1,9 @@
-"""Packed low-bit quantisation for ZipVL (prefixkv_core.quant)."""
+"""Packed low-bit quantisation for ZipVL (prefixkv_core.kv.quant)."""
 
 import pytest
 import torch
 
-from prefixkv_core.quant import (
+from prefixkv_core.kv.quant import (
     QuantizedTensor,
     dequantize,
     quantize,

@@ -8,8 +8,14 @@ import json
 import pytest
 import torch
 
-from prefixkv_core import Engine, EngineError, GenerationSettings, runner
-from prefixkv_core.attention import StatRequest, tracked_attention_enabled
+from prefixkv_core import Engine
+
+from prefixkv_core import EngineError
+
+from prefixkv_core import GenerationSettings
+
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import StatRequest, tracked_attention_enabled
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from prefixkv_core import Engine, GenerationSettings
-from prefixkv_core import runner
-from prefixkv_core.attention import tracked_attention_enabled
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import METHODS
-from prefixkv_core.step_buffers import split_by_length
+from prefixkv_core.decoding.step_buffers import split_by_length
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 FOLLOW_UP = "and what colour is the largest one"
@@ -204,7 +204,7 @@ def test_rows_in_two_groups_equal_each_alone(tiny, noise_image, monkeypatch):
     """With every batch split in two groups by length (the long rows: Full, ZipVL's working copy, FastV), each
     method, the ones that score while decoding, keep empty slots or quantise included, gets exactly its own
     tokens, counts and bytes over a first turn and a follow-up."""
-    from prefixkv_core import step_buffers
+    from prefixkv_core.decoding import step_buffers
 
     monkeypatch.setattr(step_buffers, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(step_buffers, "SPLIT_SHARE", 1.0)

@@ -8,7 +8,7 @@ import pytest
 from prefixkv_core import Engine, EngineError, GenerationSettings
 from prefixkv_core.policies import METHODS, register, unregister
 from prefixkv_core.policies.base import Policy, PolicyState, Prefilled
-from prefixkv_core.record import ComparisonRecord
+from prefixkv_core.report.record import ComparisonRecord
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 FOLLOW_UP = "and what colour is the largest one"
@@ -194,7 +194,7 @@ def test_timing_switches_are_checked(tiny_llama, noise_image):
 
 def test_record_keeps_the_shared_forward_once_per_step():
     """Nine events of one batched step are one point of the batch series, not nine."""
-    from prefixkv_core.events import MethodEvent
+    from prefixkv_core.report.events import MethodEvent
 
     methods = ["full", "h2o", "snapkv"]
     record = ComparisonRecord(methods, {m: m for m in methods}, "q", 0.3)

@@ -7,9 +7,9 @@ import plotly.graph_objects as go
 import pytest
 from PIL import Image
 
-from prefixkv_core.events import MethodEvent, PrefillInfo
+from prefixkv_core.report.events import MethodEvent, PrefillInfo
 from prefixkv_core.policies import METHODS, REGISTRY, method_colours
-from prefixkv_core.record import BatchSteps
+from prefixkv_core.report.record import BatchSteps
 from ui import charts
 from ui.lorenz_np import gini, retention_curves
 from ui.theme import colour
@@ -162,7 +162,7 @@ def test_overlay_dims_evicted_patches():
 
 
 def _comparison():
-    from prefixkv_core.record import ComparisonRecord
+    from prefixkv_core.report.record import ComparisonRecord
     from ui.runstate import Comparison
 
     # the app reads the record the engine session feeds: here the events are fed to it by hand

@@ -12,7 +12,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from prefixkv_core.record import MB, BatchSteps, Series  # noqa: F401 - part of this module's vocabulary
+from prefixkv_core.report.record import MB, BatchSteps, Series  # noqa: F401 - part of this module's vocabulary
 
 from .lorenz_np import bisect_threshold, gini, retention_curves
 from .theme import FONT, GRID, colour, layer_colours, tint

@@ -26,9 +26,9 @@ from typing import Any, Mapping
 
 import plotly.graph_objects as go
 
-from prefixkv_core import leaderboard
+from prefixkv_core.report import leaderboard
 from prefixkv_core.policies import REGISTRY, role_label, role_method
-from prefixkv_core.record import mode_title
+from prefixkv_core.report.record import mode_title
 
 from .theme import PAPER_FONT
 
@@ -150,7 +150,7 @@ LEADERBOARD_DATASET = "chat"  # the app's results: one conversation, each turn a
 
 
 def leaderboard_rows(results: Mapping[str, Any]) -> tuple[list[leaderboard.LeaderboardRow], list[str]]:
-    """This comparison in kvpress's leaderboard layout (prefixkv_core.leaderboard): a row per method at its
+    """This comparison in kvpress's leaderboard layout (prefixkv_core.report.leaderboard): a row per method at its
     compression ratio (1 - r; Full 0; a budget-free method at its measured ratio), a task per turn whose score is
     the method's ROUGE-L F1 × 100 against Full's answer to that turn. Returns (rows, tasks)."""
     methods = results.get("methods", {})

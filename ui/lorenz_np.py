@@ -1,10 +1,10 @@
-"""Numpy faces of prefixkv_core.lorenz, so the chart code never handles torch tensors itself."""
+"""Numpy faces of prefixkv_core.report.lorenz, so the chart code never handles torch tensors itself."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from prefixkv_core import lorenz
+from prefixkv_core.report import lorenz
 
 
 def _t(importance: np.ndarray) -> torch.Tensor:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prefixkv_core.events import KeptImageMap
-from prefixkv_core.record import ComparisonRecord, Series, Track, Turn
+from prefixkv_core.report.events import KeptImageMap
+from prefixkv_core.report.record import ComparisonRecord, Series, Track, Turn
 
 __all__ = ["Comparison", "OverlayMaps", "SessionBox", "Series", "Track", "Turn"]
 
@@ -22,7 +22,7 @@ __all__ = ["Comparison", "OverlayMaps", "SessionBox", "Series", "Track", "Turn"]
 @dataclass
 class OverlayMaps:
     """Per-method kept-head share of every image token at one layer, placed on the image's views
-    (`prefixkv_core.events.KeptImageMap`; computed by the thread that owns the engine session, between two
+    (`prefixkv_core.report.events.KeptImageMap`; computed by the thread that owns the engine session, between two
     decoding steps)."""
 
     layer: int

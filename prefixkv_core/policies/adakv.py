@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..lorenz import distribute
+from ..report.lorenz import distribute
 from . import scoring
 from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, PolicyState, Prefilled, PrefillView, budget_count,
                    knob)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..lorenz import BisectionResult, bisect_threshold, distribute, retention_curves
+from ..report.lorenz import BisectionResult, bisect_threshold, distribute, retention_curves
 from .base import budget_count
 
 

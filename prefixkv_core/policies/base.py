@@ -16,8 +16,8 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
-from ..attention import StatRequest
-from ..cache import TrackedCache, TrackedLayer, gather_many
+from ..kv.attention import StatRequest
+from ..kv.cache import TrackedCache, TrackedLayer, gather_many
 from . import scoring
 from .facts import Fact, facts_to_extras, note
 from .budget import Budget, check_budget

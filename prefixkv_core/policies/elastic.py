@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from . import allocation
 from .base import (DecodeView, LayerPlan, Merge, Policy, PolicyState, Prefilled, PrefillView, fixed_point_decode,
                    knob, layer_importance, protected_mask, top_k_keep)

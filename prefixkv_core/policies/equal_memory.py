@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import TrackedCache, TrackedLayer
+from ..kv.cache import TrackedCache, TrackedLayer
 from . import scoring
 from .base import EMPTY_SLOT, DecodeView, LayerPlan, budget_count, tiered_keep
 

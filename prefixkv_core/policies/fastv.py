@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob
 
 BUDGET_OF = ("cache", "image")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from . import allocation, scoring
 from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, plans_by_equal_count, \
     protected_positions, top_k_keep

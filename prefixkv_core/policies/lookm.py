@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from . import scoring
 from .base import (LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob,
                    tiered_keep, top_k_keep)

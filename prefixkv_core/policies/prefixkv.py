@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from . import allocation, scoring
 from .base import (DecodeView, Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView,
                    ResolveContext, budget_count, fixed_point_decode, knob, note, protected_mask, top_k_keep)

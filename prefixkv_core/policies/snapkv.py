@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from . import allocation, scoring
 from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
 from .equal_memory import snap_rank

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import StatRequest
+from ..kv.attention import StatRequest
 from .base import DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, Quantise, knob
 
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .models.layout import ImageLayout
+from ..models.layout import ImageLayout
 
 
 @dataclass

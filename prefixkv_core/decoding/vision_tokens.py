@@ -24,9 +24,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .models.layout import crop_patches
-from .policies.base import Policy
-from .policies.reduction import ImageTokenSources, VisionCrops, VisionPlan
+from ..models.layout import crop_patches
+from ..policies.base import Policy
+from ..policies.reduction import ImageTokenSources, VisionCrops, VisionPlan
 
 VISION_ATTN_NAME = "prefixkv_vision_probe"
 

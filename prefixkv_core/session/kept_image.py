@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .cache import TrackedCache
-from .events import KeptImageMap
-from .models import ImageLayout
-from .policies import Policy, PolicyState
+from ..kv.cache import TrackedCache
+from ..report.events import KeptImageMap
+from ..models import ImageLayout
+from ..policies import Policy, PolicyState
 
 
 def kept_image_map(cache: TrackedCache | None, layer: int, image_offset: int | None, layout: ImageLayout | None,

@@ -33,10 +33,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .attention import AttentionProbe, StatRequest
-from .cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
-from .policies import Policy, PolicyState
-from .policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
+from ..kv.attention import AttentionProbe, StatRequest
+from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
+from ..policies import Policy, PolicyState
+from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from .step_buffers import StepBuffers
 
 

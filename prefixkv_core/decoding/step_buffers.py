@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, StoreStack, TrackedLayer, move_rows_into
+from ..kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, StoreStack, TrackedLayer, move_rows_into
 
 SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
 SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import TrackedCache
-from .events import MethodEvent
-from .policies import Policy, PolicyState
+from ..kv.cache import TrackedCache
+from ..report.events import MethodEvent
+from ..policies import Policy, PolicyState
 
 
 @dataclass

@@ -28,19 +28,19 @@ from typing import Any, Iterator
 import torch
 from PIL import Image
 
-from . import runner
-from .attention import AttentionProbe, tracked_attention_enabled
-from .cache import TrackedCache
-from .errors import EngineError
-from .events import KeptImageMap, MethodEvent, PrefillInfo
+from ..decoding import runner
+from ..kv.attention import AttentionProbe, tracked_attention_enabled
+from ..kv.cache import TrackedCache
+from ..errors import EngineError
+from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
 from .generation import GenerationSettings, answer_text, next_token
 from .image_input import MAX_IMAGE_SIDE, load_image
 from .kept_image import kept_image_map
 from .method_state import MethodState
-from .models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, vision_inputs
-from .policies import BUDGET_MODES, Budget, Policy, PolicyError, ResolveContext, make_policy, resolve_methods
+from ..models import ImageLayout, LoadedModel, encode, format_followup, format_prompt, vision_inputs
+from ..policies import BUDGET_MODES, Budget, Policy, PolicyError, ResolveContext, make_policy, resolve_methods
 from .prompt_layout import image_token_layout, question_start
-from .record import ComparisonRecord
+from ..report.record import ComparisonRecord
 from .teacher_forcing import answer_nll
 
 __all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE"]

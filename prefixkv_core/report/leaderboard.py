@@ -48,7 +48,7 @@ def method_name(method: str, *, query_aware: bool, held: bool = False) -> str:
 def held_in_equal_memory(method: str, budget_mode: str, knobs: dict | None = None) -> bool:
     """Whether the equal-memory mode changed how `method` ran (a prompt-only method held at r·N_t; PrefixKV with
     decode = grow too)."""
-    from .policies import REGISTRY, PolicyError, make_policy
+    from ..policies import REGISTRY, PolicyError, make_policy
 
     if budget_mode != "equal_memory" or method not in REGISTRY:
         return False

@@ -7,8 +7,8 @@ from typing import Any
 
 from PIL import Image
 
-from . import limits
-from .errors import EngineError
+from .. import limits
+from ..errors import EngineError
 
 MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import EngineError
+from ..errors import EngineError
 
 
 @dataclass

@@ -114,7 +114,7 @@ class ComparisonRecord:
                  batched: bool = True, alone: bool = False, roles: dict[str, str] | None = None):
         self.methods = list(methods)
         if roles is None:  # the registry's roles (the engine passes them; a record built by hand reads them here)
-            from .policies import role_methods
+            from ..policies import role_methods
 
             roles = role_methods()
         # the methods that play a part beyond their own panel (policies.ROLES): the reference the answers are

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from .errors import EngineError
-from .models import ImageLayout, LoadedModel, encode, strip_layout
+from ..errors import EngineError
+from ..models import ImageLayout, LoadedModel, encode, strip_layout
 
 
 def question_start(loaded: LoadedModel, image: Image.Image | None, prompt: str, text: str, ids: torch.Tensor,

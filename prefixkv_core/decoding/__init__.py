@@ -1,0 +1,2 @@
+"""The decode path above the policies: one forward over many rows (each a method with its own cache), the
+stores those rows share between steps, and the vision-side token reduction a prefill may run."""
