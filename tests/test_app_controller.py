@@ -202,7 +202,7 @@ def test_time_each_method_alone(ctl, noise_image):
     results = dict(zip(ctl.output_keys, outs[-1]))["results"]
     for r in results["methods"].values():
         assert r["alone"]["same_answer"] is True and len(r["answers"]) == 2
-    assert box.run.session._timing == []
+    assert box.run.session.timing == []
     with pytest.raises(gr.Error, match="time_alone must be true or false"):
         list(ctl.compare(noise_image, "Describe.", ["full"], 0.3, 2, box=SessionBox(), time_alone="yes"))
     assert _wait_unlocked(ctl.engine)

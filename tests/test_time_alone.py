@@ -103,7 +103,7 @@ def test_alone_answers_equal_batched_answers(fixture, request, noise_image, one_
         assert r["error"] is None and r["alone"]["same_answer"] is True, method
         assert r["alone"]["tokens"] == r["tokens"] and len(r["alone"]["latency_ms"]) == r["tokens"] - 1
     # the copies timed alone are gone after the turn; the follow-up's batched caches are the session's own
-    assert session._timing == []
+    assert session.timing == []
 
 
 def test_each_method_alone_instead_of_batched(tiny_qwen2, noise_image, one_torch_thread):

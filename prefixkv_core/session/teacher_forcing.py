@@ -1,21 +1,18 @@
 """Teacher-forced scoring: a reference answer fed token by token through every method's compressed cache,
 compressed after every token exactly as generation does (all methods in one batch), giving each method's
-negative log-likelihood of the answer (the benchmarks' perplexity)."""
+negative log-likelihood of the answer (the benchmarks' perplexity). `Session.score_answer` runs it."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import Session
-    from .method_state import MethodState
+from .method_state import MethodState
+from .stepping import RowStepper
 
 
-def answer_nll(session: "Session", answer_ids: list[int]) -> dict[str, tuple[float, int]]:
-    """After the session's prefill (each live method's first logits are set): method -> (sum of NLL, answer
+def answer_nll(stepper: RowStepper, states: list[MethodState], answer_ids: list[int]) -> dict[str, tuple[float, int]]:
+    """After the first turn's prefill (each live state's first logits are set): method -> (sum of NLL, answer
     tokens), for every method that did not fail along the way."""
-    live: list[MethodState] = [s for s in session.states.values() if s.error is None]
+    live = [s for s in states if s.error is None]
     nll = {s.name: 0.0 for s in live}
     logits = {s.name: s.first_logits for s in live}
     for i, token in enumerate(answer_ids):
@@ -25,6 +22,6 @@ def answer_nll(session: "Session", answer_ids: list[int]) -> dict[str, tuple[flo
             live = [s for s in live if s.error is None]
             if not live:
                 break
-            batch_logits, _, _ = session._advance(live, [[token]] * len(live), step=i + 1)
+            batch_logits, _, _ = stepper.advance(live, [[token]] * len(live), step=i + 1)
             logits.update({s.name: batch_logits[r] for r, s in enumerate(live)})
-    return {s.name: (nll[s.name], len(answer_ids)) for s in session.states.values() if s.error is None}
+    return {s.name: (nll[s.name], len(answer_ids)) for s in states if s.error is None}

@@ -1,0 +1,176 @@
+"""The start of a first turn: the prompt encoded, every method's cache prefilled and compressed, and its first
+answer token sampled.
+
+A method's prefill comes from one of three sources (`Prefiller.source`): the prefill SHARED by every method that
+compresses its cache (one model pass, which also gives the importance charts), the method's OWN prefill (prefill
+token reduction: FastV, VisionZip change the prefill itself), or, when the methods are run each ALONE, a prefill
+of its own that records only what its policy asks for (its time to first token is then all its own)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..decoding import runner
+from ..errors import EngineError
+from ..models import ImageLayout, LoadedModel, encode, format_prompt, vision_inputs
+from ..policies import Budget
+from ..report.events import PrefillInfo
+from .method_state import MethodState
+from .prompt_layout import image_token_layout, question_start
+from .stepping import RowStepper
+
+
+@dataclass
+class EncodedPrompt:
+    """The first turn's prompt as the model reads it, and where its parts are."""
+
+    ids: torch.Tensor  # [1, N]
+    is_image: torch.Tensor  # [1, N] bool
+    inputs: Any  # the processor's output (pixel values and sizes for the vision tower)
+    split: int  # the tokens compressed at once: N, or (query-agnostic) the tokens before the question
+    image_offset: int | None
+    image_layout: ImageLayout | None
+
+    @property
+    def n(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def n_image(self) -> int:
+        return int(self.is_image.sum())
+
+    @property
+    def question(self) -> list[int]:
+        """The tokens fed after compression (query-agnostic); empty otherwise."""
+        return self.ids[0, self.split:].tolist()
+
+
+def encode_prompt(loaded: LoadedModel, image: Image.Image | None, prompt: str, *, chat_template: bool,
+                  query_agnostic: bool, max_new_tokens: int) -> EncodedPrompt:
+    """Encode the first turn; EngineError when it and its answer would not fit the model's context."""
+    text = format_prompt(loaded, prompt, with_image=image is not None) if chat_template else prompt
+    inputs = encode(loaded, image, text)
+    ids = inputs["input_ids"]
+    n = ids.shape[1]
+    is_image = ids == loaded.image_token_id
+    n_image = int(is_image.sum())
+    if n + max_new_tokens > loaded.max_context:
+        raise EngineError(
+            f"the prompt is {n} tokens ({n_image} for the image) + {max_new_tokens} new tokens, "
+            f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
+    split = question_start(loaded, image, prompt, text, ids, is_image) if query_agnostic else n
+    return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
+                         image_token_layout(loaded, image, n_image))
+
+
+@dataclass
+class Analysis:
+    """The prefill whose statistics the charts show, and what the methods' allocations used."""
+
+    importance: torch.Tensor  # [L, N_c]: each layer's column sums, heads averaged
+    curves: dict[str, np.ndarray]  # method -> the importance its per-layer allocation used (its Lorenz curves)
+    prefill_s: float  # the shared prefill's seconds, or the first alone prefill's
+    bytes_per_token: float  # an uncompressed cache's bytes per token
+
+
+class Prefiller:
+    """Prefills and compresses the caches of a first turn's methods (see the module docstring)."""
+
+    def __init__(self, loaded: LoadedModel, stepper: RowStepper, prompt: EncodedPrompt, budget: Budget,
+                 seed: int):
+        self.loaded = loaded
+        self.stepper = stepper
+        self.prompt = prompt
+        self.budget = budget
+        self.seed = seed
+        self.bytes_per_token: float | None = None  # an uncompressed cache's, known after the first shared-kind prefill
+
+    def run(self, states: list[MethodState], alone: bool, analysis: bool = True) -> Analysis | None:
+        """Prefill and compress each state's cache and sample its first token. `alone`: each state gets its own
+        prefill; else one is shared (the last state to share it takes its cache, the others a copy). Returns the
+        charts' analysis; None without `analysis` (a method timed alone again)."""
+        sharing = [s for s in states if not s.policy.own_prefill()]
+        shared = None if alone else self._prefill([s.policy for s in sharing])
+        analysed = shared  # the prefill whose column sums the importance charts show
+        curves: dict[str, np.ndarray] = {}
+        for state in states:
+            state.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+            try:
+                prefilled = self.source(state, shared, sharing)
+                if alone and analysed is None and analysis and not state.policy.own_prefill():
+                    analysed = prefilled
+                self._compress(state, prefilled, curves)
+            except Exception as exc:  # one method failing must not stop the others
+                state.fail(exc)
+        if self.prompt.split < self.prompt.n:  # query-agnostic: each method alone is fed the question on its own
+            for group in ([[s] for s in states] if alone else [states]):
+                self.stepper.feed_question(self.prompt.question, group)
+        for state in states:
+            if state.error is None:
+                self.stepper.start_answer(state, state.first_logits)
+        if not analysis:
+            return None
+        if analysed is None:  # every method ran a prefill of its own: the charts' analysis is still wanted
+            analysed = self._prefill([])
+        importance = torch.stack([analysed.stats[l]["colsum"][0].mean(dim=0)
+                                  for l in range(self.loaded.num_layers)])
+        return Analysis(importance, curves, analysed.seconds, self.bytes_per_token)
+
+    def source(self, state: MethodState, shared: runner.Prefill | None,
+               sharing: list[MethodState]) -> runner.Prefill:
+        """The prefill this state starts from, its cache set: its own (prefill token reduction), one of its own
+        (run alone: `shared` is None), or the shared one."""
+        p = self.prompt
+        if state.policy.own_prefill():
+            prefilled = runner.own_prefill(self.loaded.model, state.policy, p.ids[:, :p.split],
+                                           p.is_image[:, :p.split], vision_inputs(p.inputs), self.loaded.num_layers,
+                                           self.loaded.device, self.loaded.image_token_id)
+            state.cache = prefilled.cache
+        elif shared is None:
+            prefilled = self._prefill([state.policy])
+            state.cache = prefilled.cache
+        else:  # the last method to share the prefill takes its cache, the others a copy
+            prefilled = shared
+            state.cache = shared.cache if state is sharing[-1] else shared.cache.clone()
+        return prefilled
+
+    def _prefill(self, policies) -> runner.Prefill:
+        """One prefill of the compressed context recording what `policies` ask for (the uncompressed cache's bytes
+        per token noted before any policy compresses it)."""
+        p = self.prompt
+        prefilled = runner.prefill(self.loaded.model, p.ids[:, :p.split], p.is_image[:, :p.split],
+                                   vision_inputs(p.inputs), policies, self.loaded.num_layers, self.loaded.device)
+        if self.bytes_per_token is None:  # the same for every prefill of this context: note it before compression
+            self.bytes_per_token = prefilled.cache.nbytes() / p.split
+        return prefilled
+
+    def _compress(self, state: MethodState, prefilled: runner.Prefill, curves: dict[str, np.ndarray]) -> None:
+        """The state's policy compresses its prefilled cache; its first logits and timings are set."""
+        own_n = prefilled.prompt_len
+        state.prompt_len = state.true_len = own_n
+        state.reduced_by = self.prompt.split - own_n
+        state.first_logits = prefilled.logits[0]
+        t1 = runner.now(self.loaded.device)
+        stats = runner.policy_stats(state.policy, prefilled.stats, own_n)
+        state.policy_state = runner.compress_prefill(state.policy, state.cache, stats, own_n, self.budget,
+                                                     prefilled.reduction, state.reduced_by)
+        used = state.policy.allocation_importance(state.policy_state)
+        if used is not None:
+            curves[state.name] = used.float().cpu().numpy()
+        state.compress_s = runner.now(self.loaded.device) - t1
+        state.ttft_s = prefilled.seconds + state.compress_s
+
+
+def prefill_info(loaded: LoadedModel, prompt: EncodedPrompt, analysis: Analysis) -> PrefillInfo:
+    """What the listeners are told once the first turn's prefill is done."""
+    first = prompt.image_layout.views[0] if prompt.image_layout is not None else None
+    return PrefillInfo(
+        prompt_tokens=prompt.n, image_tokens=prompt.n_image, num_layers=loaded.num_layers,
+        importance=analysis.importance.float().cpu().numpy(), is_image=prompt.is_image[0, :prompt.split].cpu().numpy(),
+        image_grid=(first.rows, first.cols) if first is not None else None, image_offset=prompt.image_offset,
+        prefill_s=analysis.prefill_s, image_layout=prompt.image_layout, curves=analysis.curves,
+        compressed_tokens=prompt.split)

@@ -1,0 +1,223 @@
+"""One conversation's turn loop: the first turn (prefill, compress, decode), the follow-ups (each method goes on
+from its own compressed cache), and what the session tells and keeps (events, the result record).
+
+How the rows are scheduled is `schedule.py`'s; how the first turn's caches are prefilled, `prefill.py`'s; how a
+step feeds the rows and the decode loop samples them, `stepping.py`'s."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import asdict
+from typing import Any, Iterator, Protocol
+
+from PIL import Image
+
+from ..errors import EngineError
+from ..kv.attention import tracked_attention_enabled
+from ..models import ImageLayout, encode, format_followup
+from ..policies import Budget, Policy
+from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
+from ..report.record import ComparisonRecord
+from .generation import GenerationSettings
+from .kept_image import kept_image_map
+from .method_state import MethodState
+from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info
+from .schedule import schedule_for
+from .stepping import RowStepper
+from .teacher_forcing import answer_nll
+
+
+class ModelHolder(Protocol):
+    """What a session needs of the engine that made it (`engine.Engine`)."""
+
+    loaded: Any  # the LoadedModel
+    lock: threading.Lock  # one turn at a time on one model
+    eos_ids: set[int]
+
+
+class Session:
+    """One conversation: the image, the turns so far, and every method's own compressed cache.
+
+    Every active method is one row of the runner's batch: each decode step feeds all of them in one model
+    call, then each policy compresses its own cache, then one event per method is yielded. With `time_alone`,
+    each method is then decoded again on its own and those events say `alone=True`; without `batched`, the
+    methods are decoded on their own only, one after another."""
+
+    def __init__(self, engine: ModelHolder, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
+                 budget: Budget, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
+                 chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False,
+                 time_alone: bool = False, batched: bool = True):
+        self.engine = engine
+        self.batched = batched  # decode the methods as one batch (else each alone, one after another)
+        self.time_alone = time_alone or not batched  # every method's own timings are measured
+        self.schedule = schedule_for(batched, self.time_alone)
+        self.timing: list[MethodState] = []  # copies being decoded alone after the batched run (their caches)
+        self.budget_mode = budget_mode  # one of BUDGET_MODES, for every method of this session
+        # True: the prompt before the question is compressed first, then the question is fed (see new_session)
+        self.query_agnostic = query_agnostic
+        self.chat_template = chat_template  # False: the prompt is plain text, fed without turn markup
+        self.image = image
+        self.prompt = prompt
+        self.budget = budget
+        self.generation = generation
+        self.states = {name: MethodState(name, p) for name, p in policies.items()}
+        self.turn = -1
+        self.user_turns = [prompt]
+        self.prefill: PrefillInfo | None = None
+        self.bytes_per_token = 0.0
+        self.encoded: EncodedPrompt | None = None  # the first turn's prompt, once encoded
+        self.released = False
+        loaded = engine.loaded
+        self.stepper = RowStepper(loaded, generation, engine.eos_ids)
+        # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
+        self.record = ComparisonRecord(
+            list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
+            knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
+            query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone)
+
+    @property
+    def image_offset(self) -> int | None:
+        return self.encoded.image_offset if self.encoded is not None else None
+
+    @property
+    def image_layout(self) -> ImageLayout | None:
+        """Where each image token comes from (views, grids)."""
+        return self.encoded.image_layout if self.encoded is not None else None
+
+    # -- the turns -----------------------------------------------------------------------------------------
+    def run(self, cancel: threading.Event | None = None) -> Iterator[PrefillInfo | MethodEvent]:
+        """First turn: shared prefill, per-method compression, every method decoded as one batch."""
+        if self.turn >= 0:
+            raise EngineError("this session already ran its first turn; use follow_up()")
+        with self._model_turn():
+            self.turn = 0
+            yield from self._recorded(self.schedule.first_turn(self, cancel))
+
+    def follow_up(self, prompt: str, cancel: threading.Event | None = None) -> Iterator[MethodEvent]:
+        """Next user turn: each method continues on its own compressed cache (all methods in one batch)."""
+        if self.turn < 0:
+            raise EngineError("run() the first turn before a follow-up")
+        if not self.chat_template:
+            raise EngineError("a plain-text session (chat_template=False) has no turns to follow up")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EngineError("the follow-up prompt is empty")
+        if self.released:
+            raise EngineError("this comparison's caches were released to free memory; run Compare again")
+        loaded = self.engine.loaded
+        with self._model_turn():
+            new_ids = encode(loaded, None, format_followup(loaded, prompt),
+                             add_special_tokens=False)["input_ids"][0].tolist()
+            self._check_followup_fits(new_ids)
+            self.turn += 1
+            self.user_turns.append(prompt)
+            self.record.begin_turn(prompt)
+            yield from self._recorded(self._next_turn(new_ids, cancel))
+
+    def _next_turn(self, new_ids: list[int], cancel: threading.Event | None) -> Iterator[MethodEvent]:
+        live = [s for s in self.states.values() if s.error is None]
+        for state in self.states.values():
+            if state.error is not None:
+                yield self.event(state, "error", alone=self.schedule.alone)
+        for state in live:
+            state.answers.append(state.text)
+        yield from self.schedule.next_turn(self, live, new_ids, cancel)
+
+    def _check_followup_fits(self, new_ids: list[int]) -> None:
+        limit = self.engine.loaded.max_context
+        for state in self.states.values():
+            if state.error is not None:
+                continue
+            total = state.true_len + len(state.carry_over(self.engine.eos_ids) + new_ids) + self.generation.max_new_tokens
+            if total > limit:
+                raise EngineError(f"the conversation would reach {total} tokens, over the model's context of "
+                                  f"{limit}; start a new comparison")
+
+    def score_answer(self, answer: str) -> dict[str, tuple[float, int]]:
+        """Teacher forcing (`teacher_forcing.py`): feed the reference answer through each method's compressed
+        cache, compressing after every token exactly as in generation (all methods in one batch). Returns
+        method -> (sum of NLL, answer tokens)."""
+        if self.turn >= 0:
+            raise EngineError("score_answer() replaces the first turn; use a fresh session")
+        tok = self.engine.loaded.processor.tokenizer
+        answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        if not answer_ids:
+            raise EngineError("the reference answer is empty")
+        with self._model_turn():
+            self.turn = 0
+            self.prefill_first_turn(alone=False)
+            try:
+                return answer_nll(self.stepper, list(self.states.values()), answer_ids)
+            finally:
+                self.stepper.reset()
+
+    # -- what the schedules call ---------------------------------------------------------------------------
+    def prefill_first_turn(self, alone: bool) -> PrefillInfo:
+        """Encode the first turn's prompt, prefill and compress every method's cache (one shared prefill, or
+        each its own when `alone`) and sample each first token."""
+        loaded = self.engine.loaded
+        self.encoded = encode_prompt(loaded, self.image, self.prompt, chat_template=self.chat_template,
+                                     query_agnostic=self.query_agnostic,
+                                     max_new_tokens=self.generation.max_new_tokens)
+        analysis = self._prefiller().run(list(self.states.values()), alone=alone)
+        self.bytes_per_token = analysis.bytes_per_token
+        self.prefill = prefill_info(loaded, self.encoded, analysis)
+        return self.prefill
+
+    def prefill_alone_again(self, twin: MethodState) -> None:
+        """A copy of a method, prefilled and compressed on its own, to be decoded and timed alone."""
+        self._prefiller().run([twin], alone=True, analysis=False)
+
+    def event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
+        return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
+
+    # -- memory and results ---------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again."""
+        with self.engine.lock:
+            for state in self.states.values():
+                state.cache = None
+            self.image = None
+            self.stepper.reset()
+            self.timing = []
+            self.released = True
+
+    def cache_bytes(self) -> int:
+        """Bytes held by this session's caches right now, the batched step's padded tensors included while a
+        turn runs (0 once released)."""
+        held = sum(s.cache.stored_nbytes() for s in [*self.states.values(), *self.timing] if s.cache is not None)
+        return held + self.stepper.nbytes()
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Per-method figures of the current turn, from the result record (see `record.to_dict()` for all)."""
+        return self.record.to_dict()["methods"]
+
+    def kept_image_map(self, method: str, layer: int) -> KeptImageMap | None:
+        """Share of KV heads that still hold each image token in `layer`, placed on the image's views (every
+        crop and newline token of an anyres image included), for the overlay (`kept_image.py`)."""
+        state = self.states[method]
+        return kept_image_map(state.cache, layer, self.image_offset, self.image_layout, state.policy,
+                              state.policy_state)
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _prefiller(self) -> Prefiller:
+        return Prefiller(self.engine.loaded, self.stepper, self.encoded, self.budget, self.generation.seed)
+
+    @contextlib.contextmanager
+    def _model_turn(self):
+        """The model, held for one turn: the engine's lock and our attention function."""
+        with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
+            if self.released:  # released while waiting for the model
+                raise EngineError("this comparison's caches were released to free memory; run Compare again")
+            yield
+
+    def _recorded(self, events: Iterator[PrefillInfo | MethodEvent]) -> Iterator[PrefillInfo | MethodEvent]:
+        self.record.active = True
+        try:
+            for item in events:
+                self.record.apply(item)
+                yield item
+        finally:
+            self.record.active = False
+            self.stepper.reset()  # the padded step tensors live for one turn
+            self.timing = []  # so do the copies timed alone
+

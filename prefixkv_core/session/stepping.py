@@ -1,0 +1,172 @@
+"""A turn's steps: method rows fed through the model in one batched forward, each policy compressing its own
+cache after it, and the decode loop that samples one token per row per step and reports it."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+from ..decoding import runner
+from ..models import LoadedModel
+from ..report.events import MethodEvent
+from .generation import GenerationSettings, answer_text, next_token
+from .method_state import MethodState
+
+# (state, kind, **how) -> the event that reports it (the session knows the turn and the bytes per token)
+EventMaker = Callable[..., MethodEvent]
+
+
+class RowStepper:
+    """Feeds rows (each a method's conversation) through the model, one batched forward per step. Holds the padded
+    step tensors and shared stores the rows use within one turn (`reset` drops them)."""
+
+    def __init__(self, loaded: LoadedModel, generation: GenerationSettings, eos_ids: set[int]):
+        self.loaded = loaded
+        self.generation = generation
+        self.eos_ids = eos_ids
+        self.buffers: runner.StepBuffers | None = None
+
+    def reset(self) -> None:
+        self.buffers = None
+
+    def nbytes(self) -> int:
+        return self.buffers.nbytes() if self.buffers is not None else 0
+
+    # -- one step --------------------------------------------------------------------------------------------
+    def advance(self, states: list[MethodState], chunks: list[list[int]], step: int
+                ) -> tuple[torch.Tensor, float, dict[str, float]]:
+        """Feed chunks[r] to states[r] in one batched forward, then let each policy compress its own cache.
+        Returns (logits [B, V], forward seconds, method -> policy seconds). A failing forward fails every row in
+        it; a failing policy fails its own method only."""
+        device = self.loaded.device
+        t0 = runner.now(device)
+        try:
+            if self.buffers is None:
+                self.buffers = runner.StepBuffers()
+            out = runner.forward_rows(self.loaded.model, [s.cache for s in states], chunks,
+                                      [s.true_len for s in states],
+                                      [s.policy.decode_needs_attention() for s in states], device, self.buffers)
+        except Exception as exc:
+            for state in states:
+                state.fail(exc)
+            return torch.zeros(len(states), 1), 0.0, {}
+        forward_s = runner.now(device) - t0
+        rows = []
+        for r, (state, chunk) in enumerate(zip(states, chunks)):
+            state.true_len += len(chunk)
+            rows.append(runner.DecodeRow(state.policy, state.policy_state, state.cache, state.true_len,
+                                         state.prompt_len, step, out.attention[r], state.reduced_by))
+        policy_s = {}
+        for state, (seconds, error) in zip(states, runner.compress_decode_rows(rows, device)):
+            if error is not None:  # one method failing must not stop the others
+                state.fail(error)
+            policy_s[state.name] = seconds
+        return out.logits, forward_s, policy_s
+
+    def form_batch(self, states: list[MethodState]) -> None:
+        """The methods about to decode together move into the batch's shared stores before the first step."""
+        active = [s for s in states if s.error is None and s.cache is not None and not s.finished
+                  and not self.is_done(s)]
+        if len(active) < 2:
+            return
+        if self.buffers is None:
+            self.buffers = runner.StepBuffers()
+        try:
+            runner.form_batch([s.cache for s in active], [s.policy.decode_needs_attention() for s in active],
+                              self.buffers)
+        except Exception:  # noqa: BLE001 - the first step meets the same problem and fails its rows with it
+            self.buffers = None
+
+    # -- a turn's input ----------------------------------------------------------------------------------------
+    def feed_question(self, question: list[int], states: list[MethodState]) -> None:
+        """Query-agnostic mode: feed the question through the states' compressed caches (one batched forward);
+        each method's first answer token comes from its own logits, its time to first token includes this feed
+        (and its compression time the policy's work on the question)."""
+        live = [s for s in states if s.error is None]
+        if not live:
+            return
+        t0 = runner.now(self.loaded.device)
+        logits, _, policy_s = self.advance(live, [list(question)] * len(live), step=0)
+        elapsed = runner.now(self.loaded.device) - t0
+        for r, state in enumerate(live):
+            if state.error is None:
+                state.ttft_s += elapsed
+                state.compress_s = (state.compress_s or 0.0) + policy_s.get(state.name, 0.0)
+                state.first_logits = logits[r]
+
+    def feed_turn(self, states: list[MethodState], new_ids: list[int]) -> None:
+        """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache."""
+        if not states:
+            return
+        t0 = runner.now(self.loaded.device)
+        chunks = [s.carry_over(self.eos_ids) + new_ids for s in states]
+        logits, _, policy_s = self.advance(states, chunks, step=0)
+        elapsed = runner.now(self.loaded.device) - t0
+        for r, state in enumerate(states):
+            if state.error is not None:
+                continue
+            state.ttft_s = elapsed
+            state.compress_s = policy_s.get(state.name)
+            state.compute_s, state.steps, state.finished = 0.0, 0, False
+            self.start_answer(state, logits[r])
+
+    def start_answer(self, state: MethodState, logits: torch.Tensor) -> None:
+        """The turn's first answer token, sampled from the logits after its input."""
+        state.pending = self.sample(state, logits)
+        state.turn_ids = [state.pending]
+        state.text = self.detok(state.turn_ids)
+
+    # -- the decode loop ---------------------------------------------------------------------------------------
+    def decode(self, states: list[MethodState], event: EventMaker, cancel: threading.Event | None,
+               alone: bool = False) -> Iterator[MethodEvent]:
+        """Every active state decodes one token per step, all in one batch; one event per state per step.
+        `alone`: the events say the states were decoded on their own."""
+        for state in states:
+            if state.error is None and self.is_done(state):
+                state.finished = True
+        for state in states:
+            if state.error is None:
+                yield event(state, "done" if state.finished else "token", delta=state.text, alone=alone)
+        while True:
+            active = [s for s in states if not s.finished and s.error is None]
+            if not active:
+                return
+            if cancel is not None and cancel.is_set():
+                for s in active:
+                    s.finished = True
+                    yield event(s, "cancelled", alone=alone)
+                return
+            logits, forward_s, policy_s = self.advance(active, [[s.pending] for s in active],
+                                                       step=len(active[0].turn_ids))
+            greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
+            for r, state in enumerate(active):
+                if state.error is not None:
+                    yield event(state, "error", alone=alone)
+                    continue
+                own_s = policy_s.get(state.name, 0.0)
+                delta = self._take(state, greedy[r] if greedy is not None else self.sample(state, logits[r]),
+                                   forward_s + own_s)
+                yield event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
+                            policy_s=own_s, batch_size=len(active), alone=alone)
+
+    def _take(self, state: MethodState, token: int, seconds: float) -> str:
+        """Append a decoded token to the state's answer; returns the new text."""
+        state.compute_s += seconds
+        state.steps += 1
+        state.pending = token
+        state.turn_ids.append(token)
+        text = self.detok(state.turn_ids)
+        delta = text[len(state.text):] if text.startswith(state.text) else text
+        state.text = text
+        state.finished = self.is_done(state)
+        return delta
+
+    def is_done(self, state: MethodState) -> bool:
+        return state.is_done(self.generation.max_new_tokens, self.eos_ids, self.generation.ignore_eos)
+
+    def sample(self, state: MethodState, logits: torch.Tensor) -> int:
+        return next_token(logits, self.generation, state.generator)
+
+    def detok(self, ids: list[int]) -> str:
+        return answer_text(self.loaded.processor.tokenizer, ids, self.eos_ids)
