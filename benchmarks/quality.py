@@ -191,8 +191,8 @@ def leaderboard_rows(records: list[dict[str, Any]], samples: list[Sample], metho
     """The run in kvpress's leaderboard layout (prefixkv_core.report.leaderboard): one row per method and compression
     ratio (1 - r; Full 0; a budget-free method once, at its measured ratio), a ROUGE-L × 100 column per task.
     Returns (rows, tasks in first-seen order)."""
-    from prefixkv_core.report.leaderboard import (LeaderboardRow, compression_ratio, held_in_equal_memory, method_name,
-                                           task_score)
+    from prefixkv_core.policies import held_in_equal_memory
+    from prefixkv_core.report.leaderboard import LeaderboardRow, compression_ratio, method_name, task_score
     from prefixkv_core.report.metrics import rouge_l
     from prefixkv_core.policies import REGISTRY
 

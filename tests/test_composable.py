@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixkv_core.report.lorenz import retention_curves
-from prefixkv_core.policies import allocation, make_policy, scoring
+from prefixkv_core.policies import EqualMemoryHold, allocation, make_policy, scoring
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans, tiered_keep
 from prefixkv_core.policies.lookm import lookm_rank_keep
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
@@ -237,9 +237,9 @@ def test_prefixkv_decode_grow_compresses_the_prompt_only():
         layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
         layer.append_meta(torch.tensor([[n]]), torch.zeros(1, 1, dtype=torch.bool), 2)
     assert policy.decode(DecodeView(cache, n + 1, n, 1), state) is None
-    assert policy.equal_memory_plans(DecodeView(cache, n + 1, n, 1), state) is None  # published: grows
+    assert policy.after_plans(DecodeView(cache, n + 1, n, 1), state) is None  # published: grows
     held = make_policy("prefixkv", 0.3, decode="grow", budget_mode="equal_memory")
-    assert held.held_to_equal_memory()
+    assert isinstance(held, EqualMemoryHold) and held.policy == policy
     assert any("decode = grow" in str(f.value) for f in policy.facts(state))
 
 

@@ -10,7 +10,7 @@ import torch
 
 from prefixkv_core import Engine, EngineError, GenerationSettings
 from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
-from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, make_policy
+from prefixkv_core.policies import METHODS, REGISTRY, EqualMemoryHold, PolicyError, make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
 from prefixkv_core.policies.equal_memory import HoldRank, held_keep_across_heads, hold_plans, layer_shares
 from prefixkv_core.policies.lookm import similarity_merge
@@ -156,7 +156,7 @@ def _steps(policy, cache, prompt_len, prefilled, steps, turn=0, seed=0):
         step = 0 if (turn and i == 0) else i + 1
         view = DecodeView(cache, true_len, prompt_len, step)
         apply_plans(cache, policy.decode(view, prefilled.state))
-        apply_plans(cache, policy.equal_memory_plans(view, prefilled.state))
+        apply_plans(cache, policy.after_plans(view, prefilled.state))
     return true_len
 
 
@@ -172,7 +172,7 @@ def _held_run(method, budget, knobs=None, steps=8, turn=0, n=40):
     view = PrefillView(cache, {i: dict(s) for i, s in stats.items()}, n, budget, w)
     prefilled = policy.prefill(view)
     apply_plans(cache, prefilled.plans)
-    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, n, n, 0), prefilled.state))
+    apply_plans(cache, policy.after_plans(DecodeView(cache, n, n, 0), prefilled.state))
     kept_after_prefill = [l.positions.clone() for l in cache.layers]
     true_len = _steps(policy, cache, n, prefilled, steps, turn)
     return policy, cache, stats, prefilled.state, kept_after_prefill, true_len, w
@@ -191,16 +191,16 @@ def test_held_snapkv_and_pyramidkv_evict_by_their_window_votes(method, budget):
     n = 40
     policy, cache, stats, state, prefill_kept, true_len, w = _held_run(method, budget, {"window": 4})
     for i, layer in enumerate(cache.layers):
-        target = max(3, round(state.held_shares[i] * true_len))
+        target = max(3, round(state.shares[i] * true_len))
         assert layer.length == target
         for h in range(2):
             pooled = _naive_pool(stats[i]["window"][0, h].tolist(), w, policy.kernel)
-            want = _naive_held_run(prefill_kept[i][0, h].tolist(), n, state.held_shares[i], true_len - n,
+            want = _naive_held_run(prefill_kept[i][0, h].tolist(), n, state.shares[i], true_len - n,
                                    lambda p: pooled[p], lambda p: 0 if p >= n - w else 1)
             assert layer.positions[0, h].tolist() == want, (i, h)
     if method == "pyramidkv":  # the held shares keep its per-layer capacities
-        caps = state.capacities
-        assert [s / (sum(state.held_shares) / len(caps)) for s in state.held_shares] == pytest.approx(
+        caps = state.inner.capacities
+        assert [s / (sum(state.shares) / len(caps)) for s in state.shares] == pytest.approx(
             [c / (sum(caps) / len(caps)) for c in caps])
 
 
@@ -211,16 +211,16 @@ def test_held_lookm_ranks_text_first_and_merges_what_it_evicts():
     prefilled = policy.prefill(PrefillView(cache, stats, n, budget, 0))
     apply_plans(cache, prefilled.plans)
     state = prefilled.state
-    assert policy.equal_memory_plans(DecodeView(cache, n, n, 0), state) == [None] * 3  # at r·N already
+    assert policy.after_plans(DecodeView(cache, n, n, 0), state) == [None] * 3  # at r·N already
     prefill_kept = [l.positions.clone() for l in cache.layers]
     true_len = _steps(policy, cache, n, prefilled, 5)
     recent = max(1, round(0.5 * budget * n))
     image = set(range(4, 28))
     for i, layer in enumerate(cache.layers):
-        target = max(3, round(state.held_shares[i] * true_len))
+        target = max(3, round(state.shares[i] * true_len))
         for h in range(2):
             colsum = stats[i]["colsum"][0, h].tolist()
-            want = _naive_held_run(prefill_kept[i][0, h].tolist(), n, state.held_shares[i], true_len - n,
+            want = _naive_held_run(prefill_kept[i][0, h].tolist(), n, state.shares[i], true_len - n,
                                    lambda p: colsum[p], lambda p: 0 if p >= n - recent else (2 if p in image else 1))
             assert len(want) == target
             assert layer.positions[0, h].tolist() == want, (i, h)
@@ -228,7 +228,7 @@ def test_held_lookm_ranks_text_first_and_merges_what_it_evicts():
     for layer in cache.layers:
         layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
         layer.append_meta(torch.tensor([[true_len]]), torch.zeros(1, 1, dtype=torch.bool), 2)
-    plans = policy.equal_memory_plans(DecodeView(cache, true_len + 1, n, 6), state)
+    plans = policy.after_plans(DecodeView(cache, true_len + 1, n, 6), state)
     for layer, plan in zip(cache.layers, plans):
         if plan is None:
             continue
@@ -241,21 +241,21 @@ def test_held_prefixkv_grow_evicts_by_its_scorer_in_its_layer_counts():
     n, budget = 40, 0.3
     policy, cache, stats, state, prefill_kept, true_len, _ = _held_run("prefixkv", budget, {"decode": "grow"})
     for i, layer in enumerate(cache.layers):
-        target = max(3, round(state.held_shares[i] * true_len))
+        target = max(3, round(state.shares[i] * true_len))
         colsum = stats[i]["colsum"][0].mean(dim=0).tolist()  # its default scorer: the layer's column sums
-        want = _naive_held_run(prefill_kept[i][0, 0].tolist(), n, state.held_shares[i], true_len - n,
+        want = _naive_held_run(prefill_kept[i][0, 0].tolist(), n, state.shares[i], true_len - n,
                                lambda p: colsum[p], lambda p: 0)
         assert len(want) == target
         assert layer.positions[0, 0].tolist() == layer.positions[0, 1].tolist() == want, i
-    assert [s / budget for s in state.held_shares] == pytest.approx(
-        [r / (sum(state.layer_ratios) / len(state.layer_ratios)) for r in state.layer_ratios])
+    assert [s / budget for s in state.shares] == pytest.approx(
+        [r / (sum(state.inner.layer_ratios) / len(state.inner.layer_ratios)) for r in state.inner.layer_ratios])
 
 
 @pytest.mark.parametrize("method", ["snapkv", "lookm"])
 def test_a_fed_question_is_kept_whole_while_the_rest_is_held(method):
     n, budget, q = 40, 0.4, 6
     policy, cache, stats, state, _, true_len, _ = _held_run(method, budget, steps=10, turn=q)
-    assert state.held_turns == [(n, n + q)]
+    assert state.turns == [(n, n + q)]
     for layer in cache.layers:
         for h in range(2):
             kept = set(layer.positions[0, h].tolist())
@@ -273,12 +273,14 @@ def test_layer_shares_keep_the_profile_and_average_the_budget():
 
 
 def test_budget_mode_is_a_run_setting_not_a_knob():
-    assert make_policy("snapkv", 0.3, "equal_memory").held_to_equal_memory()
-    assert not make_policy("snapkv", 0.3).held_to_equal_memory()
-    for every_step in ("local", "h2o", "elastic", "prefixkv"):
-        assert not make_policy(every_step, 0.3, "equal_memory").held_to_equal_memory()  # they hold it themselves
+    held = make_policy("snapkv", 0.3, "equal_memory")
+    assert isinstance(held, EqualMemoryHold) and held.policy == make_policy("snapkv", 0.3)
+    assert held.name == "snapkv" and held.window == 32  # everything but the hold is the wrapped policy's
+    assert not isinstance(make_policy("snapkv", 0.3), EqualMemoryHold)
+    for every_step in ("local", "h2o", "elastic", "prefixkv"):  # they hold it themselves
+        assert not isinstance(make_policy(every_step, 0.3, "equal_memory"), EqualMemoryHold)
     for free in ("full", "zipvl"):
-        assert not make_policy(free, 0.3, "equal_memory").held_to_equal_memory()
+        assert not isinstance(make_policy(free, 0.3, "equal_memory"), EqualMemoryHold)
     assert all("budget_mode" not in REGISTRY[m].knobs() for m in METHODS)
     with pytest.raises(PolicyError, match="budget mode must be one of published, equal_memory"):
         make_policy("snapkv", 0.3, "equal")
@@ -334,9 +336,9 @@ def test_held_methods_keep_the_recent_window_and_the_follow_up_question(tiny_qwe
     list(session.follow_up("and what colour is the largest one"))
     for name, state in session.states.items():
         turn = list(range(before[name], before[name] + (state.true_len - before[name] - 5)))  # fed, then 5 decoded
-        assert state.policy_state.held_turns == [(before[name], turn[-1] + 1)], name
+        assert state.policy_state.turns == [(before[name], turn[-1] + 1)], name
         checked = 0
-        shares = state.policy_state.held_shares or [0.5] * len(state.cache.layers)  # AdaKV: r in every layer
+        shares = state.policy_state.shares or [0.5] * len(state.cache.layers)  # AdaKV: r in every layer
         for layer, share in zip(state.cache.layers, shares):
             target = round(share * state.true_len)
             window = set(range(state.true_len - round(0.5 * target), state.true_len))

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from prefixkv_core.report.leaderboard import (COLUMNS, LeaderboardRow, compression_ratio, held_in_equal_memory,
+from prefixkv_core.policies import held_in_equal_memory
+from prefixkv_core.report.leaderboard import (COLUMNS, LeaderboardRow, compression_ratio, 
                                        method_name, ratio_text, to_csv)
 from prefixkv_core.report.metrics import rouge_l
 

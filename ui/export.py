@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import plotly.graph_objects as go
 
 from prefixkv_core.report import leaderboard
-from prefixkv_core.policies import REGISTRY, role_label, role_method
+from prefixkv_core.policies import REGISTRY, held_in_equal_memory, role_label, role_method
 from prefixkv_core.report.record import mode_title
 
 from .theme import PAPER_FONT
@@ -167,7 +167,7 @@ def leaderboard_rows(results: Mapping[str, Any]) -> tuple[list[leaderboard.Leade
         per_turn = list(r.get("rouge_l_per_turn") or [])
         scores = {t: (None if i >= len(per_turn) or per_turn[i] is None else round(100.0 * per_turn[i], 2))
                   for i, t in enumerate(tasks)}
-        name = leaderboard.method_name(method, query_aware=query_aware, held=leaderboard.held_in_equal_memory(
+        name = leaderboard.method_name(method, query_aware=query_aware, held=held_in_equal_memory(
             method, budget_mode, results.get("knobs") or {}))
         rows.append(leaderboard.LeaderboardRow(LEADERBOARD_DATASET, "", str(results.get("model") or ""), name, ratio,
                                                scores))

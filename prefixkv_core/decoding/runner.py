@@ -488,9 +488,8 @@ def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[
     window = policy.prefill_stats(prompt_len).window
     plans, state = policy.prefill(PrefillView(cache, stats, prompt_len, budget, window, reduction))
     apply_plans(cache, plans)
-    # equal-memory mode: a prompt-only method starts at r·N too (LOOK-M's text may exceed it)
-    apply_plans(cache, policy.equal_memory_plans(DecodeView(cache, prompt_len, prompt_len, 0,
-                                                            reduced_by=reduced_by), state))
+    # a second pass (the equal-memory hold: a prompt-only method starts at r·N too; LOOK-M's text may exceed it)
+    apply_plans(cache, policy.after_plans(DecodeView(cache, prompt_len, prompt_len, 0, reduced_by=reduced_by), state))
     return state
 
 
@@ -527,8 +526,9 @@ class DecodeRow:
         return self.policy.decode(self.view(), self.state)
 
     def hold(self) -> None:
-        """Equal-memory mode: bring a prompt-only method back to r·N_t after its own plans."""
-        apply_plans(self.cache, self.policy.equal_memory_plans(self.view(), self.state))
+        """The policy's second pass after its own plans were carried out (equal-memory mode: a prompt-only method
+        brought back to r·N_t)."""
+        apply_plans(self.cache, self.policy.after_plans(self.view(), self.state))
 
 
 def compress_decode_rows(rows: Sequence[DecodeRow], device: torch.device) -> list[tuple[float, Exception | None]]:

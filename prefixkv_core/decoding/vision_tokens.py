@@ -148,7 +148,7 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
                  image_token_id: int) -> ReducedPrompt | None:
     """The prompt as the language model sees it after `policy`'s vision plan, or None when the policy has none for
     this image (it then sees the image as the model's own path encodes it)."""
-    if type(policy).vision_plan is Policy.vision_plan:
+    if getattr(policy.vision_plan, "__func__", None) is Policy.vision_plan:  # no plan of its own
         return None
     if isinstance(vision_inputs, torch.Tensor):
         vision_inputs = {"pixel_values": vision_inputs}

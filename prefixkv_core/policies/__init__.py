@@ -11,6 +11,7 @@ from .base import (BUDGET_MODES, ROLES, STAGES, DecodeView, LayerPlan, Merge, Po
                    PrefillView, Quantise, ResolveContext)
 from .budget import Budget, check_budget
 from .elastic import ElasticPolicy
+from .equal_memory import EqualMemoryHold, hold_for
 from .fastv import FastVPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
 from .full import FullPolicy
@@ -156,7 +157,18 @@ def make_policy(name: str, budget: Budget | float, budget_mode: str = "published
     bad = [k for k in knobs if k not in allowed]
     if bad:
         raise PolicyError(f"{name} has no knob(s) {', '.join(bad)}; its knobs: {', '.join(allowed) or 'none'}")
-    return cls(budget=budget, budget_mode=budget_mode, **{allowed[k]: v for k, v in knobs.items()})
+    return hold_for(cls(budget=budget, **{allowed[k]: v for k, v in knobs.items()}), budget_mode)
+
+
+def held_in_equal_memory(method: str, budget_mode: str, knobs: dict | None = None) -> bool:
+    """Whether a comparison in `budget_mode` holds the registered `method` (with `knobs`: method -> knob -> value)
+    at r·N_t: a prompt-only method in equal-memory mode; PrefixKV with decode = grow too."""
+    if budget_mode != "equal_memory" or method not in REGISTRY:
+        return False
+    try:
+        return isinstance(make_policy(method, 0.5, budget_mode, **(knobs or {}).get(method, {})), EqualMemoryHold)
+    except (PolicyError, TypeError):
+        return REGISTRY[method].uses_budget and REGISTRY[method].schedule == "prompt only"
 
 
 def parse_knobs(items) -> dict[str, dict[str, Any]]:
@@ -197,7 +209,7 @@ def describe() -> list[dict[str, Any]]:
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "role_label", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
+__all__ = ["EqualMemoryHold", "held_in_equal_memory", "BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "role_label", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
            "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
            "make_policy", "resolve_methods", "describe", "Budget", "check_budget"]

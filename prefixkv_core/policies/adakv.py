@@ -20,7 +20,7 @@ from ..report.lorenz import distribute
 from . import scoring
 from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, PolicyState, Prefilled, PrefillView, budget_count,
                    knob)
-from .equal_memory import held_keep_across_heads, snap_rank
+from .eviction_order import snap_rank
 from .snapkv import SnapKVPolicy, SnapState, clamp_window
 
 
@@ -95,8 +95,6 @@ class AdaKVPolicy(SnapKVPolicy):
         plans: list[LayerPlan | None] = []
         for i in range(view.num_layers):
             votes = scoring.snap_window(view.stats[i]["window"], w, self.kernel)
-            if self.held_to_equal_memory():  # its own order, for evicting the prompt while held at r·N_t
-                state.hold_ranks.append(snap_rank(view.stats[i]["window"], w, self.kernel))
             prefix = votes[..., : n - w].clone()
             prefix[..., 0] = float("inf")  # the sink, in every head (as SnapKV here)
             heads = prefix.shape[1]
@@ -114,24 +112,12 @@ class AdaKVPolicy(SnapKVPolicy):
             plans.append(LayerPlan(keep=padded_keep(chosen, tail), empty_slots=min(counts) < max(counts)))
         return Prefilled(plans, state)
 
-    def equal_memory_plans(self, view: DecodeView, state: PolicyState):
-        """Held at r·N_t per KV head on average by the rule every held method follows (equal_memory.py: a recent
-        window, the fed questions whole, generated tokens that left the window first), the prompt evicted by its
-        own order: window votes ranked across all KV heads of the layer, so the heads keep different counts."""
-        if not self.held_to_equal_memory() or not isinstance(state, AdaKVState) or not state.hold_ranks:
-            return None
-        self.track_held_turns(view, state)
-        target = budget_count(self.budget, view.full_len, min_keep=3)
-        plans: list[LayerPlan | None] = []
-        for layer, rank in zip(view.cache.layers, state.hold_ranks):
-            if int((layer.positions >= 0).sum()) <= layer.n_kv * target:
-                plans.append(None)
-                continue
-            keep, ragged = held_keep_across_heads(layer.positions, view.prompt_len, target, rank, state.held_turns)
-            plans.append(LayerPlan(keep=keep, empty_slots=ragged))
-        return plans
+    def eviction_order(self, view: PrefillView, state: AdaKVState):
+        """Its window votes ranked across all KV heads of the layer, so held heads keep different counts."""
+        return [snap_rank(view.stats[i]["window"], state.window, self.kernel, across_heads=True)
+                for i in range(view.num_layers)]
 
-    def hold_ranking(self) -> str:
+    def eviction_order_words(self) -> str:
         return "its window votes ranked across the layer's KV heads, the observation window last"
 
     def facts(self, state: PolicyState) -> list[Fact]:

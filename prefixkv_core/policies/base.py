@@ -134,13 +134,6 @@ class PolicyState:
     own typed fields; `notes` are sentences worth showing (fallbacks, clamped knobs, budget overruns)."""
 
     notes: list[str] = field(default_factory=list)
-    # equal-memory mode (see equal_memory.py): each layer's share of N_t to hold (set at the first hold), the
-    # method's own ranking of its prompt entries per layer (set by its prefill; else the accumulated attention),
-    # the position spans of user turns fed after the prompt (kept whole), and N_t at the last hold
-    held_shares: list[float] = field(default_factory=list)
-    hold_ranks: list[Any] = field(default_factory=list)
-    held_turns: list[tuple[int, int]] = field(default_factory=list)
-    held_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,13 +176,9 @@ class Policy:
     claimed_better_than: ClassVar[tuple[str, ...]] = ()
 
     budget: Budget = 0.3  # a plain number is made a Budget (checked) when the policy is built
-    # one of BUDGET_MODES: how the comparison this policy runs in treats memory (a run setting, not a knob)
-    budget_mode: str = "published"
 
     def __post_init__(self):
         object.__setattr__(self, "budget", Budget(self.budget))
-        if self.budget_mode not in BUDGET_MODES:
-            raise PolicyError(f"budget mode must be one of {', '.join(BUDGET_MODES)}, got {self.budget_mode!r}")
         validate_knobs(self)
         self.check()
 
@@ -253,38 +242,19 @@ class Policy:
         prompt-only methods compress once and let the cache grow."""
         return self.schedule == "every step"
 
-    def held_to_equal_memory(self) -> bool:
-        """Whether the runner holds this run at about r·N_t after its own plans (equal-memory mode, for a
-        budgeted method that does not hold its budget itself)."""
-        return self.budget_mode == "equal_memory" and self.uses_budget and not self.keeps_budget_while_decoding()
+    def after_plans(self, view: DecodeView, state: PolicyState) -> list[LayerPlan | None] | None:
+        """Plans carried out after the prefill's plans, and after every step's were: a second pass over the cache
+        the first one left (the equal-memory hold, `equal_memory.EqualMemoryHold`). None: nothing more."""
+        return None
 
-    def equal_memory_plans(self, view: DecodeView, state: PolicyState) -> list[LayerPlan | None] | None:
-        """Plans that bring every layer back to its share of r·N_t (None when not held), by the rule of
-        equal_memory.py: a recent window, user turns whole, the prompt's entries evicted by the method's own
-        ranking (`state.hold_ranks`, which a held method's prefill sets). The runner calls this after the
-        prefill's plans and after every step's (a decoded token, a fed turn)."""
-        if not self.held_to_equal_memory():
-            return None
-        from .equal_memory import accumulated_rank, hold_plans, layer_shares
+    def eviction_order(self, view: PrefillView, state: PolicyState) -> list[Any] | None:
+        """Per layer, the order in which this method would evict its prompt's entries if something had to make
+        room later (`eviction_order.HoldRank`, from the prefill's view before its plans are carried out). None:
+        by their accumulated attention."""
+        return None
 
-        if self.track_held_turns(view, state):  # first call, right after the prompt was compressed
-            state.held_shares = layer_shares(view.cache, view.prompt_len, self.budget)
-            if not state.hold_ranks:
-                state.hold_ranks = [accumulated_rank(layer, view.prompt_len) for layer in view.cache.layers]
-        return hold_plans(view, state.held_shares, state.hold_ranks, state.held_turns)
-
-    @staticmethod
-    def track_held_turns(view: DecodeView, state: PolicyState) -> bool:
-        """Equal-memory bookkeeping before a hold: note a user turn fed since the last hold (kept whole from then
-        on). Returns whether this is the first hold of the run (right after the prompt was compressed)."""
-        first = state.held_len == 0
-        if not first and view.step == 0 and view.true_len > state.held_len:
-            state.held_turns.append((state.held_len, view.true_len))
-        state.held_len = view.true_len
-        return first
-
-    def hold_ranking(self) -> str:
-        """In words: the order in which the equal-memory mode evicts this method's prompt entries."""
+    def eviction_order_words(self) -> str:
+        """`eviction_order` in words."""
         return "accumulated attention"
 
     def allocation_importance(self, state: PolicyState) -> torch.Tensor | None:
@@ -299,11 +269,7 @@ class Policy:
 
     def facts(self, state: PolicyState) -> list[Fact]:
         """What to show next to this method's panel about this run (override to add typed facts)."""
-        out = [note(n) for n in state.notes]
-        if self.held_to_equal_memory():
-            out.append(note(f"equal memory: held at r·N_t while decoding (a recent window of half the budget, the "
-                            f"questions whole, the prompt evicted by {self.hold_ranking()})"))
-        return out
+        return [note(n) for n in state.notes]
 
     def extras(self, state: PolicyState | None) -> dict[str, Any]:
         """The facts of this run in JSON-able form (events, exports); empty before the prefill."""

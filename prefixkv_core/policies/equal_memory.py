@@ -21,59 +21,21 @@ all budgeted methods are compared at the same memory and under the same rules.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..kv.cache import TrackedCache, TrackedLayer
-from . import scoring
-from .base import EMPTY_SLOT, DecodeView, LayerPlan, budget_count, tiered_keep
+from ..kv.cache import TrackedCache
+from .base import (BUDGET_MODES, EMPTY_SLOT, DecodeView, LayerPlan, Policy, PolicyError, PolicyState, Prefilled,
+                   PrefillView, budget_count, tiered_keep)
+from .facts import Fact, facts_to_extras, note
+from .eviction_order import HoldRank, accumulated_rank
 
 MIN_HELD = 3  # the sink, the last prompt token and the newest entry
 RECENT_SHARE = 0.5  # the recent window every-step methods protect: H2O's published half of the budget
 _PROTECTED, _TURN, _WINDOW, _PROMPT, _GENERATED = 0, 1, 2, 3, 1_000_000  # ranking tiers, lowest kept first
 _EMPTY = 2_000_000  # an empty slot of a head-wise layer (AdaKV): never kept
-
-
-@dataclass
-class HoldRank:
-    """A held method's own ranking of its prompt entries, indexed by prompt position: a lower tier is kept
-    longer, then a higher score. Shapes [B, 1|Hkv, N] (one ranking per layer, or per KV head)."""
-
-    scores: torch.Tensor  # fp32
-    tiers: torch.Tensor  # integer, >= 0
-
-    def at(self, positions: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores, tiers) of the entries at `positions` [B, Hkv, T] (generated positions read the last prompt
-        token's; callers mask them)."""
-        b, h, _ = positions.shape
-        idx = positions.clamp(min=0, max=prompt_len - 1)
-        return (self.scores.expand(b, h, -1).gather(-1, idx), self.tiers.expand(b, h, -1).gather(-1, idx))
-
-
-def ranked(scores: torch.Tensor, first: torch.Tensor | None = None) -> HoldRank:
-    """A ranking by `scores` [B, 1|Hkv, N]; entries where `first` (broadcastable bool) go last of all prompt
-    entries (e.g. SnapKV's observation window, which its own selection keeps whatever it scores)."""
-    tiers = torch.ones_like(scores, dtype=torch.long)
-    if first is not None:
-        tiers = torch.where(first.expand_as(tiers), 0, tiers)
-    return HoldRank(scores.float(), tiers)
-
-
-def snap_rank(window_votes: torch.Tensor, window: int, kernel: int) -> HoldRank:
-    """SnapKV's (and PyramidKV's) own order: the observation window first, then max-pooled window votes, per KV
-    head. window_votes [B, Hkv, N]."""
-    n = window_votes.shape[-1]
-    pos = torch.arange(n, device=window_votes.device).view(1, 1, -1)
-    return ranked(scoring.snap_window(window_votes, window, kernel), pos >= n - min(window, n))
-
-
-def accumulated_rank(layer: TrackedLayer, prompt_len: int) -> HoldRank:
-    """The fallback ranking: each prompt entry's accumulated attention (per KV head), by position."""
-    b, h, _ = layer.positions.shape
-    scores = torch.zeros(b, h, prompt_len + 1, device=layer.positions.device)  # the last slot takes generated ones
-    scores.scatter_(-1, layer.positions.clamp(max=prompt_len), layer.scores.float())
-    return ranked(scores[..., :prompt_len])
 
 
 def layer_shares(cache: TrackedCache, prompt_len: int, budget: float) -> list[float]:
@@ -132,14 +94,104 @@ def held_keep_across_heads(positions: torch.Tensor, prompt_len: int, target: int
     return torch.stack(rows).unsqueeze(0), min(c.numel() for c in per_head) < longest
 
 
-def hold_plans(view: DecodeView, shares: list[float], ranks: list[HoldRank],
-               turns: list[tuple[int, int]]) -> list[LayerPlan | None]:
-    """Plans that bring layer l to round(shares[l] · N_t) entries (at least MIN_HELD) by the rule above."""
+def hold_plans(view: DecodeView, shares: list[float], ranks: list[HoldRank], turns: list[tuple[int, int]],
+               budget: float | None = None) -> list[LayerPlan | None]:
+    """Plans that bring layer l to round(shares[l] · N_t) entries (at least MIN_HELD) by the rule above; a layer
+    ranked across its KV heads (AdaKV) holds round(budget · N_t) entries per KV head on average instead (the
+    budget r, else its share)."""
     plans: list[LayerPlan | None] = []
     for layer, share, rank in zip(view.cache.layers, shares, ranks):
-        target = budget_count(share, view.full_len, min_keep=MIN_HELD)  # r is a share of the uncompressed N_t
-        if layer.length <= target:
-            plans.append(None)
-            continue
-        plans.append(LayerPlan(keep=held_keep(layer.positions, view.prompt_len, target, rank, turns)))
+        if rank.across_heads:
+            target = budget_count(share if budget is None else budget, view.full_len, min_keep=MIN_HELD)
+            if int((layer.positions >= 0).sum()) <= layer.n_kv * target:
+                plans.append(None)
+                continue
+            keep, ragged = held_keep_across_heads(layer.positions, view.prompt_len, target, rank, turns)
+            plan = LayerPlan(keep=keep, empty_slots=ragged)
+        else:
+            target = budget_count(share, view.full_len, min_keep=MIN_HELD)  # r is a share of the uncompressed N_t
+            if layer.length <= target:
+                plans.append(None)
+                continue
+            plan = LayerPlan(keep=held_keep(layer.positions, view.prompt_len, target, rank, turns))
+        if rank.merge is not None:  # the method merges what it evicts (LOOK-M)
+            plan.merge = rank.merge(layer.keys, plan.keep)
+        plans.append(plan)
     return plans
+
+
+def needs_hold(policy: Policy) -> bool:
+    """Whether equal-memory mode must hold `policy`: a budgeted method that does not hold its budget itself while
+    decoding (a prompt-only one)."""
+    return policy.uses_budget and not policy.keeps_budget_while_decoding()
+
+
+@dataclass
+class HeldState(PolicyState):
+    """A held run's state: the wrapped policy's own, and what the hold keeps between steps."""
+
+    inner: PolicyState = field(default_factory=PolicyState)
+    ranks: list[HoldRank] = field(default_factory=list)  # per layer: the method's own order of its prompt entries
+    shares: list[float] = field(default_factory=list)  # per layer: its share of N_t (set at the first hold)
+    turns: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of user turns fed after the prompt
+    held_len: int = 0  # N_t at the last hold (0: not held yet)
+
+
+@dataclass(frozen=True)
+class EqualMemoryHold:
+    """A prompt-only policy, held at about r·N_t after the prompt and after every step by the rule of this
+    module, so that it is compared with the every-step methods at the same memory (kvpress wraps a press in a
+    DecodingPress for the same purpose). Everything else is the wrapped policy's: its name, knobs, statistics,
+    prefill plans and facts (`make_policy(..., budget_mode="equal_memory")` builds it)."""
+
+    policy: Policy
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "policy":  # copying and pickling must not recurse
+            raise AttributeError(name)
+        return getattr(self.policy, name)
+
+    def resolve(self, context) -> "EqualMemoryHold":
+        return EqualMemoryHold(self.policy.resolve(context))
+
+    def prefill(self, view: PrefillView) -> Prefilled:
+        plans, inner = self.policy.prefill(view)
+        ranks = self.policy.eviction_order(view, inner)  # before the plans change the cache
+        return Prefilled(plans, HeldState(inner=inner, ranks=ranks or []))
+
+    def decode(self, view: DecodeView, state: HeldState) -> list[LayerPlan | None] | None:
+        return self.policy.decode(view, state.inner)
+
+    def after_plans(self, view: DecodeView, state: HeldState) -> list[LayerPlan | None] | None:
+        """Bring every layer back to its share of r·N_t, after the prefill's plans and after every step's."""
+        first = state.held_len == 0
+        if not first and view.step == 0 and view.true_len > state.held_len:  # a user turn was fed: kept whole
+            state.turns.append((state.held_len, view.true_len))
+        state.held_len = view.true_len
+        if first:  # right after the prompt was compressed
+            state.shares = layer_shares(view.cache, view.prompt_len, self.policy.budget)
+            if not state.ranks:  # the method states no order of its own
+                state.ranks = [accumulated_rank(layer, view.prompt_len) for layer in view.cache.layers]
+        return hold_plans(view, state.shares, state.ranks, state.turns, self.policy.budget)
+
+    def facts(self, state: HeldState) -> list[Fact]:
+        return [*self.policy.facts(state.inner), note(
+            f"equal memory: held at r·N_t while decoding (a recent window of half the budget, the questions whole, "
+            f"the prompt evicted by {self.policy.eviction_order_words()})")]
+
+    def extras(self, state: HeldState | None) -> dict[str, Any]:
+        return facts_to_extras(self.facts(state)) if state is not None else {}
+
+    def allocation_importance(self, state: HeldState) -> torch.Tensor | None:
+        return self.policy.allocation_importance(state.inner)
+
+    def image_token_sources(self, state: HeldState | None):
+        return self.policy.image_token_sources(state.inner if state is not None else None)
+
+
+def hold_for(policy: Policy, budget_mode: str) -> Policy | EqualMemoryHold:
+    """The policy as a comparison in `budget_mode` (one of BUDGET_MODES) runs it."""
+    if budget_mode not in BUDGET_MODES:
+        raise PolicyError(f"budget mode must be one of {', '.join(BUDGET_MODES)}, got {budget_mode!r}")
+    return EqualMemoryHold(policy) if budget_mode == "equal_memory" and needs_hold(policy) else policy
+

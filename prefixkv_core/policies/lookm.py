@@ -5,6 +5,7 @@ Preset: its own allocation (r/2 heavy hitters + r/2 recent), column sums per KV 
 its merge. `text_prior = keep_all` keeps every text token on top of the budget instead of ranking it."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from ..kv.attention import StatRequest
 from . import scoring
 from .base import (LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob,
                    tiered_keep, top_k_keep)
-from .equal_memory import HoldRank
+from .eviction_order import HoldRank
 
 MERGE_MODES = ("pivotal", "average", "weighted")
 TEXT_PRIORS = ("rank", "keep_all")
@@ -111,7 +112,6 @@ class LookMPolicy(Policy):
         else:
             heavy = int(round(0.5 * self.budget * n))
         plans = []
-        ranks = []
         over = 0
         for i in range(view.num_layers):
             layer = view.layer(i)
@@ -122,22 +122,24 @@ class LookMPolicy(Policy):
                 keep = lookm_keep(scores, layer.is_image, heavy, recent)
             over = max(over, keep.shape[-1] - int(round(self.budget * n)))
             plans.append(LayerPlan(keep=keep, merge=similarity_merge(layer.keys, keep, self.merge)))
-            if self.held_to_equal_memory():  # its own order: its recent window, then text, then image, by score
-                own_recent = layer.positions >= n - recent
-                ranks.append(HoldRank(scores.float(), torch.where(own_recent, 0, torch.where(layer.is_image, 2, 1))))
-        state = PolicyState(hold_ranks=ranks)
+        state = PolicyState()
         if over > 0:
             state.notes.append(f"text tokens alone exceed the budget: {over} entries over r·N per layer")
         return Prefilled(plans, state)
 
-    def equal_memory_plans(self, view, state):
-        """Held at r·N_t like every prompt-only method, and, as LOOK-M does, what it evicts is merged into the
-        kept entry with the most similar key."""
-        plans = super().equal_memory_plans(view, state)
-        for layer, plan in zip(view.cache.layers, plans or []):
-            if plan is not None and plan.keep is not None:
-                plan.merge = similarity_merge(layer.keys, plan.keep, self.merge)
-        return plans
+    def eviction_order(self, view: PrefillView, state: PolicyState):
+        """Its own order: its recent window, then text, then image tokens, each by accumulated attention, per KV
+        head; what it evicts is merged into the kept entry with the most similar key, as its prefill does."""
+        n = view.prompt_len
+        recent = max(1, int(round(0.5 * self.budget * n)))
+        merge = functools.partial(similarity_merge, mode=self.merge)
+        ranks = []
+        for i in range(view.num_layers):
+            layer = view.layer(i)
+            scores = scoring.colsum(view.stats[i]["colsum"], per_head=True)
+            tiers = torch.where(layer.positions >= n - recent, 0, torch.where(layer.is_image, 2, 1))
+            ranks.append(HoldRank(scores.float(), tiers, merge=merge))
+        return ranks
 
-    def hold_ranking(self) -> str:
+    def eviction_order_words(self) -> str:
         return "its own order (its recent window, then text, then image tokens, by attention), merged"

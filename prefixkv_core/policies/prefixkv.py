@@ -17,7 +17,7 @@ from ..kv.attention import StatRequest
 from . import allocation, scoring
 from .base import (DecodeView, Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView,
                    ResolveContext, budget_count, fixed_point_decode, knob, note, protected_mask, top_k_keep)
-from .equal_memory import ranked
+from .eviction_order import ranked
 from .snapkv import clamp_window
 
 MODES = ("online", "offline")
@@ -158,11 +158,13 @@ class PrefixKVPolicy(Policy):
         for i, k in enumerate(counts):
             layer = view.layer(i)
             plans.append(LayerPlan(keep=top_k_keep(scores[i], k, protected_mask(layer, view.prompt_len)[:, :1])))
-        if self.held_to_equal_memory():  # decode = grow, held at r·N_t: its scorer orders the prompt's eviction
-            state.hold_ranks = [ranked(s) for s in scores]
         return Prefilled(plans, state)
 
-    def hold_ranking(self) -> str:
+    def eviction_order(self, view: PrefillView, state: PrefixKVState):
+        """Its scorer orders the prompt's entries (decode = grow, held at r·N_t in equal-memory mode)."""
+        return [ranked(self._scores(view, i)) for i in range(view.num_layers)]
+
+    def eviction_order_words(self) -> str:
         return f"its {SCORER_WORDS[self.scorer]}, in its per-layer counts"
 
     def decode(self, view: DecodeView, state: PrefixKVState):

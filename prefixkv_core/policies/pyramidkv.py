@@ -51,7 +51,7 @@ class PyramidKVPolicy(SnapKVPolicy):
         state.capacities = caps
         return caps
 
-    def hold_ranking(self) -> str:
+    def eviction_order_words(self) -> str:
         return "its window votes, the observation window last, in its per-layer capacities"
 
     def facts(self, state: PyramidState) -> list[Fact]:

@@ -10,7 +10,7 @@ import torch
 from ..kv.attention import StatRequest
 from . import allocation, scoring
 from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
-from .equal_memory import snap_rank
+from .eviction_order import snap_rank
 
 
 def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
@@ -98,9 +98,10 @@ class SnapKVPolicy(Policy):
         capacities = self.layer_capacities(view.prompt_len, view.num_layers, w, state)
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
                  for i, capacity in enumerate(capacities)]
-        if self.held_to_equal_memory():  # its own order, for evicting the prompt while held at r·N_t
-            state.hold_ranks = [snap_rank(view.stats[i]["window"], w, self.kernel) for i in range(view.num_layers)]
         return Prefilled(plans, state)
+
+    def eviction_order(self, view: PrefillView, state: SnapState):
+        return [snap_rank(view.stats[i]["window"], state.window, self.kernel) for i in range(view.num_layers)]
 
     def new_state(self, window: int) -> SnapState:
         """The run's state, before the capacities are known (a subclass adds what its schedule finds)."""
@@ -110,5 +111,5 @@ class SnapKVPolicy(Policy):
         """Entries each layer keeps, the observation window included: SnapKV spreads the budget evenly."""
         return allocation.uniform(self.budget, prompt_len, num_layers, min_keep=window + 1)
 
-    def hold_ranking(self) -> str:
+    def eviction_order_words(self) -> str:
         return "its window votes, the observation window last"

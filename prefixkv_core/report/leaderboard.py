@@ -45,18 +45,6 @@ def method_name(method: str, *, query_aware: bool, held: bool = False) -> str:
     return method + ("_equal_memory" if held else "") + ("_query_aware" if query_aware else "")
 
 
-def held_in_equal_memory(method: str, budget_mode: str, knobs: dict | None = None) -> bool:
-    """Whether the equal-memory mode changed how `method` ran (a prompt-only method held at r·N_t; PrefixKV with
-    decode = grow too)."""
-    from ..policies import REGISTRY, PolicyError, make_policy
-
-    if budget_mode != "equal_memory" or method not in REGISTRY:
-        return False
-    try:
-        return make_policy(method, 0.5, budget_mode, **(knobs or {}).get(method, {})).held_to_equal_memory()
-    except (PolicyError, TypeError):
-        return REGISTRY[method].uses_budget and REGISTRY[method].schedule == "prompt only"
-
 
 def compression_ratio(budget: float | None, kv_share: float | None = None) -> float:
     """The removed share of the cache: 1 - r for a budgeted method, 1 - the measured KV share otherwise."""
