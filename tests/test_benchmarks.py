@@ -88,11 +88,11 @@ def full_greedy_words(engine, image, question: str, n: int) -> str:
     ids = []
     with engine.lock, tracked_attention_enabled(engine.loaded.model):
         session.turn = 0
-        session._prefill_all()
+        session.prefill_first_turn(alone=False)
         logits = state.first_logits
         for step in range(n):
             ids.append(int(torch.where(safe, logits.float(), float("-inf")).argmax()))
-            batch_logits, _, _ = session._advance([state], [[ids[-1]]], step=step + 1)
+            batch_logits, _, _ = session.stepper.advance([state], [[ids[-1]]], step=step + 1)
             logits = batch_logits[0]
     answer = tok.decode(ids)
     assert tok(answer, add_special_tokens=False)["input_ids"] == ids

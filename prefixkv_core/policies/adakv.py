@@ -18,8 +18,7 @@ import torch
 
 from ..report.lorenz import distribute
 from . import scoring
-from .base import (EMPTY_SLOT, DecodeView, Fact, LayerPlan, PolicyState, Prefilled, PrefillView, budget_count,
-                   knob)
+from .base import EMPTY_SLOT, Fact, LayerPlan, PolicyState, Prefilled, PrefillView, budget_count, knob
 from .eviction_order import snap_rank
 from .snapkv import SnapKVPolicy, SnapState, clamp_window
 

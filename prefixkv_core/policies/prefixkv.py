@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..kv.attention import StatRequest
-from . import allocation, scoring
+from . import allocation, prefix_configs, scoring
 from .base import (DecodeView, Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView,
                    ResolveContext, budget_count, fixed_point_decode, knob, note, protected_mask, top_k_keep)
 from .eviction_order import ranked
@@ -81,9 +81,7 @@ class PrefixKVPolicy(Policy):
         """mode: offline (the paper's default) where this model has calibrated ratios, else online."""
         if knob != "mode":
             return super().auto_knob(knob, context)
-        from .. import calibrate
-
-        found = calibrate.load_ratios(context.model_slug, context.budget, context.num_layers)
+        found = prefix_configs.load_ratios(context.model_slug, context.budget, context.num_layers)
         return "offline" if found is not None else "online"
 
     def resolve(self, context: ResolveContext) -> "PrefixKVPolicy":
@@ -91,9 +89,7 @@ class PrefixKVPolicy(Policy):
         calibrated budgets)."""
         if self.mode != "offline" or self.ratios:
             return self
-        from .. import calibrate
-
-        found = calibrate.load_ratios(context.model_slug, self.budget, context.num_layers)
+        found = prefix_configs.load_ratios(context.model_slug, self.budget, context.num_layers)
         if found is None:
             raise PolicyError(
                 f"no calibrated PrefixKV configuration for model '{context.model_slug}'; run "
