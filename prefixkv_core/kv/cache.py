@@ -375,21 +375,7 @@ class TrackedLayer(DynamicLayer):
         src, dst, src_weight: [B, 1 or Hkv, E] (dst indexes the current order); self_weight [B, 1 or Hkv, T].
         Call before `gather` drops the sources. Positions, flags and scores of the targets are kept.
         """
-        b, h, t, d = self.keys.shape
-        src = src.expand(b, h, -1)
-        dst = dst.expand(b, h, -1)
-        w_src = src_weight.expand(b, h, -1).to(torch.float32)
-        w_self = self_weight.expand(b, h, t).to(torch.float32)
-        if denominator is None:
-            denom = w_self.clone().scatter_add_(2, dst, w_src)
-        else:
-            denom = denominator.expand(b, h, t).to(torch.float32)
-        for name in ("keys", "values"):
-            x = getattr(self, name)
-            xf = x.float()
-            moved = xf.gather(2, src[..., None].expand(-1, -1, -1, x.shape[-1])) * w_src[..., None]
-            total = (xf * w_self[..., None]).scatter_add_(2, dst[..., None].expand(-1, -1, -1, x.shape[-1]), moved)
-            setattr(self, name, (total / denom[..., None]).to(x.dtype))
+        self.keys, self.values = merged_entries(self.keys, self.values, src, dst, src_weight, self_weight, denominator)
 
     def quantize_fp_part(self, important: torch.Tensor, bits_hi: int, bits_lo: int, group_size: int | None):
         """Move the full-precision entries into two packed segments: `important` ([B, 1, T_fp] bool,
@@ -399,28 +385,16 @@ class TrackedLayer(DynamicLayer):
             return
         start = self.length - t_fp
         b = self.keys.shape[0]
-        imp = important.expand(b, 1, t_fp)
-        # stable order: important first, then the rest, each in original order
-        order = torch.argsort((~imp).to(torch.int8), dim=-1, stable=True)  # [B, 1, T_fp]
-        n_hi = int(imp[0, 0].sum())
+        order, segments = pack_split(self.keys, self.values, important.expand(b, 1, t_fp), bits_hi, bits_lo,
+                                     group_size)
         prefix = torch.arange(start, device=order.device).view(1, 1, -1).expand(b, 1, -1)
         full_order = torch.cat([prefix, order + start], dim=-1)
-        for name in ("positions", "is_image", "scores"):
+        for name in ("positions", "is_image", "scores"):  # the metadata follows the packed order
             meta = getattr(self, name)
             setattr(self, name, meta.gather(2, full_order.expand(b, meta.shape[1], -1)))
-        idx = order.expand(b, self.keys.shape[1], -1)[..., None]
-        keys = self.keys.gather(2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
-        values = self.values.gather(2, idx.expand(-1, -1, -1, self.values.shape[-1]))
-        for lo, hi, bits in ((0, n_hi, bits_hi), (n_hi, t_fp, bits_lo)):
-            if hi > lo:
-                self.segments.append(
-                    QuantSegment(
-                        quantize_keys(keys[:, :, lo:hi], bits, group_size),
-                        quantize_values(values[:, :, lo:hi], bits, group_size),
-                    )
-                )
-        self.keys = keys[:, :, :0]
-        self.values = values[:, :, :0]
+        self.segments.extend(segments)
+        self.keys = self.keys[:, :, :0]
+        self.values = self.values[:, :, :0]
 
     # -- accounting -----------------------------------------------------------------------------------
     def stored_nbytes(self) -> int:
@@ -452,6 +426,45 @@ class TrackedLayer(DynamicLayer):
         flags = self.is_image[0]  # the mean over heads of each head's count: their total over the heads
         self._image_count = int(round(int(flags.sum()) / flags.shape[0]))
         return self._image_count
+
+
+def merged_entries(keys: torch.Tensor, values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                   src_weight: torch.Tensor, self_weight: torch.Tensor, denominator: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TrackedLayer.merge` over plain tensors: (keys, values) [B, Hkv, T, D] with entry j = (w_j·x_j + Σ_e w_e·x_e)
+    / d_j, computed in fp32."""
+    b, h, t, _ = keys.shape
+    src = src.expand(b, h, -1)
+    dst = dst.expand(b, h, -1)
+    w_src = src_weight.expand(b, h, -1).to(torch.float32)
+    w_self = self_weight.expand(b, h, t).to(torch.float32)
+    if denominator is None:
+        denom = w_self.clone().scatter_add_(2, dst, w_src)
+    else:
+        denom = denominator.expand(b, h, t).to(torch.float32)
+    out = []
+    for x in (keys, values):
+        xf = x.float()
+        moved = xf.gather(2, src[..., None].expand(-1, -1, -1, x.shape[-1])) * w_src[..., None]
+        total = (xf * w_self[..., None]).scatter_add_(2, dst[..., None].expand(-1, -1, -1, x.shape[-1]), moved)
+        out.append((total / denom[..., None]).to(x.dtype))
+    return out[0], out[1]
+
+
+def pack_split(keys: torch.Tensor, values: torch.Tensor, important: torch.Tensor, bits_hi: int, bits_lo: int,
+               group_size: int | None) -> tuple[torch.Tensor, list[QuantSegment]]:
+    """Full-precision entries [B, Hkv, T, D] packed in two segments: the `important` ones ([B, 1, T] bool, the same
+    count per row) at `bits_hi`, the rest at `bits_lo`. Returns (the entries' order [B, 1, T]: important first, then
+    the rest, each in their own order; the segments)."""
+    order = torch.argsort((~important).to(torch.int8), dim=-1, stable=True)
+    n_hi = int(important[0, 0].sum())
+    idx = order.expand(keys.shape[0], keys.shape[1], -1)[..., None]
+    keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1]))
+    values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1]))
+    segments = [QuantSegment(quantize_keys(keys[:, :, lo:hi], bits, group_size),
+                             quantize_values(values[:, :, lo:hi], bits, group_size))
+                for lo, hi, bits in ((0, n_hi, bits_hi), (n_hi, keys.shape[2], bits_lo)) if hi > lo]
+    return order, segments
 
 
 def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str, EntryStore]) -> None:
