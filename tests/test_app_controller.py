@@ -182,6 +182,7 @@ def test_time_each_method_alone(ctl, noise_image):
     """The switch: after the batched run every method is decoded on its own; the phase says so while it runs,
     the table and the latency chart then show each method's own figures; a follow-up is timed alone too."""
     from ui.controller import TABLE_HEADERS, SessionBox
+    from ui.run_stream import phase
 
     box = SessionBox()
     outs, comp = _run(ctl, box, noise_image, ["full", "h2o", "snapkv"], max_new=4, time_alone=True)
@@ -196,7 +197,7 @@ def test_time_each_method_alone(ctl, noise_image):
     for r in final["results"]["methods"].values():
         assert r["alone"]["same_answer"] is True and r["speedup_vs_full"] is not None
     comp.tracks["snapkv"].turn.alone.status = "streaming"  # as while the last method is timed alone
-    assert ctl._phase(comp) == "Timing each method alone: 2 of 3 measured"
+    assert phase(comp) == "Timing each method alone: 2 of 3 measured"
     comp.tracks["snapkv"].turn.alone.status = "done"
     outs = list(ctl.follow_up("And the colours?", box))
     results = dict(zip(ctl.output_keys, outs[-1]))["results"]
@@ -206,3 +207,142 @@ def test_time_each_method_alone(ctl, noise_image):
     with pytest.raises(gr.Error, match="time_alone must be true or false"):
         list(ctl.compare(noise_image, "Describe.", ["full"], 0.3, 2, box=SessionBox(), time_alone="yes"))
     assert _wait_unlocked(ctl.engine)
+
+
+# -- the controller's pieces, each built from its explicit dependencies (fakes here, no model) ----------------
+class _FakeRegistry:
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, owner):
+        self.calls.append(("begin", owner))
+
+    def end(self, owner):
+        self.calls.append(("end", owner))
+
+    def release_owner(self, owner, reason=None):
+        self.calls.append(("release", owner, reason))
+
+
+class _FakeExports:
+    def __init__(self):
+        self.forgotten = []
+
+    def forget(self, owner):
+        self.forgotten.append(owner)
+
+
+class _FakeRenderer:
+    """Records what it was asked to draw and draws it as (phase, parts)."""
+
+    def __init__(self):
+        self.drawn = []
+
+    def render(self, comp, box, phase, **parts):
+        self.drawn.append(phase)
+        return [phase]
+
+    def empty(self, box, phase=None):
+        return ["empty"]
+
+    def as_list(self, values):
+        return [values.get("status")]
+
+    def lorenz(self, comp, box):
+        return ("lorenz", box.lorenz_layers)
+
+
+def _plain_comparison():
+    from prefixkv_core.report.record import ComparisonRecord
+    from ui.runstate import Comparison
+
+    return Comparison(ComparisonRecord(["full"], {"full": "Full"}, "What is this?", 0.3, {"max_new_tokens": 2}, {}))
+
+
+def test_tab_lifecycle_uses_only_what_it_is_given():
+    from types import SimpleNamespace
+
+    from ui.lifecycle import TabLifecycle
+    from ui.runstate import SessionBox
+
+    registry, exports, waiting = _FakeRegistry(), _FakeExports(), {"tab-1": 1}
+    tabs = TabLifecycle(registry, exports, _FakeRenderer(), engine_busy=lambda: True,
+                        queue_waiting=lambda session: waiting.get(session, 0))
+    status, box = tabs.prepare(None)
+    assert status.startswith("Queued") and box.pending
+    box.pending = False  # the click's own flag gone: only the queue says a request still waits
+    assert "will not start" in tabs.stop(box, SimpleNamespace(session_hash="tab-1"))
+    assert box.stop_requested
+    assert tabs.stop(SessionBox(), SimpleNamespace(session_hash="tab-2")).startswith("Nothing to stop")
+    cleared = tabs.clear(box, SimpleNamespace(session_hash="tab-1"))
+    assert cleared[0] == "empty" and box.owner == "tab-1" and ("release", "tab-1", None) in registry.calls
+    tabs.disconnected(SimpleNamespace(session_hash="tab-1"))
+    assert ("release", "tab-1", "closed") in registry.calls and exports.forgotten == ["tab-1"]
+
+
+def test_run_streamer_draws_a_run_with_a_fake_renderer_and_registry():
+    from ui.overlay_sampler import OverlaySampler
+    from ui.run_stream import RunStreamer
+    from ui.runstate import SessionBox
+
+    renderer, registry = _FakeRenderer(), _FakeRegistry()
+    streamer = RunStreamer(renderer, registry, OverlaySampler(num_layers=2))
+    box, comp = SessionBox(), _plain_comparison()
+    box.owner = "tab"
+    outs = list(streamer.stream(box, comp, lambda cancel: iter(()), first_turn=True))
+    assert outs[0] == ["Prefill: encoding the image and prompt once for every method…"]
+    assert outs[-1][0].startswith("✓ Done") and box.run is comp and not comp.active
+    assert registry.calls == [("begin", "tab"), ("end", "tab")]  # busy in the registry only while it ran
+    assert streamer.not_started(box) == ["■ Stopped before it started."] and not box.pending
+
+
+def test_view_controls_check_layers_against_the_given_count():
+    from ui.overlay_sampler import OverlaySampler
+    from ui.runstate import SessionBox
+    from ui.view_controls import ViewControls
+
+    views = ViewControls(_FakeRenderer(), OverlaySampler(num_layers=4), num_layers=4)
+    box = SessionBox()
+    assert views.set_lorenz_layers([3, 9, -1, 0], box) == ("lorenz", [0, 3])
+    assert isinstance(views.set_lorenz_layers(["x"], box), type(gr.skip()))
+    views.set_overlay_layer(99, box)
+    assert box.overlay_layer == 3
+
+
+def test_a_misspelt_comparison_attribute_raises():
+    comp = _plain_comparison()
+    comp.active = True  # a field of the record the app writes: it lands in the one record
+    assert comp.record.active is True
+    with pytest.raises(AttributeError):
+        comp.activ = False
+    with pytest.raises(AttributeError):
+        comp.eror = "typo"
+    assert not hasattr(comp.record, "activ") and not hasattr(comp.record, "eror")
+    with pytest.raises(AttributeError):
+        comp.no_such_field  # noqa: B018 - reading an unknown name fails too
+
+
+def test_ui_keeps_classes_and_functions_small():
+    """No class over 250 lines and no function over 80 lines in ui/; the UI never imports transformers."""
+    import ast
+    from pathlib import Path
+
+    too_long = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "ui").glob("*.py")):
+        source = path.read_text()
+        assert "import transformers" not in source and "from transformers" not in source, path.name
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = 250 if isinstance(node, ast.ClassDef) else 80
+                if node.end_lineno - node.lineno + 1 > limit:
+                    too_long.append(f"{path.name}:{node.lineno} {node.name}")
+    assert not too_long
+
+
+def test_exporter_refuses_before_a_run_without_touching_the_store():
+    from ui.exporting import Exporter
+    from ui.runstate import SessionBox
+
+    exports = _FakeExports()  # has no new_folder: a refused export must not ask for one
+    with pytest.raises(gr.Error, match="nothing to export"):
+        Exporter(_FakeRenderer(), exports).export(["html"], SessionBox())

@@ -381,12 +381,12 @@ def test_a_client_that_leaves_mid_run_frees_the_model_and_its_caches(server, mon
 
 def test_a_run_that_gets_the_model_after_its_release_builds_nothing(tiny_llama):
     from prefixkv_core import EngineError, GenerationSettings
-    from ui.controller import Controller
+    from ui.run_stream import drop_if_released
 
     session = Engine(tiny_llama).new_session(None, "hi", ["full", "h2o"], 0.3, GenerationSettings(max_new_tokens=3))
     session.release()  # its client left while the run waited for the model
     with pytest.raises(EngineError, match="released"):
-        list(Controller._tidy(session, session.run()))
+        list(drop_if_released(session, session.run()))
     assert session.released and session.cache_bytes() == 0
 
 

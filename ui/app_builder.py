@@ -11,6 +11,7 @@ and the limits in prefixkv_core.limits apply; `limits` defaults to `server_limit
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import gradio as gr
@@ -123,161 +124,20 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     examples_folder = Path(examples_dir) if examples_dir else ASSETS
     ctl = Controller(engine, offered, limit, specs, limits=limits, registry=SessionRegistry(limits),
                      exports=ExportStore(), image_roots=lambda: [upload_folder(), str(examples_folder)])
-    n_layers = ctl.num_layers
     examples = example_images(examples_folder, scenes_first=engine.loaded.slug == EMBEDDED_SLUG)
 
     with gr.Blocks(title=title, analytics_enabled=False, delete_cache=FILE_CACHE) as demo:
         gr.Markdown(f"## {title}")
         gr.Markdown(ctl.banner(), elem_id="banner")
+        page = SimpleNamespace()
         # a plain instance, deep-copied for every session (a callable default would add a public load endpoint);
         # when gradio deletes a closed session's state, whatever it still holds goes too
-        box = gr.State(SessionBox(overlay_layer=n_layers // 2), delete_callback=BoxReaper(ctl))
-
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=4, min_width=300):
-                image = checked_image(limits, ctl.image_roots, label="Image", height=300,
-                                      sources=["upload", "clipboard"], elem_id="image-input")
-                if examples:
-                    gr.Examples(examples=[[p] for p in examples], inputs=[image], label="Example images",
-                                examples_per_page=12)
-            with gr.Column(scale=5, min_width=340):
-                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, max_lines=8,
-                                    max_length=limits.max_prompt_chars, elem_id="prompt")
-                method_box = gr.CheckboxGroup(choices=[(ctl.labels[m], m) for m in offered], value=chosen,
-                                              label="Methods", elem_id="methods")
-                budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
-                                   label="KV budget r: kept share of the cache, applied to every method",
-                                   info=_budget_info(described))
-                equal_memory = gr.Checkbox(False, label="Equal memory", elem_id="equal-memory",
-                                           info=_equal_memory_info(described))
-                query_agnostic = gr.Checkbox(False, label="Query-agnostic", elem_id="query-agnostic",
-                                             info=QUERY_AGNOSTIC_INFO)
-                time_alone = gr.Checkbox(False, label="Time each method alone", elem_id="time-alone",
-                                         info="after the batched run, decode every method again on its own: its "
-                                              "own TTFT, tokens/s, latency curve and speed-up over "
-                                              f"{role_label('reference', 'the reference')}")
-                max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
-                                    elem_id="max-new")
-                with gr.Accordion("Sampling", open=False):
-                    with gr.Row():
-                        do_sample = gr.Checkbox(False, label="Sample (greedy when off)")
-                        seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED)
-                    with gr.Row():
-                        temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
-                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
-                knob_widgets: dict[str, gr.components.Component] = {}
-                with gr.Accordion("Advanced: per-method knobs", open=False):
-                    for d in described:
-                        mine = [s for s in specs if s.method == d["name"]]
-                        if not mine:
-                            continue
-                        gr.Markdown(f"**{d['label']}**", elem_classes=["knob-title"])
-                        with gr.Row():
-                            for spec in mine:
-                                knob_widgets[spec.key] = spec.widget()
-                with gr.Row():
-                    run_btn = gr.Button("Compare", variant="primary", elem_id="run")
-                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-                    clear_btn = gr.Button("Clear", elem_id="clear")
-
-        status = gr.Markdown(status_line(None), elem_id="status-line")
-        heads, chats, cols = {}, {}, []
-        with gr.Row(elem_id="panels", elem_classes=["panel-grid"]):
-            for m in offered:
-                with gr.Column(visible=m in chosen, elem_id=f"panel-{m}", min_width=260,
-                               elem_classes=["method-panel", f"m-{m}"]) as col:
-                    heads[m] = gr.HTML(ctl.head(m, None), elem_id=f"head-{m}")
-                    chats[m] = gr.Chatbot(height=240, show_label=False, elem_id=f"chat-{m}", buttons=["copy"],
-                                          feedback_options=None, placeholder="…", autoscroll=True)
-                cols.append(col)
-        with gr.Row(equal_height=True):
-            followup = gr.Textbox(label="Follow-up question: every method continues on its own compressed cache",
-                                  scale=5, max_length=limits.max_prompt_chars, elem_id="followup",
-                                  placeholder="e.g. What colours stand out?")
-            ask_btn = gr.Button("Ask every method", scale=1, elem_id="ask")
-
-        bars_plot = gr.Plot(ctl.bars(None), show_label=False, elem_id="chart-bars")
-        empty = ctl.figures(None, SessionBox())
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=3):
-                lorenz_plot = gr.Plot(empty["lorenz"], show_label=False, elem_id="chart-lorenz")
-                lorenz_layers = gr.Dropdown(choices=list(range(n_layers)), multiselect=True,
-                                            value=_default_layers(n_layers), label="Layers shown",
-                                            elem_id="lorenz-layers")
-            with gr.Column(scale=2):
-                quality_plot = gr.Plot(empty["quality-vs-memory"], show_label=False, elem_id="chart-quality")
-        gallery = gr.Gallery(label="Kept image patches at one layer (bright = kept by every KV head, "
-                                   "dark = evicted)", columns=min(5, len(offered)), height="auto",
-                             object_fit="contain", elem_id="overlay", buttons=["download", "fullscreen"],
-                             allow_preview=True)
-        overlay_layer = gr.Slider(0, max(n_layers - 1, 0), value=n_layers // 2, step=1,
-                                  label="Layer of the overlay", elem_id="overlay-layer")
-        with gr.Row(equal_height=False):
-            memory_plot = gr.Plot(empty["kv-memory"], show_label=False, elem_id="chart-memory")
-            latency_plot = gr.Plot(empty["latency"], show_label=False, elem_id="chart-latency")
-        table = gr.Dataframe(headers=list(_table_headers()), value=[],
-                             label="Metrics (last turn): policy = the method's own time in the run; TTFT, tok/s "
-                                   f"and × {role_label('reference', 'reference')} = the method decoded alone "
-                                   "(Time each method alone)",
-                             interactive=False, wrap=True, elem_id="metrics-table")
-
-        with gr.Accordion("Export for papers", open=True):
-            with gr.Row(equal_height=True):
-                formats = gr.CheckboxGroup([("PNG ×3", "png"), ("SVG", "svg"), ("PDF", "pdf"), ("HTML", "html")],
-                                           value=list(ALL_FORMATS), label="Figure formats", scale=3,
-                                           elem_id="export-formats")
-                export_btn = gr.Button("Export figures, tables and transcript", scale=2, elem_id="export")
-            export_msg = gr.Markdown(elem_id="export-msg")
-            export_files = gr.File(label="Exported files (zip first)", file_count="multiple", interactive=False,
-                                   visible=False, elem_id="export-files")
-        with gr.Accordion("Raw results (JSON, as the API returns them)", open=False):
-            results = gr.JSON(elem_id="results")
-        with gr.Accordion("How to read the panels and charts", open=False):
-            gr.Markdown(HELP)
-            gr.Markdown(_methods_help(offered))
-
-        outputs = [status, *heads.values(), *chats.values(), bars_plot, lorenz_plot, memory_plot, latency_plot,
-                   quality_plot, gallery, table, results, box]
-        assert len(outputs) == len(ctl.output_keys)
-        compare_inputs = [image, prompt, method_box, budget, max_new, do_sample, temperature, top_p, seed, box]
-        # every value a client sends is checked under the name the API gives it
-        for field, component in [("prompt", prompt), ("methods", method_box), ("budget", budget),
-                                 ("max_new_tokens", max_new), ("do_sample", do_sample), ("temperature", temperature),
-                                 ("top_p", top_p), ("seed", seed), ("question", followup), ("formats", formats),
-                                 ("layer", overlay_layer), ("layers", lorenz_layers), ("equal_memory", equal_memory),
-                                 ("query_agnostic", query_agnostic), ("time_alone", time_alone),
-                                 *knob_widgets.items()]:
-            guard_input(component, field)
-        engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
-                            show_progress_on=[status])
-
-        method_box.change(ctl.visibility, [method_box], cols, queue=False, api_visibility="private")
-        run_events = []
-        for trigger in (run_btn.click, prompt.submit):
-            run_events.append(
-                trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
-                .then(ctl.compare, compare_inputs, outputs,
-                      inputs_kwargs={"equal_memory": equal_memory, "query_agnostic": query_agnostic,
-                                     "time_alone": time_alone, **knob_widgets},
-                      api_name="compare" if not run_events else False, **engine_queue))
-        ask_events = []
-        for trigger in (ask_btn.click, followup.submit):
-            ev = (trigger(ctl.prepare, [box], [status, box], queue=False, api_visibility="private")
-                  .then(ctl.follow_up, [followup, box], outputs, api_name="follow_up" if not ask_events else False,
-                        **engine_queue))
-            ev.success(lambda: "", None, followup, queue=False, api_visibility="private")
-            ask_events.append(ev)
-        stop_btn.click(ctl.stop, [box], [status], queue=False, api_name="stop")
-        clear_btn.click(ctl.clear, [box], [*outputs, followup, export_files, export_msg],
-                        cancels=[*run_events, *ask_events], concurrency_limit=None, api_name="clear")
-        overlay_layer.release(ctl.set_overlay_layer, [overlay_layer, box], [gallery], concurrency_limit=None,
-                              api_visibility="private")
-        lorenz_layers.input(ctl.set_lorenz_layers, [lorenz_layers, box], [lorenz_plot], concurrency_limit=None,
-                            api_visibility="private")
-        budget.release(ctl.set_view_budget, [budget, box], [lorenz_plot], concurrency_limit=None,
-                       api_visibility="private")
-        export_btn.click(ctl.export, [formats, box], [export_files, export_msg], concurrency_id="export",
-                         concurrency_limit=1, api_name="export")
+        page.box = gr.State(SessionBox(overlay_layer=ctl.num_layers // 2), delete_callback=BoxReaper(ctl))
+        _request_inputs(page, ctl, limits, described, specs, chosen, limit, examples)
+        _method_panels(page, ctl, limits, chosen)
+        _charts(page, ctl)
+        _export_and_help(page, offered)
+        _wire_events(page, ctl)
         demo.unload(ctl.disconnected)  # a closed tab or client: its caches and exports go at once
 
     guard_requests(demo)
@@ -286,6 +146,179 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     demo.limits = limits
     ctl.blocks = demo
     return demo
+
+
+def _request_inputs(page: SimpleNamespace, ctl: Controller, limits: Limits, described: list[dict[str, Any]],
+                    specs: list, chosen: list[str], limit: int, examples: list) -> None:
+    """The top row: the image, the prompt, the methods, the budget and switches, sampling, each method's knobs
+    and the Compare / Stop / Clear buttons."""
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=4, min_width=300):
+            page.image = checked_image(limits, ctl.image_roots, label="Image", height=300,
+                                       sources=["upload", "clipboard"], elem_id="image-input")
+            if examples:
+                gr.Examples(examples=[[p] for p in examples], inputs=[page.image], label="Example images",
+                            examples_per_page=12)
+        with gr.Column(scale=5, min_width=340):
+            page.prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, max_lines=8,
+                                     max_length=limits.max_prompt_chars, elem_id="prompt")
+            page.method_box = gr.CheckboxGroup(choices=[(ctl.labels[m], m) for m in ctl.methods], value=chosen,
+                                               label="Methods", elem_id="methods")
+            page.budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
+                                    label="KV budget r: kept share of the cache, applied to every method",
+                                    info=_budget_info(described))
+            page.equal_memory = gr.Checkbox(False, label="Equal memory", elem_id="equal-memory",
+                                            info=_equal_memory_info(described))
+            page.query_agnostic = gr.Checkbox(False, label="Query-agnostic", elem_id="query-agnostic",
+                                              info=QUERY_AGNOSTIC_INFO)
+            page.time_alone = gr.Checkbox(False, label="Time each method alone", elem_id="time-alone",
+                                          info="after the batched run, decode every method again on its own: its "
+                                               "own TTFT, tokens/s, latency curve and speed-up over "
+                                               f"{role_label('reference', 'the reference')}")
+            page.max_new = gr.Slider(1, limit, value=min(48, limit), step=1, label="Max new tokens",
+                                     elem_id="max-new")
+            with gr.Accordion("Sampling", open=False):
+                with gr.Row():
+                    page.do_sample = gr.Checkbox(False, label="Sample (greedy when off)")
+                    page.seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED)
+                with gr.Row():
+                    page.temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
+                    page.top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
+            page.knob_widgets = _knob_widgets(described, specs)
+            with gr.Row():
+                page.run_btn = gr.Button("Compare", variant="primary", elem_id="run")
+                page.stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                page.clear_btn = gr.Button("Clear", elem_id="clear")
+
+
+def _knob_widgets(described: list[dict[str, Any]], specs: list) -> dict[str, gr.components.Component]:
+    """The Advanced accordion: one titled row of widgets per method that has knobs."""
+    widgets: dict[str, gr.components.Component] = {}
+    with gr.Accordion("Advanced: per-method knobs", open=False):
+        for d in described:
+            mine = [s for s in specs if s.method == d["name"]]
+            if not mine:
+                continue
+            gr.Markdown(f"**{d['label']}**", elem_classes=["knob-title"])
+            with gr.Row():
+                for spec in mine:
+                    widgets[spec.key] = spec.widget()
+    return widgets
+
+
+def _method_panels(page: SimpleNamespace, ctl: Controller, limits: Limits, chosen: list[str]) -> None:
+    """The status line, one panel per method (its header and its conversation) and the follow-up box."""
+    page.status = gr.Markdown(status_line(None), elem_id="status-line")
+    page.heads, page.chats, page.cols = {}, {}, []
+    with gr.Row(elem_id="panels", elem_classes=["panel-grid"]):
+        for m in ctl.methods:
+            with gr.Column(visible=m in chosen, elem_id=f"panel-{m}", min_width=260,
+                           elem_classes=["method-panel", f"m-{m}"]) as col:
+                page.heads[m] = gr.HTML(ctl.head(m, None), elem_id=f"head-{m}")
+                page.chats[m] = gr.Chatbot(height=240, show_label=False, elem_id=f"chat-{m}", buttons=["copy"],
+                                           feedback_options=None, placeholder="…", autoscroll=True)
+            page.cols.append(col)
+    with gr.Row(equal_height=True):
+        page.followup = gr.Textbox(label="Follow-up question: every method continues on its own compressed cache",
+                                   scale=5, max_length=limits.max_prompt_chars, elem_id="followup",
+                                   placeholder="e.g. What colours stand out?")
+        page.ask_btn = gr.Button("Ask every method", scale=1, elem_id="ask")
+
+
+def _charts(page: SimpleNamespace, ctl: Controller) -> None:
+    """The charts, the kept-patch overlay with its layer slider, and the metrics table."""
+    n_layers = ctl.num_layers
+    page.bars_plot = gr.Plot(ctl.bars(None), show_label=False, elem_id="chart-bars")
+    empty = ctl.figures(None, SessionBox())
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            page.lorenz_plot = gr.Plot(empty["lorenz"], show_label=False, elem_id="chart-lorenz")
+            page.lorenz_layers = gr.Dropdown(choices=list(range(n_layers)), multiselect=True,
+                                             value=_default_layers(n_layers), label="Layers shown",
+                                             elem_id="lorenz-layers")
+        with gr.Column(scale=2):
+            page.quality_plot = gr.Plot(empty["quality-vs-memory"], show_label=False, elem_id="chart-quality")
+    page.gallery = gr.Gallery(label="Kept image patches at one layer (bright = kept by every KV head, "
+                                    "dark = evicted)", columns=min(5, len(ctl.methods)), height="auto",
+                              object_fit="contain", elem_id="overlay", buttons=["download", "fullscreen"],
+                              allow_preview=True)
+    page.overlay_layer = gr.Slider(0, max(n_layers - 1, 0), value=n_layers // 2, step=1,
+                                   label="Layer of the overlay", elem_id="overlay-layer")
+    with gr.Row(equal_height=False):
+        page.memory_plot = gr.Plot(empty["kv-memory"], show_label=False, elem_id="chart-memory")
+        page.latency_plot = gr.Plot(empty["latency"], show_label=False, elem_id="chart-latency")
+    page.table = gr.Dataframe(headers=list(_table_headers()), value=[],
+                              label="Metrics (last turn): policy = the method's own time in the run; TTFT, tok/s "
+                                    f"and × {role_label('reference', 'reference')} = the method decoded alone "
+                                    "(Time each method alone)",
+                              interactive=False, wrap=True, elem_id="metrics-table")
+
+
+def _export_and_help(page: SimpleNamespace, offered: list[str]) -> None:
+    """Export for papers, the raw results and the reading guide."""
+    with gr.Accordion("Export for papers", open=True):
+        with gr.Row(equal_height=True):
+            page.formats = gr.CheckboxGroup([("PNG ×3", "png"), ("SVG", "svg"), ("PDF", "pdf"), ("HTML", "html")],
+                                            value=list(ALL_FORMATS), label="Figure formats", scale=3,
+                                            elem_id="export-formats")
+            page.export_btn = gr.Button("Export figures, tables and transcript", scale=2, elem_id="export")
+        page.export_msg = gr.Markdown(elem_id="export-msg")
+        page.export_files = gr.File(label="Exported files (zip first)", file_count="multiple", interactive=False,
+                                    visible=False, elem_id="export-files")
+    with gr.Accordion("Raw results (JSON, as the API returns them)", open=False):
+        page.results = gr.JSON(elem_id="results")
+    with gr.Accordion("How to read the panels and charts", open=False):
+        gr.Markdown(HELP)
+        gr.Markdown(_methods_help(offered))
+
+
+def _wire_events(page: SimpleNamespace, ctl: Controller) -> None:
+    """Every event, its inputs checked under the name the API gives them; Compare and follow-ups share one
+    queue that runs one at a time."""
+    p = page
+    outputs = [p.status, *p.heads.values(), *p.chats.values(), p.bars_plot, p.lorenz_plot, p.memory_plot,
+               p.latency_plot, p.quality_plot, p.gallery, p.table, p.results, p.box]
+    assert len(outputs) == len(ctl.output_keys)
+    compare_inputs = [p.image, p.prompt, p.method_box, p.budget, p.max_new, p.do_sample, p.temperature, p.top_p,
+                      p.seed, p.box]
+    for field, component in [("prompt", p.prompt), ("methods", p.method_box), ("budget", p.budget),
+                             ("max_new_tokens", p.max_new), ("do_sample", p.do_sample),
+                             ("temperature", p.temperature), ("top_p", p.top_p), ("seed", p.seed),
+                             ("question", p.followup), ("formats", p.formats), ("layer", p.overlay_layer),
+                             ("layers", p.lorenz_layers), ("equal_memory", p.equal_memory),
+                             ("query_agnostic", p.query_agnostic), ("time_alone", p.time_alone),
+                             *p.knob_widgets.items()]:
+        guard_input(component, field)
+    engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
+                        show_progress_on=[p.status])
+
+    p.method_box.change(ctl.visibility, [p.method_box], p.cols, queue=False, api_visibility="private")
+    run_events = []
+    for trigger in (p.run_btn.click, p.prompt.submit):
+        run_events.append(
+            trigger(ctl.prepare, [p.box], [p.status, p.box], queue=False, api_visibility="private")
+            .then(ctl.compare, compare_inputs, outputs,
+                  inputs_kwargs={"equal_memory": p.equal_memory, "query_agnostic": p.query_agnostic,
+                                 "time_alone": p.time_alone, **p.knob_widgets},
+                  api_name="compare" if not run_events else False, **engine_queue))
+    ask_events = []
+    for trigger in (p.ask_btn.click, p.followup.submit):
+        ev = (trigger(ctl.prepare, [p.box], [p.status, p.box], queue=False, api_visibility="private")
+              .then(ctl.follow_up, [p.followup, p.box], outputs, api_name="follow_up" if not ask_events else False,
+                    **engine_queue))
+        ev.success(lambda: "", None, p.followup, queue=False, api_visibility="private")
+        ask_events.append(ev)
+    p.stop_btn.click(ctl.stop, [p.box], [p.status], queue=False, api_name="stop")
+    p.clear_btn.click(ctl.clear, [p.box], [*outputs, p.followup, p.export_files, p.export_msg],
+                      cancels=[*run_events, *ask_events], concurrency_limit=None, api_name="clear")
+    p.overlay_layer.release(ctl.set_overlay_layer, [p.overlay_layer, p.box], [p.gallery], concurrency_limit=None,
+                            api_visibility="private")
+    p.lorenz_layers.input(ctl.set_lorenz_layers, [p.lorenz_layers, p.box], [p.lorenz_plot], concurrency_limit=None,
+                          api_visibility="private")
+    p.budget.release(ctl.set_view_budget, [p.budget, p.box], [p.lorenz_plot], concurrency_limit=None,
+                     api_visibility="private")
+    p.export_btn.click(ctl.export, [p.formats, p.box], [p.export_files, p.export_msg], concurrency_id="export",
+                       concurrency_limit=1, api_name="export")
 
 
 def _default_layers(n: int) -> list[int]:

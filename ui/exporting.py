@@ -1,5 +1,5 @@
-"""The controller's export handler: the comparison's figures, its record and the overlay images written to a
-per-client folder (`export.export_all`, `export_store.ExportStore`)."""
+"""The export handler: the comparison's figures, its record and the overlay images written to a per-client
+folder (`export.export_all`, `export_store.ExportStore`)."""
 from __future__ import annotations
 
 import logging
@@ -8,14 +8,21 @@ from typing import Any
 import gradio as gr
 
 from .export import ALL_FORMATS, export_all
+from .export_store import ExportStore
 from .inputs import refuse
+from .rendering import Renderer
 from .runstate import Comparison, SessionBox
 
 log = logging.getLogger(__name__)
 
 
-class Exporting:
-    """Mixed into the Controller; uses `figures`, `gallery`, `exports` and `_owner`."""
+class Exporter:
+    """Needs the renderer (the figures and overlay images, drawn as the page shows them) and the export store
+    (one folder per client)."""
+
+    def __init__(self, renderer: Renderer, exports: ExportStore):
+        self.renderer = renderer
+        self.exports = exports
 
     def export(self, formats, box, request: gr.Request = None):
         comp = box.run if isinstance(box, SessionBox) else None
@@ -24,10 +31,10 @@ class Exporting:
         if formats is not None and not isinstance(formats, (list, tuple)):
             raise refuse(f"formats must be a list of any of: {', '.join(ALL_FORMATS)}")
         formats = [f for f in (formats or ALL_FORMATS) if isinstance(f, str) and f in ALL_FORMATS]
-        folder = self.exports.new_folder(self._owner(box, request))
+        folder = self.exports.new_folder(box.owner_for(request))
         try:
-            result = export_all(self.figures(comp, box), comp.to_dict(), formats, images=self.export_images(comp),
-                                out_root=folder)
+            result = export_all(self.renderer.figures(comp, box), comp.to_dict(), formats,
+                                images=self.images(comp), out_root=folder)
         except Exception as exc:  # noqa: BLE001
             log.exception("export failed")
             raise gr.Error(f"export failed ({exc.__class__.__name__}: {str(exc)[:200]})", print_exception=False) from None
@@ -36,8 +43,9 @@ class Exporting:
         return (gr.update(value=result.files, visible=True),
                 f"**Exported** {len(result.files) - 1} files + zip: {names}. {note}")
 
-    def export_images(self, comp: Comparison) -> dict[str, Any]:
-        items = self.gallery(comp)
+    def images(self, comp: Comparison) -> dict[str, Any]:
+        """The overlay gallery's images, named by layer and method."""
+        items = self.renderer.gallery(comp)
         if not items:
             return {}
         return {f"overlay-layer{comp.overlay.layer}-{m}": img

@@ -1,6 +1,5 @@
-"""The controller's drawing: every output of the page (panels, charts, overlay gallery, table) from a
-comparison and the tab's view settings, and the handlers that only change a view (overlay layer, Lorenz layers,
-the budget slider's preview)."""
+"""The page's drawing: every output (panels, charts, overlay gallery, table) from a comparison and the tab's
+view settings, in the order the page lists its outputs (`output_keys`)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -8,9 +7,10 @@ from typing import Any
 
 import gradio as gr
 
-from prefixkv_core.policies import Budget, PolicyError, REGISTRY
+from prefixkv_core.policies import REGISTRY
 
 from . import charts
+from .catalog import MethodCatalog
 from .overlay import caption, overlay
 from .panels import chat_messages, header_html, status_line
 from .runstate import Comparison, SessionBox, Track
@@ -20,19 +20,31 @@ def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
     return "–" if v is None else format(v * scale, spec)
 
 
-class Rendering:
-    """Mixed into the Controller; reads `methods`, `labels`, `described`, `output_keys`, `crop`, `num_layers`."""
+def output_keys(methods: list[str]) -> list[str]:
+    """The page's outputs in the order every handler returns them (app_builder.py lists its components so)."""
+    return (["status"] + [f"head:{m}" for m in methods] + [f"chat:{m}" for m in methods]
+            + ["bars", "lorenz", "memory", "latency", "quality", "gallery", "table", "results", "box"])
 
-    def _as_list(self, values: dict[str, Any]) -> list[Any]:
+
+class Renderer:
+    """Draws the page. Needs the offered methods (`catalog`: names, labels, declarations) and how the vision
+    tower crops an image (`crop`, so the overlay lies on what the model saw)."""
+
+    def __init__(self, catalog: MethodCatalog, crop: Any):
+        self.catalog = catalog
+        self.crop = crop
+        self.output_keys = output_keys(catalog.methods)
+
+    def as_list(self, values: dict[str, Any]) -> list[Any]:
+        """Named outputs in the page's order; an output not named is left as it is (gr.skip)."""
         return [values.get(k, gr.skip()) for k in self.output_keys]
 
     def head(self, method: str, comp: Comparison | None) -> str:
         track = comp.tracks.get(method) if comp is not None else None
-        d = self.described[method]
-        uses_budget = d["uses_budget"] or d["schedule"] == "none"  # a method that never compresses has no note
+        summary, budget_note = self.catalog.summary(method), self.catalog.shows_budget_note(method)
         if track is None:  # not in this run (or no run yet): name, description, no badges
-            return header_html(Track(method, self.labels[method]), self.summary(method), None, uses_budget)
-        return header_html(track, self.summary(method), comp, uses_budget)
+            return header_html(Track(method, self.catalog.labels[method]), summary, None, budget_note)
+        return header_html(track, summary, comp, budget_note)
 
     def figures(self, comp: Comparison | None, box: SessionBox) -> dict[str, Any]:
         """Every chart of this comparison, keyed by its export name."""
@@ -82,7 +94,8 @@ class Rendering:
             share = comp.overlay.maps.get(m)
             if share is None:
                 continue
-            items.append((overlay(comp.image, share, m, self.crop), caption(self.labels.get(m, m), share, comp.overlay.layer)))
+            label = self.catalog.labels.get(m, m)
+            items.append((overlay(comp.image, share, m, self.crop), caption(label, share, comp.overlay.layer)))
         return items
 
     def table(self, comp: Comparison | None) -> list[list[Any]]:
@@ -103,14 +116,14 @@ class Rendering:
     def render(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool = True,
                charts_: bool = True, lorenz: bool = True, overlay_: bool = True, all_heads: bool = False) -> list[Any]:
         with comp.lock if comp is not None else nullcontext():  # the engine feeds the record meanwhile
-            return self._as_list(self._outputs(comp, box, phase, panels=panels, charts_=charts_, lorenz=lorenz,
+            return self.as_list(self._outputs(comp, box, phase, panels=panels, charts_=charts_, lorenz=lorenz,
                                                overlay_=overlay_, all_heads=all_heads))
 
     def _outputs(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool, charts_: bool,
                  lorenz: bool, overlay_: bool, all_heads: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"status": status_line(comp, phase), "box": box}
         if panels:
-            for m in self.methods:
+            for m in self.catalog.methods:
                 in_run = comp is not None and m in comp.tracks
                 if in_run or all_heads:
                     out[f"head:{m}"] = self.head(m, comp if in_run else None)
@@ -130,40 +143,3 @@ class Rendering:
 
     def empty(self, box: SessionBox, phase: str | None = None) -> list[Any]:
         return self.render(None, box, phase, all_heads=True)
-
-    def set_overlay_layer(self, layer, box):
-        if not isinstance(box, SessionBox):
-            return gr.skip()
-        try:
-            box.overlay_layer = int(min(max(int(layer), 0), max(self.num_layers - 1, 0)))
-        except (TypeError, ValueError, OverflowError):
-            return gr.skip()
-        comp = box.run
-        if comp is None or comp.active:
-            return gr.skip()  # while streaming, the worker samples the new layer within a moment
-        snap = self._overlay_snapshot(comp, box)
-        if snap is None:
-            return gr.skip()
-        comp.apply(snap)
-        return self.gallery(comp)
-
-    def set_lorenz_layers(self, layers, box):
-        if not isinstance(box, SessionBox):
-            return gr.skip()
-        try:
-            chosen = {int(x) for x in (layers or [])[: self.num_layers]}
-        except (TypeError, ValueError, OverflowError):
-            return gr.skip()
-        box.lorenz_layers = sorted(x for x in chosen if 0 <= x < self.num_layers) or None
-        return self.lorenz(box.run, box)
-
-    def set_view_budget(self, budget, box):
-        if not isinstance(box, SessionBox):
-            return gr.skip()
-        try:
-            box.view_budget = float(Budget(budget))  # the slider's value, checked like every budget (plain for plotly)
-        except PolicyError:
-            return gr.skip()
-        if box.run is None or box.run.prefill is None:
-            return gr.skip()
-        return self.lorenz(box.run, box)

@@ -1,6 +1,6 @@
-"""The controller's streaming: one run's engine generator on a worker thread (`streaming.StreamWorker`), redrawn
-at a steady pace (panels often, charts at most once a second, the final state always), the overlay sampled
-between decoding steps, and how a run ends (done, stopped, refused, failed)."""
+"""One run of a comparison streamed to the page: the engine generator on a worker thread
+(`streaming.StreamWorker`), redrawn at a steady pace (panels often, charts at most once a second, the final
+state always), the overlay sampled between decoding steps, and how a run ends (done, stopped, refused, failed)."""
 from __future__ import annotations
 
 import time
@@ -8,42 +8,87 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
+from .overlay_sampler import OverlaySampler
+from .rendering import Renderer
 from .runstate import Comparison, OverlayMaps, SessionBox
-from .streaming import StreamWorker
+from .sessions import SessionRegistry
+from .streaming import Batch, StreamWorker
 
 TEXT_EVERY_S = 0.25  # panels (answers, badges) refresh at most this often while streaming
 CHART_EVERY_S = 1.0  # charts refresh at most this often; the final state is always drawn
 OVERLAY_EVERY_S = 1.5  # the worker samples the kept-patch maps this often
 
 
-class Streaming:
-    """Mixed into the Controller; uses `render`, `registry` and `num_layers`."""
+def phase(comp: Comparison) -> str:
+    """What the status line says while a run goes on."""
+    cur = [t.turn for t in comp.tracks.values() if t.turn is not None]
+    done = sum(t.status in ("done", "stopped", "error") for t in cur)
+    if comp.prefill is None:
+        return "Prefill: encoding the image and prompt once for every method…"
+    if done < len(cur) or not comp.alone:
+        return f"Generating: {done} of {len(cur)} methods finished"
+    runs = [t.alone for t in cur if t.status == "done"]
+    timed = sum(r is not None and r.status in ("done", "stopped", "error") for r in runs)
+    return f"Timing each method alone: {timed} of {len(runs)} measured"
 
-    def _overlay_snapshot(self, comp: Comparison, box: SessionBox) -> OverlayMaps | None:
-        """Runs on the worker thread between two decoding steps (the caches are consistent there)."""
-        if comp.image is None or comp.session is None or comp.prefill is None or not comp.prefill.image_tokens:
-            return None
-        layer = int(min(max(box.overlay_layer, 0), self.num_layers - 1))
-        maps = {}
-        for m in comp.methods:
-            try:
-                maps[m] = comp.session.kept_image_map(m, layer)
-            except Exception:  # noqa: BLE001 - a failed method has no cache to show
-                maps[m] = None
-        return OverlayMaps(layer, maps)
 
-    def _phase(self, comp: Comparison) -> str:
-        cur = [t.turn for t in comp.tracks.values() if t.turn is not None]
-        done = sum(t.status in ("done", "stopped", "error") for t in cur)
-        if comp.prefill is None:
-            return "Prefill: encoding the image and prompt once for every method…"
-        if done < len(cur) or not comp.alone:
-            return f"Generating: {done} of {len(cur)} methods finished"
-        runs = [t.alone for t in cur if t.status == "done"]
-        timed = sum(r is not None and r.status in ("done", "stopped", "error") for r in runs)
-        return f"Timing each method alone: {timed} of {len(runs)} measured"
+def drop_if_released(session, events: Iterator[Any]) -> Iterator[Any]:
+    """The engine's events, then: if the registry released this session while its run still waited for the
+    model (a client that left before its turn came), drop what the run built since."""
+    try:
+        yield from events
+    finally:
+        if getattr(session, "released", False) and session.cache_bytes():
+            session.release()
 
-    def _stream(self, box: SessionBox, comp: Comparison, factory: Callable, first_turn: bool) -> Iterator[list[Any]]:
+
+def let_go(comp: Comparison, reason: str | None) -> None:
+    """The registry dropped this comparison's caches: keep its answers and charts, let go of the engine session
+    (and its copy of the image); a closed connection's display image goes too (Gradio keeps a closed session's
+    state for an hour)."""
+    comp.session = None
+    if reason == "closed":
+        comp.image = None
+
+
+class _Pace:
+    """When a redraw brings the charts too: at most every CHART_EVERY_S, and at once when the Lorenz chart
+    gains something to draw (the prefill's curves, then the run's own threshold)."""
+
+    def __init__(self, comp: Comparison):
+        self.comp = comp
+        self.last_chart = time.monotonic()
+        self.had_prefill, self.had_threshold = comp.prefill is not None, comp.threshold() is not None
+
+    def next(self) -> tuple[bool, bool]:
+        """(charts due, Lorenz chart new) for the redraw about to be made."""
+        comp, now = self.comp, time.monotonic()
+        has_prefill, has_threshold = comp.prefill is not None, comp.threshold() is not None
+        new_lorenz = (has_prefill and not self.had_prefill) or (has_threshold and not self.had_threshold)
+        charts_due = now - self.last_chart >= CHART_EVERY_S or new_lorenz
+        if charts_due:
+            self.last_chart = now
+        self.had_prefill, self.had_threshold = has_prefill, has_threshold
+        return charts_due, new_lorenz
+
+
+class RunStreamer:
+    """Streams runs to the page. Needs the renderer (every redraw), the session registry (a run in progress
+    is marked busy there, so its caches are never dropped under it) and the overlay sampler (called on the
+    worker thread)."""
+
+    def __init__(self, renderer: Renderer, registry: SessionRegistry, overlay: OverlaySampler):
+        self.renderer = renderer
+        self.registry = registry
+        self.overlay = overlay
+
+    def not_started(self, box: SessionBox) -> list[Any]:
+        """The outputs of a request that Stop cancelled while it waited in the queue."""
+        box.pending = False
+        return self.renderer.as_list({"status": "■ Stopped before it started.", "box": box})
+
+    def stream(self, box: SessionBox, comp: Comparison, factory: Callable, first_turn: bool) -> Iterator[list[Any]]:
+        """Runs `factory(cancel)` (the engine's events) on a worker thread and yields the page's outputs."""
         box.pending = False
         if box.run is not None and box.run is not comp and box.run.active:
             box.run.cancel.set()
@@ -53,80 +98,65 @@ class Streaming:
         comp.active = True
         self.registry.begin(box.owner)
         t0 = time.perf_counter()
-        worker = StreamWorker(factory, comp.cancel, snapshot=lambda: self._overlay_snapshot(comp, box),
+        worker = StreamWorker(factory, comp.cancel, snapshot=lambda: self.overlay.snapshot(comp, box),
                               snapshot_every=OVERLAY_EVERY_S)
-        yield self.render(comp, box, self._phase(comp), all_heads=first_turn, overlay_=first_turn,
-                          lorenz=first_turn)
+        yield self.renderer.render(comp, box, phase(comp), all_heads=first_turn, overlay_=first_turn,
+                                   lorenz=first_turn)
         worker.start()
-        failure = None
-        last_chart, had_prefill, had_threshold = time.monotonic(), comp.prefill is not None, comp.threshold() is not None
+        superseded, failure = False, None
         try:
-            for batch in worker.batches(TEXT_EVERY_S):
-                if box.generation != generation:  # cleared or superseded: stop drawing, stop the engine
-                    comp.cancel.set()
-                    return
-                overlay_new = False
-                for item in batch.items:
-                    comp.apply(item)
-                    overlay_new |= isinstance(item, OverlayMaps)
-                if batch.error:
-                    failure = batch
-                if batch.ended:
-                    break
-                if not batch.items:
-                    continue
-                now = time.monotonic()
-                new_lorenz = (comp.prefill is not None and not had_prefill) or (
-                    comp.threshold() is not None and not had_threshold)
-                charts_due = now - last_chart >= CHART_EVERY_S or new_lorenz
-                if charts_due:
-                    last_chart = now
-                had_prefill, had_threshold = comp.prefill is not None, comp.threshold() is not None
-                yield self.render(comp, box, self._phase(comp), charts_=charts_due, lorenz=new_lorenz,
-                                  overlay_=overlay_new)
+            superseded, failure = yield from self._redraws(worker, box, comp, generation)
         finally:
             comp.active = False
             self.registry.end(box.owner)
             if worker.thread.is_alive():
                 comp.cancel.set()  # closed tab, Clear, or an error in the UI: the engine stops within a token
-        elapsed = time.perf_counter() - t0
+        if superseded:
+            return
+        box.stop_requested = False
+        yield self.renderer.render(comp, box, self._ending(comp, failure, time.perf_counter() - t0, first_turn))
+        if failure is not None:
+            raise gr.Error(failure.error if failure.engine_error else
+                           f"The run failed ({failure.error}). The app is still running.", print_exception=False)
+
+    def _redraws(self, worker: StreamWorker, box: SessionBox, comp: Comparison,
+                 generation: int) -> Iterator[list[Any]]:
+        """Yields a redraw per batch of events. Returns (superseded, the batch that carried a failure if any):
+        superseded when Clear or a newer run took the tab, which then draws nothing more of this run."""
+        pace, failure = _Pace(comp), None
+        for batch in worker.batches(TEXT_EVERY_S):
+            if box.generation != generation:  # cleared or superseded: stop drawing, stop the engine
+                comp.cancel.set()
+                return True, None
+            overlay_new = False
+            for item in batch.items:
+                comp.apply(item)
+                overlay_new |= isinstance(item, OverlayMaps)
+            if batch.error:
+                failure = batch
+            if batch.ended:
+                break
+            if not batch.items:
+                continue
+            charts_due, new_lorenz = pace.next()
+            yield self.renderer.render(comp, box, phase(comp), charts_=charts_due, lorenz=new_lorenz,
+                                       overlay_=overlay_new)
+        return False, failure
+
+    @staticmethod
+    def _ending(comp: Comparison, failure: Batch | None, elapsed: float, first_turn: bool) -> str:
+        """Marks how the run ended on the comparison and says it for the status line."""
         if failure is not None:
             msg = failure.error or "unknown error"
             if failure.engine_error:
                 comp.stop_all("stopped")
                 if first_turn:  # a refused follow-up began no turn: the conversation stays as it was
                     comp.error = msg
-                phase = f"⚠ {msg}"
-            else:
-                comp.error = msg
-                comp.stop_all("error")
-                phase = "⚠ The run failed; the server is still up. Try again or with other settings."
-        elif comp.cancel.is_set():
+                return f"⚠ {msg}"
+            comp.error = msg
+            comp.stop_all("error")
+            return "⚠ The run failed; the server is still up. Try again or with other settings."
+        if comp.cancel.is_set():
             comp.stop_all("stopped")
-            phase = f"■ Stopped after {elapsed:.1f} s; partial answers are kept."
-        else:
-            phase = f"✓ Done in {elapsed:.1f} s."
-        box.stop_requested = False
-        yield self.render(comp, box, phase)
-        if failure is not None:
-            raise gr.Error(failure.error if failure.engine_error else
-                           f"The run failed ({failure.error}). The app is still running.", print_exception=False)
-
-    @staticmethod
-    def _tidy(session, events: Iterator[Any]) -> Iterator[Any]:
-        """The engine's events, then: if the registry released this session while its run still waited for
-        the model (a client that left before its turn came), drop what the run built since."""
-        try:
-            yield from events
-        finally:
-            if getattr(session, "released", False) and session.cache_bytes():
-                session.release()
-
-    @staticmethod
-    def _let_go(comp: Comparison, reason: str | None) -> None:
-        """The registry dropped this comparison's caches: keep its answers and charts, let go of the engine
-        session (and its copy of the image); a closed connection's display image goes too (Gradio keeps a
-        closed session's state for an hour)."""
-        comp.session = None
-        if reason == "closed":
-            comp.image = None
+            return f"■ Stopped after {elapsed:.1f} s; partial answers are kept."
+        return f"✓ Done in {elapsed:.1f} s."

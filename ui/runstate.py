@@ -29,14 +29,26 @@ class OverlayMaps:
     maps: dict[str, KeptImageMap | None]
 
 
+def _record_field(name: str, doc: str) -> property:
+    """A field of the record that the app also writes: read and written on the one record."""
+    return property(lambda self: getattr(self.record, name), lambda self, value: setattr(self.record, name, value),
+                    doc=doc)
+
+
 class Comparison:
     """One comparison in the app: the record the engine session feeds, read through (every attribute and method
-    of `ComparisonRecord` is the record's own), plus the session, the Stop flag, the image and the overlay."""
+    of `ComparisonRecord` not named here is the record's own), plus the session, the Stop flag, the image and the
+    overlay. Only the names below can be written: a misspelt one raises AttributeError instead of landing
+    anywhere."""
 
-    _OWN = frozenset({"record", "session", "cancel", "image", "overlay", "created"})
+    __slots__ = ("record", "session", "cancel", "image", "overlay", "created")
+
+    active = _record_field("active", "a turn is being generated")
+    error = _record_field("error", "a failure of the whole request, for the status line")
+    alone = _record_field("alone", "every method is (also) decoded and timed on its own")
 
     def __init__(self, record: ComparisonRecord, session=None, image=None):
-        object.__setattr__(self, "record", record)
+        self.record = record
         self.session = session  # prefixkv_core.Session whose record this is (None once its caches are released)
         self.cancel = threading.Event()
         self.image = image  # PIL image (display copy) or None
@@ -44,13 +56,9 @@ class Comparison:
         self.created = time.time()
 
     def __getattr__(self, name: str) -> Any:  # only called for what this class does not hold itself
+        if name in Comparison.__slots__:  # not set yet (a copy being built): never ask the record
+            raise AttributeError(name)
         return getattr(self.record, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:  # the record's own fields (active, error, ...) stay in the one record
-            setattr(self.record, name, value)
 
     def new_turn(self) -> None:
         """A follow-up is about to run: a fresh Stop flag (the session begins the record's turn itself)."""
@@ -76,3 +84,13 @@ class SessionBox:
         self.view_budget: float | None = None  # budget slider position, for the Lorenz preview
         self.owner: str | None = None  # the Gradio session this box belongs to (key in the registry)
         self.stop_at: float | None = None  # monotonic time of the last Stop with nothing running
+
+    def owner_for(self, request) -> str:
+        """The registry key of this box: its Gradio session (`request.session_hash`), or the box itself for a
+        direct call."""
+        session_hash = getattr(request, "session_hash", None) if request is not None else None
+        if session_hash:
+            self.owner = str(session_hash)
+        elif self.owner is None:
+            self.owner = f"local-{id(self)}"
+        return self.owner
