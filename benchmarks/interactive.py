@@ -47,6 +47,7 @@ from prefixkv_core import Engine, GenerationSettings, load_model, resolve_method
 from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
 from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
+from prefixkv_core.method_args import add_model_args  # noqa: E402
 
 
 def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
@@ -130,12 +131,10 @@ def load_benchmark_model(args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded", help="embedded, a hub id or a local LLaVA directory")
+    add_model_args(ap)
     ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
                     help="instead of --model: random weights in a family's released shape (llava-interleave: the "
                          "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--image", default=str(REPO_ROOT / "assets/images/scene-0.png"))
     ap.add_argument("--prompt", default="Describe the image in detail.")
     ap.add_argument("--methods", default="all")

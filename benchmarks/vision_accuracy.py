@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections import defaultdict
@@ -30,21 +29,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prefixkv_core import Engine, GenerationSettings
+from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
 from scenes import QTYPES, render_scene, split_seeds
 from scenes.freeform import render_freeform
+from scenes.grading import is_correct, normalise
 from scenes.phrasings import HELD_OUT
 
 DESCRIBE_PROMPT = "Describe the image."
-
-
-def normalise(text: str) -> str:
-    return " ".join(re.sub(r"[^a-z0-9\- ]+", " ", text.lower()).split())
-
-
-def is_correct(output: str, answer: str) -> bool:
-    out, ref = normalise(output), normalise(answer)
-    return bool(ref) and (out == ref or out.startswith(ref + " "))
 
 
 def named_share(description: str, scene) -> float:
@@ -200,7 +192,7 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded")
+    add_model_args(ap)
     ap.add_argument("--split", default="test", choices=["test", "val"])
     ap.add_argument("--scenes", type=int, default=100)
     ap.add_argument("--methods", default="full", help="comma-separated engine methods")
@@ -211,14 +203,13 @@ def main(argv=None) -> int:
                     help="hold the prompt-only methods at r·N_t while decoding (budget mode equal_memory)")
     ap.add_argument("--controls", type=int, default=0, metavar="N",
                     help="also run the blank-image control and N freeform images (full cache)")
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()] or [1.0]
     t0 = time.time()
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
     budget_mode = "equal_memory" if args.equal_memory else "published"
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
