@@ -114,9 +114,8 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
             if steps_bar is not None and isinstance(ev, MethodEvent) and ev.kind in ("token", "done"):
                 steps_bar.update(1)
         for m, res in session.results().items():
-            ratios = [k / res["full_len"] for k in res["kept_per_layer"]] if res["full_len"] else []
             out[m].update(text=res["text"], kv_bytes=res["kv_bytes"], full_kv_bytes=res["full_kv_bytes"],
-                          kept_ratio=sum(ratios) / len(ratios) if ratios else None, full_len=res["full_len"],
+                          kept_ratio=res["mean_kept_ratio"], full_len=res["full_len"],
                           prompt_tokens=session.prefill.prompt_tokens if session.prefill else None,
                           error=res["error"], extras=_small_extras(res.get("extras") or {}))
         scorer = engine.new_session(image, sample.question, methods, session_budget, gen, knobs,
