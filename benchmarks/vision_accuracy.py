@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     add_model_args(ap)
     ap.add_argument("--split", default="test", choices=["test", "val"])
     ap.add_argument("--scenes", type=int, default=100)
-    ap.add_argument("--methods", default="full", help="comma-separated engine methods")
+    ap.add_argument("--methods", default=role_method("reference"),
+                    help="comma-separated engine methods (default: the reference, Full)")
     ap.add_argument("--budgets", default="", help="comma-separated KV budgets (default: 1.0 only)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--describe", type=int, default=0, help="also ask this many scenes for a description")

@@ -2,7 +2,8 @@
 
 Every .py file of the project's code is parsed with `ast`; every import in it, at module level or inside a
 function (a function-level import still ties the two modules together), becomes an edge of the module graph,
-relative imports resolved. From the bottom up:
+relative imports resolved; imports under `if TYPE_CHECKING:` are left out (they never run). From the bottom
+up:
 
     scenes, texts        data only: nothing of the project but themselves
     prefixkv_core        the engine: never the app's ui, the benchmarks or the training
