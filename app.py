@@ -54,13 +54,13 @@ def _positive(kind):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from prefixkv_core.method_args import add_model_args
+
     p = argparse.ArgumentParser(prog="app.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", default=_env("PREFIXKV_MODEL", "embedded"),
-                   help="'embedded' (default, works offline), a Hugging Face hub id or a local LLaVA directory")
-    p.add_argument("--device", default=_env("PREFIXKV_DEVICE", "auto"), help="auto, auto-multi, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default=_env("PREFIXKV_DTYPE", "auto"), help="auto, float32, float16, bfloat16")
+    add_model_args(p, default_model=_env("PREFIXKV_MODEL", "embedded"), default_device=_env("PREFIXKV_DEVICE", "auto"),
+                   default_dtype=_env("PREFIXKV_DTYPE", "auto"))
     p.add_argument("--host", default=_env("PREFIXKV_HOST", "127.0.0.1"),
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 in Docker)")
     p.add_argument("--port", type=int, default=int(_env("PORT", "7860")), help="port (default 7860)")

@@ -30,6 +30,8 @@ if __package__ in (None, ""):
 
 from PIL import Image, UnidentifiedImageError  # noqa: E402
 
+from texts.long_text import LongText, builtin_long_text  # noqa: E402
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN = DATA_DIR / "builtin.jsonl"
 DESCRIBE = "Describe the image in detail."
@@ -248,30 +250,11 @@ def builtin_text() -> str:
 
 # -- long-context text -----------------------------------------------------------------------------------------
 # The text mode of benchmarks/quality.py cuts (context, continuation) pairs from one long plain text. The built-in
-# text is the Python Language Reference that every CPython ships as `pydoc_data.topics` (the pages `help()` shows):
-# about 465,000 characters of English technical prose with some code and grammar, licensed with Python's
-# documentation under the PSF License Version 2. It is read from the interpreter, not copied into this
-# repository, so it needs no download; its exact text follows the Python version (the run records its digest).
+# text, the Python Language Reference read from the interpreter, lives in texts/long_text.py (the training's
+# text check reads it too).
 
 BUILTIN_TEXT = "builtin"
 CUT_SLACK = 32  # a window may move this many tokens forward to find cuts that re-tokenize exactly
-
-
-@dataclass(frozen=True)
-class LongText:
-    text: str
-    source: str  # for tables and notes
-    path: Path | None  # the file read; None for the built-in text
-
-
-def builtin_long_text() -> LongText:
-    import platform
-
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(page.strip("\n") for page in topics.values()) + "\n"
-    return LongText(text, f"the Python {platform.python_version()} Language Reference (pydoc_data.topics, "
-                          "PSF License Version 2)", None)
 
 
 def load_long_text(spec: str) -> LongText:

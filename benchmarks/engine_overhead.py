@@ -31,7 +31,7 @@ from prefixkv_core import Engine, GenerationSettings, load_model  # noqa: E402
 from prefixkv_core.kv.attention import AttentionProbe, StatRequest, tracked_attention_enabled  # noqa: E402
 from prefixkv_core.kv.cache import TrackedCache  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
-from prefixkv_core.method_args import MethodArgError, add_method_args, method_args  # noqa: E402
+from prefixkv_core.method_args import MethodArgError, add_method_args, add_model_args, method_args  # noqa: E402
 from prefixkv_core.decoding.runner import sync  # noqa: E402
 
 FILLER = ("The museum's east wing holds maps, letters and instruments from early voyages; each room is lit "
@@ -101,9 +101,7 @@ def prefill_times(engine, loaded, inputs, repeats: int) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded", help="embedded, tiny-llama, a hub id or a local directory")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--image", default=str(Path(__file__).resolve().parent.parent / "assets/images/scene-0.png"))
     ap.add_argument("--prompt-tokens", type=int, default=2000, help="long-prompt length for part 3")
     ap.add_argument("--short-prompt", default="Describe the image in detail.", help="prompt for parts 1-2")

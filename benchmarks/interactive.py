@@ -47,6 +47,8 @@ from prefixkv_core import Engine, GenerationSettings, load_model, resolve_method
 from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
 from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
+from prefixkv_core.method_args import add_model_args  # noqa: E402
+from prefixkv_core.policies import role_method  # noqa: E402
 
 
 def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
@@ -130,12 +132,10 @@ def load_benchmark_model(args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded", help="embedded, a hub id or a local LLaVA directory")
+    add_model_args(ap)
     ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
                     help="instead of --model: random weights in a family's released shape (llava-interleave: the "
                          "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--image", default=str(REPO_ROOT / "assets/images/scene-0.png"))
     ap.add_argument("--prompt", default="Describe the image in detail.")
     ap.add_argument("--methods", default="all")
@@ -156,13 +156,14 @@ def main(argv=None) -> int:
     engine = Engine(loaded)
     image = Engine.load_image(args.image)
     methods = resolve_methods(args.methods)
+    reference = role_method("reference")  # Full: the throughput ratio is over it decoding alone
     inputs = encode(loaded, image, format_prompt(loaded, args.prompt, with_image=True))
     timed_comparison(engine, image, args.prompt, methods, args.budget, 4)  # warm-up
 
     together, alone, generate, sequential, each, plain = [], [], [], [], [], []
     for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
         together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
-        alone.append(timed_comparison(engine, image, args.prompt, ["full"], args.budget, args.new_tokens))
+        alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens))
         generate.append(time_generate(loaded, inputs, args.new_tokens))
         one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1)
         many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods))

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, RecordStore, Table,  # noqa: E402
                                run_info, run_title, save_figure)
 from prefixkv_core.method_args import (MethodArgError, MethodArgs, add_knob_flags, add_method_args,  # noqa: E402
-                                       method_args, resolve_knob_flags)
+                                       add_model_args, method_args, resolve_knob_flags)
 from prefixkv_core.policies import REGISTRY, ResolveContext, role_method  # noqa: E402
 from benchmarks.data import (DataError, LongText, Sample, cut_text_pairs, dataset_spec, load_dataset,  # noqa: E402
                              load_long_text, resolve_image)
@@ -114,9 +114,8 @@ def _run_group(engine, image, sample: Sample, answer: str, methods: list[str], b
             if steps_bar is not None and isinstance(ev, MethodEvent) and ev.kind in ("token", "done"):
                 steps_bar.update(1)
         for m, res in session.results().items():
-            ratios = [k / res["full_len"] for k in res["kept_per_layer"]] if res["full_len"] else []
             out[m].update(text=res["text"], kv_bytes=res["kv_bytes"], full_kv_bytes=res["full_kv_bytes"],
-                          kept_ratio=sum(ratios) / len(ratios) if ratios else None, full_len=res["full_len"],
+                          kept_ratio=res["mean_kept_ratio"], full_len=res["full_len"],
                           prompt_tokens=session.prefill.prompt_tokens if session.prefill else None,
                           error=res["error"], extras=_small_extras(res.get("extras") or {}))
         scorer = engine.new_session(image, sample.question, methods, session_budget, gen, knobs,
@@ -398,11 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  python benchmarks/quality.py --data mmvet.jsonl --image-root images/ --methods full,local,prefixkv "
                "--budgets 0.1,0.5\n  accelerate launch --num_processes 2 benchmarks/quality.py --limit 20\n"
                f"Methods: {', '.join(METHODS)}.")
-    p.add_argument("--model", default="embedded",
-                   help="'embedded' (default), 'tiny-llama'/'tiny-qwen2', a local model dir or a hub id")
-    p.add_argument("--device", default="auto",
-                   help="auto (CUDA if present; under accelerate each process takes its own GPU), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
+    add_model_args(p, device_help="auto (CUDA if present; under accelerate each process takes its own GPU), cpu, "
+                                  "cuda, cuda:N (default auto)")
     p.add_argument("--data", default="builtin",
                    help="'builtin' (benchmarks/data/builtin.jsonl, 45 samples) or a .jsonl/.json file in the flat "
                         "(image, question, answer) or LLaVA conversation format")

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: E402
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
                                run_info, run_title, save_figure)
-from prefixkv_core.method_args import add_knob_flags, add_method_args  # noqa: E402
+from prefixkv_core.method_args import add_knob_flags, add_method_args, add_model_args  # noqa: E402
 from prefixkv_core.models import RANDOM_KINDS, LoadedModel, build_random_model  # noqa: E402
 
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
@@ -131,14 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "  python benchmarks/speed.py --random-weights embedded --batch 4 "
                                        "--settings 1024x64 --methods full,local,prefixkv\n"
                                        f"Methods: {', '.join(METHODS)} (+ {STOCK}, added unless --no-stock).")
-    p.add_argument("--model", default=None, help="'embedded' (default), 'tiny-llama', a local model dir or a hub id")
+    # no default here: --paper takes random LLaVA-1.5-7B weights unless --model is given
+    add_model_args(p, default_model=None, model_help="'embedded' (default), 'tiny-llama', a local model dir or a hub id")
     p.add_argument("--random-weights", default=None, choices=RANDOM_KINDS,
                    help="build a randomly initialised model with these exact shapes instead of loading one "
                         "(llava-1.5-7b / llava-1.5-13b: CLIP ViT-L/14-336 + Llama-2; a family's example checkpoint: "
                         "llava-1.5, llava-interleave (the Space default, llava-interleave-qwen-0.5b), llava-next, "
                         "llava-onevision; tiny-<family> and embedded / tiny for CPU)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
     p.add_argument("--no-stock", action="store_true", help=f"leave out the {STOCK} baseline")
     add_method_args(p, several_budgets=True, methods_default=None, methods_help="'all' (default) or a comma-separated list",
                     budget_default=DEFAULT_BUDGETS,

@@ -8,8 +8,9 @@ training seeds) is asked as the first turn of its own session (image + question)
 few new tokens. An answer is correct when its normalised text (lowercase, punctuation dropped) equals
 the reference or starts with it as whole words. --describe N also asks N scenes for a description and
 reports which share of their objects ("red circle") it names. Writes <out>.json and <out>.md, plus
-<out>.html/.png (accuracy vs budget per method) when budgets are given. Full is asked once per
-question (it keeps everything whatever the budget) and reported as full@1. --equal-memory holds the
+<out>.html/.png (accuracy vs budget per method) when budgets are given. A method without a budget (its
+policy's `uses_budget` is false: Full, the reference, keeps everything; ZipVL sets its own share by τ) is
+asked once per question and reported at budget 1 (full@1, zipvl@1). --equal-memory holds the
 prompt-only methods at r·N_t while decoding (the engine's "equal_memory" budget mode).
 
 --controls N adds two checks with the full cache: the same colour and shape questions over a blank grey
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections import defaultdict
@@ -30,21 +30,24 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prefixkv_core import Engine, GenerationSettings
+from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
+from prefixkv_core.policies import REGISTRY, role_method
 from scenes import QTYPES, render_scene, split_seeds
 from scenes.freeform import render_freeform
+from scenes.grading import is_correct, normalise
 from scenes.phrasings import HELD_OUT
 
 DESCRIBE_PROMPT = "Describe the image."
+NO_BUDGET = 1.0  # the budget a method without one is reported at: whatever r is, it keeps what it keeps
 
 
-def normalise(text: str) -> str:
-    return " ".join(re.sub(r"[^a-z0-9\- ]+", " ", text.lower()).split())
+def uses_budget(method: str) -> bool:
+    return REGISTRY[method].uses_budget
 
 
-def is_correct(output: str, answer: str) -> bool:
-    out, ref = normalise(output), normalise(answer)
-    return bool(ref) and (out == ref or out.startswith(ref + " "))
+def reported_budget(method: str, budget: float) -> float:
+    return budget if uses_budget(method) else NO_BUDGET
 
 
 def named_share(description: str, scene) -> float:
@@ -66,9 +69,9 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
              describe: int, split: str, budget_mode: str = "published") -> dict:
     records = []
     descriptions = []
-    # Full keeps everything whatever the budget: ask it once, with the first budget, as full@1.
+    # A method without a budget answers alike at every budget: ask it once, with the first budget.
     runs = [(budget, ms) for j, budget in enumerate(budgets)
-            if (ms := [m for m in methods if m != "full" or j == 0])]
+            if (ms := [m for m in methods if uses_budget(m) or j == 0])]
     bar = tqdm(total=len(seeds) * len(runs), desc="scene x budget", file=sys.stderr, mininterval=5)
     for i, seed in enumerate(seeds):
         scene = render_scene(seed)
@@ -77,12 +80,12 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
                 outs = ask(engine, scene.image, qa.question, ms, budget, max_new, budget_mode)
                 for m, text in outs.items():
                     records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
-                                    "qtype": qa.qtype, "method": m, "budget": 1.0 if m == "full" else budget,
+                                    "qtype": qa.qtype, "method": m, "budget": reported_budget(m, budget),
                                     "output": text, "correct": is_correct(text, qa.answer)})
             if i < describe:
                 outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode)
                 for m, text in outs.items():
-                    descriptions.append({"seed": seed, "method": m, "budget": 1.0 if m == "full" else budget,
+                    descriptions.append({"seed": seed, "method": m, "budget": reported_budget(m, budget),
                                          "output": text, "reference": scene.description,
                                          "named": named_share(text, scene)})
             bar.update()
@@ -100,18 +103,19 @@ def controls(engine: Engine, seeds: list[int], freeform: int, max_new: int) -> d
     from PIL import Image
 
     blank = Image.new("RGB", (384, 384), BLANK_GREY)
+    reference = role_method("reference")  # the full cache
     records = []
     for seed in tqdm(seeds, desc="blank control", file=sys.stderr, mininterval=5):
         for qa in render_scene(seed).qa:
             if qa.qtype in ("colour", "shape"):
-                text = ask(engine, blank, qa.question, ["full"], 1.0, max_new)["full"]
+                text = ask(engine, blank, qa.question, [reference], 1.0, max_new)[reference]
                 records.append({"set": "blank", "seed": seed, "question": qa.question, "answer": qa.answer,
                                 "qtype": qa.qtype, "output": text, "correct": is_correct(text, qa.answer)})
     for k, seed in enumerate(tqdm(split_seeds("test", freeform), desc="freeform", file=sys.stderr, mininterval=5)):
         img = render_freeform(seed)
         phrasing = HELD_OUT["colour"][k % len(HELD_OUT["colour"])]
         question = phrasing.format(shape=img.shape)
-        text = ask(engine, img.image, question, ["full"], 1.0, max_new)["full"]
+        text = ask(engine, img.image, question, [reference], 1.0, max_new)[reference]
         records.append({"set": "freeform", "seed": seed, "question": question, "answer": img.colour,
                         "qtype": "colour", "size": round(img.radius, 3), "output": text,
                         "correct": is_correct(text, img.colour)})
@@ -160,7 +164,8 @@ def markdown(summary: dict) -> str:
 
 
 def pivot(summary: dict, qtype: str = "all") -> str:
-    """Methods x budgets, one question type (default: all types pooled); Full is one column at 1.0."""
+    """Methods x budgets, one question type (default: all types pooled); a method without a budget is one
+    column at 1.0, the reference (Full) on the first row."""
     rows: dict = defaultdict(dict)
     for key, per in summary.items():
         m, b = key.rsplit("@", 1)
@@ -168,13 +173,15 @@ def pivot(summary: dict, qtype: str = "all") -> str:
             rows[m][float(b)] = per[qtype]["accuracy"]
     budgets = sorted({b for r in rows.values() for b in r})
     lines = ["| method | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
-    for m in sorted(rows, key=lambda m: (m != "full", m)):
+    reference = role_method("reference")
+    for m in sorted(rows, key=lambda m: (m != reference, m)):
         lines.append(f"| {m} | " + " | ".join(f"{rows[m][b]:.1%}" if b in rows[m] else "" for b in budgets) + " |")
     return "\n".join(lines) + "\n"
 
 
 def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
-    """Accuracy vs budget per method (Full as a horizontal line); HTML always, PNG when Chromium is there."""
+    """Accuracy vs budget per method (the reference, Full, and any other method without a budget as horizontal
+    lines); HTML always, PNG when Chromium is there."""
     import plotly.graph_objects as go
 
     from benchmarks.common import save_figure
@@ -184,8 +191,14 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
     for key, per in summary.items():
         m, b = key.rsplit("@", 1)
         by_method[m].append((float(b), per["all"]["accuracy"]))
-    full = dict(by_method.pop("full", [])).get(1.0)
+    full = dict(by_method.pop(role_method("reference"), [])).get(NO_BUDGET)
+    budgets = sorted({b for m, pts in by_method.items() if uses_budget(m) for b, _ in pts}) or [NO_BUDGET]
     for m, pts in sorted(by_method.items()):
+        if not uses_budget(m):  # one answer for every budget: a flat line across them
+            acc = dict(pts)[NO_BUDGET]
+            fig.add_trace(go.Scatter(x=[budgets[0], budgets[-1]], y=[acc, acc], mode="lines", name=f"{m} (no budget)",
+                                     line=dict(dash="dot")))
+            continue
         pts.sort()
         fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m))
     if full is not None:
@@ -200,10 +213,11 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded")
+    add_model_args(ap)
     ap.add_argument("--split", default="test", choices=["test", "val"])
     ap.add_argument("--scenes", type=int, default=100)
-    ap.add_argument("--methods", default="full", help="comma-separated engine methods")
+    ap.add_argument("--methods", default=role_method("reference"),
+                    help="comma-separated engine methods (default: the reference, Full)")
     ap.add_argument("--budgets", default="", help="comma-separated KV budgets (default: 1.0 only)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--describe", type=int, default=0, help="also ask this many scenes for a description")
@@ -211,14 +225,13 @@ def main(argv=None) -> int:
                     help="hold the prompt-only methods at r·N_t while decoding (budget mode equal_memory)")
     ap.add_argument("--controls", type=int, default=0, metavar="N",
                     help="also run the blank-image control and N freeform images (full cache)")
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()] or [1.0]
     t0 = time.time()
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
     budget_mode = "equal_memory" if args.equal_memory else "published"
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
@@ -226,7 +239,7 @@ def main(argv=None) -> int:
     ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
         if args.controls else None
     summary = summarise(res)
-    full = summary.get("full@1")
+    full = summary.get(f"{role_method('reference')}@{NO_BUDGET:g}")
     out = Path(args.out + ("-equal-memory" if budget_mode == "equal_memory" and args.out == DEFAULT_OUT else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {

@@ -13,17 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .method_args import MethodArgError, add_method_args, method_args, parse_budgets
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded",
-                   help="'embedded' (default, offline), 'tiny-llama'/'tiny-qwen2' or tiny-<family> (random, for tests: "
-                        "tiny-llava-1.5, tiny-llava-interleave, tiny-llava-next, tiny-llava-onevision), a Hugging "
-                        "Face hub id of a LLaVA-1.5, -Interleave, -NeXT or -OneVision checkpoint such as "
-                        "llava-hf/llava-onevision-qwen2-0.5b-ov-hf, or a local model directory")
-    p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16")
+from .method_args import MethodArgError, add_method_args, add_model_args, method_args, parse_budgets
 
 
 def cmd_compare(args) -> int:
@@ -131,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compare", help="run several methods on one image and prompt; print and/or write JSON")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--image", default=None, help="image file (PNG/JPEG/...); omit for a text-only prompt")
     p.add_argument("--prompt", required=True, help="the user's question or instruction")
     add_method_args(p)
@@ -150,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("calibrate", help="estimate offline PrefixKV layer ratios and write them to assets/")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--samples", type=int, default=10,
                    help="calibration samples: generated scenes from the end of the train split, disjoint from "
                         "every evaluation set; recorded in each config file")

@@ -1,12 +1,14 @@
-"""The method, budget and knob arguments of the command line, declared and read in one place for the CLI
-(`python -m prefixkv_core compare`) and the benchmarks (quality.py, speed.py): the same flags, the same checks,
-the same messages. A budget is range-checked here, once, and travels on as a `Budget`."""
+"""The arguments of the command line, declared and read in one place for the CLI (`python -m prefixkv_core
+compare`), the app, the benchmarks and the training: the model flags (--model, --device, --dtype) and the
+method, budget and knob flags, with the same names, help and checks everywhere. A budget is range-checked
+here, once, and travels on as a `Budget`."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from .models.device import DEVICES_ACCEPTED, DTYPES_ACCEPTED
 from .policies import (REGISTRY, Budget, PolicyError, ResolveContext, knob_fields, parse_knobs, resolve_methods,
                        role_method)
 
@@ -17,6 +19,29 @@ EQUAL_MEMORY_HELP = ("also hold the prompt-only methods (SnapKV, AdaKV, PyramidK
 QUERY_AGNOSTIC_HELP = ("compress the image and any text before the question first, then feed the question and answer "
                        "on the compressed cache, as in a chat about one image (default: compress with the question "
                        "in the prompt)")
+
+
+MODEL_HELP = ("'embedded' (works offline), 'tiny-llama'/'tiny-qwen2' or tiny-<family> (random, for tests: "
+              "tiny-llava-1.5, tiny-llava-interleave, tiny-llava-next, tiny-llava-onevision), a Hugging Face hub id of "
+              "a LLaVA-1.5, -Interleave, -NeXT or -OneVision checkpoint such as "
+              "llava-hf/llava-onevision-qwen2-0.5b-ov-hf, or a local model directory")
+DEVICE_HELP = f"{DEVICES_ACCEPTED}; auto: CUDA if present, else CPU; auto-multi: the model spread over every GPU"
+DTYPE_HELP = f"{DTYPES_ACCEPTED}; auto: bfloat16 on CUDA, float32 on CPU"
+
+
+def add_model_args(p: argparse.ArgumentParser, *, default_model: str | None = "embedded",
+                   default_device: str = "auto", default_dtype: str = "auto", model_help: str | None = None,
+                   device_help: str | None = None) -> None:
+    """--model, --device and --dtype (what `load_model` takes). Each command passes its documented defaults;
+    `model_help` / `device_help` replace the common wording where a command reads the flag its own way."""
+    p.add_argument("--model", default=default_model, help=model_help or f"{MODEL_HELP} (default {default_model})")
+    add_device_arg(p, default_device, device_help)
+    p.add_argument("--dtype", default=default_dtype, help=f"{DTYPE_HELP} (default {default_dtype})")
+
+
+def add_device_arg(p: argparse.ArgumentParser, default: str = "auto", help: str | None = None) -> None:
+    """--device alone, for a command whose model is fixed (the training stages)."""
+    p.add_argument("--device", default=default, help=help or f"{DEVICE_HELP} (default {default})")
 
 
 class MethodArgError(ValueError):

@@ -20,7 +20,8 @@ Answers are short and canonical: a colour name ("red"), a shape name
 word as printed ("STOP"), "yes" / "no".
 
 Modules: ``vocabulary`` (shapes, colours, regions, words), ``records`` (Scene, SceneObject, QA), ``drawing``,
-``render`` (``render_scene``), ``questions`` (the question templates), ``splits`` (seed ranges, flat records).
+``render`` (``render_scene``), ``questions`` (the question templates), ``splits`` (seed ranges, flat records),
+``grading`` (``is_correct``: how an answer is graded).
 """
 from .questions import all_qa
 from .records import QA, Scene, SceneObject

@@ -1,4 +1,5 @@
-"""benchmarks/vision_accuracy.py end to end on the tiny model: records, Full asked once, the tables."""
+"""benchmarks/vision_accuracy.py end to end on the tiny model: records, the methods without a budget (Full,
+ZipVL) asked once, the tables."""
 import json
 
 from benchmarks import vision_accuracy as va
@@ -14,14 +15,14 @@ def test_scoring_takes_whole_words_only():
 def test_methods_by_budgets_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(va, "figure", lambda *a: "figure skipped in tests")
     out = tmp_path / "va"
-    assert va.main(["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--methods", "full,prefixkv,snapkv",
-                    "--budgets", "0.3,0.6", "--max-new-tokens", "2", "--out", str(out)]) == 0
+    assert va.main(["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--methods",
+                    "full,prefixkv,snapkv,zipvl", "--budgets", "0.3,0.6", "--max-new-tokens", "2", "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     keys = set(res["summary"])
-    assert keys == {"full@1", "prefixkv@0.3", "prefixkv@0.6", "snapkv@0.3", "snapkv@0.6"}
+    assert keys == {"full@1", "zipvl@1", "prefixkv@0.3", "prefixkv@0.6", "snapkv@0.3", "snapkv@0.6"}
     n_questions = len({r["question"] for r in res["records"]})
-    full = [r for r in res["records"] if r["method"] == "full"]
-    assert len(full) == n_questions  # Full is budget-independent: asked once per question
+    for method in ("full", "zipvl"):  # no budget (Full keeps everything, ZipVL follows tau): asked once
+        assert len([r for r in res["records"] if r["method"] == method]) == n_questions, method
     assert res["accuracy"] is not None and set(res["accuracy"]) >= {"colour", "all"}
     md = out.with_suffix(".md").read_text()
     assert "| method | 0.3 | 0.6 | 1 |" in md and "| full |" in md and "| prefixkv@0.3 |" in md

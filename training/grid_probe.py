@@ -20,7 +20,7 @@ from scenes import COLOURS, SHAPES, SPLITS, render_scene
 
 from . import data, word_grid
 from .grid_stages import read_state
-from .train_embedded import load_vision_state, patch_features
+from .trainable import load_vision_state, patch_features
 
 
 def token_kinds(tokenizer) -> dict[int, str]:

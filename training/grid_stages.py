@@ -26,6 +26,8 @@ from scenes.phrasings import casual_qa
 
 from . import data, prefetch, word_grid
 from .loose_scenes import render_loose
+from .schedule import lr_at
+from .trainable import add_lora, load_vision_state, lora_state, patch_features, vision_state
 
 STAGE_BASE = {"W": 700_000, "L": 800_000}
 
@@ -106,11 +108,6 @@ def snapshot(args) -> None:
                               if evals else {})}
     (dest / "progress.json").write_text(json.dumps(progress, indent=1) + "\n")
     log(f"snapshot of {', '.join(progress)} -> {dest}")
-
-
-def _lr_factor(step: int, steps: int, warmup: int) -> float:
-    from .train_embedded import lr_at
-    return lr_at(step, steps, warmup)
 
 
 def training_scene(seed: int, loose_share: float) -> object:
@@ -198,10 +195,10 @@ def run_steps(args, stage: str, opt, start: int, history: list[dict], step_fn, s
                      mininterval=30, file=sys.stdout):
         if getattr(args, "time_schedule", False) and args.minutes and step >= args.warmup:
             # the cosine runs over the --minutes budget rather than --steps (a machine of unknown speed)
-            f = _lr_factor(args.warmup + int((time.time() - t0) / (args.minutes * 60) * 10_000), 10_000 + args.warmup,
-                           args.warmup)
+            f = lr_at(args.warmup + int((time.time() - t0) / (args.minutes * 60) * 10_000), 10_000 + args.warmup,
+                      args.warmup)
         else:
-            f = _lr_factor(step, args.steps, args.warmup)
+            f = lr_at(step, args.steps, args.warmup)
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * f
         history.append({"step": step + 1, **step_fn(step), "elapsed_s": round(time.time() - t0, 1)})
@@ -226,8 +223,6 @@ def run_steps(args, stage: str, opt, start: int, history: list[dict], step_fn, s
 
 
 def train_words(args) -> None:
-    from .train_embedded import load_vision_state, patch_features, vision_state
-
     loaded, model = frozen_model(args)
     if args.init:
         load_vision_state(model, read_state(args.init))
@@ -328,8 +323,6 @@ def reader_accuracy(model, loaded, seeds: list[int], layout: str = "cell") -> di
 
 def train_reader(args) -> None:
     from peft import set_peft_model_state_dict
-
-    from .train_embedded import add_lora, lora_state
 
     loaded, model = frozen_model(args)
     lora = add_lora(model, args.lora_rank)

@@ -23,6 +23,7 @@ from scenes.phrasings import casual_qa
 from . import data, prefetch, text_corpus, word_grid
 from .grid_stages import (Checkpoint, VocabIndex, autocast, frozen_model, grid_classes, grid_loss, log,
                           periodic_eval, read_state, run_steps, tally_answers, training_scene)
+from .trainable import add_lora, load_vision_state, lora_state, patch_features, vision_state
 
 STAGE_BASE = 900_000
 
@@ -80,8 +81,6 @@ def text_kl(model, lora, window: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def joint_accuracy(model, loaded, seeds: list[int], device: str) -> dict[str, float]:
     """Teacher-forced answers (== greedy) on rendered scenes with their own test-style questions."""
-    from .train_embedded import patch_features
-
     right: dict[str, list[bool]] = {}
     for seed in seeds:
         scene = render_scene(seed, data.RENDER_SIZE)
@@ -97,8 +96,6 @@ def joint_accuracy(model, loaded, seeds: list[int], device: str) -> dict[str, fl
 
 def train_joint(args) -> None:
     from peft import set_peft_model_state_dict
-
-    from .train_embedded import add_lora, load_vision_state, lora_state, patch_features, vision_state
 
     loaded, model = frozen_model(args)
     if args.init:

@@ -22,9 +22,9 @@ from collections import Counter, defaultdict
 import torch
 from tqdm import tqdm
 
-from benchmarks.vision_accuracy import is_correct, normalise
 from prefixkv_core.models import format_prompt, load_model
 from scenes import PLURALS, REGION_PHRASES, REGIONS, Scene, render_scene, split_seeds
+from scenes.grading import is_correct, normalise
 
 
 def grid_text(scene: Scene) -> str:

@@ -1,5 +1,6 @@
-"""Does the language-model adapter keep SmolLM2's text ability? Perplexity on the benchmarks' built-in long
-text (the Python Language Reference the interpreter ships), base weights against base + adapter.
+"""Does the language-model adapter keep SmolLM2's text ability? Perplexity on the built-in long text
+(texts/long_text.py: the Python Language Reference the interpreter ships, also the quality benchmark's text
+mode), base weights against base + adapter.
 
     python -m training.text_check --lora runs/emb/lora_C.safetensors --windows 16
 
@@ -41,9 +42,9 @@ def main(argv=None) -> int:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.data import builtin_long_text
     from prefixkv_core.models import EMBEDDED_LORA_FILE, embedded_lora_config
     from prefixkv_core.models.embedded import find_gguf
+    from texts.long_text import builtin_long_text
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lora", default=str(EMBEDDED_LORA_FILE), help="adapter safetensors (default: the shipped one)")

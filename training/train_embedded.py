@@ -28,11 +28,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from prefixkv_core.method_args import add_device_arg
 from prefixkv_core.models import EMBEDDED_VISION_DIR, load_model
 from scenes import SHAPES, SPLITS, all_qa
 from scenes.phrasings import casual_qa
 
 from . import data
+from .schedule import lr_at
+from .trainable import add_lora, load_vision_state, lora_state, patch_features, vision_state
 
 # Disjoint sub-ranges of the train split per stage, so stages do not reuse scenes.
 STAGE_BASE = {"A": 0, "B": 400_000, "C": 600_000}
@@ -69,12 +72,6 @@ class AuxHeads(nn.Module):
             "counts": self.counts(flat).view(b, len(SHAPES), 6), "total": self.total(flat),
             "word": self.word(flat), "word_region": self.word_region(flat),
         }
-
-
-def patch_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    """The features LlavaModel feeds the projector (vision_feature_layer=-1, 'default' drops CLS)."""
-    out = model.model.vision_tower(pixel_values=pixel_values, output_hidden_states=True)
-    return out.hidden_states[model.config.vision_feature_layer][:, 1:]
 
 
 def aux_loss(pred: dict, tgt: dict) -> tuple[torch.Tensor, dict[str, float]]:
@@ -130,45 +127,6 @@ def answer_accuracy(model, loaded, seeds: list[int]) -> dict[str, float]:
         logits, target, turn = supervised_logits(model, ids, sup, data.pixels(loaded, [scene.image]), pos, mask)
         tally_answers(right, scene.qa, logits.argmax(-1) == target, turn)
     return {t: sum(v) / len(v) for t, v in right.items()}
-
-
-def vision_state(model) -> dict[str, torch.Tensor]:
-    """Vision tower + projector weights under the keys the loader expects (no leading 'model.')."""
-    out = {}
-    for name in ("vision_tower", "multi_modal_projector"):
-        for k, v in getattr(model.model, name).state_dict().items():
-            out[f"{name}.{k}"] = v.detach().clone()
-    return out
-
-
-def load_vision_state(model, state: dict[str, torch.Tensor]) -> None:
-    for name in ("vision_tower", "multi_modal_projector"):
-        sub = {k[len(name) + 1:]: v.float() for k, v in state.items() if k.startswith(name + ".")}
-        if sub:
-            getattr(model.model, name).load_state_dict(sub, strict=True)
-
-
-def add_lora(model, rank: int):
-    """LoRA adapters (peft) on every linear layer of the language model's decoder, in place; the base
-    weights stay frozen and are never saved. Returns the PeftModel (for its adapter state dict)."""
-    from peft import get_peft_model
-
-    from prefixkv_core.models import embedded_lora_config
-
-    return get_peft_model(model.model.language_model, embedded_lora_config(rank))
-
-
-def lora_state(peft_model) -> dict[str, torch.Tensor]:
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
-
-
-def lr_at(step: int, steps: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
 def train_stage(args) -> None:
@@ -433,7 +391,7 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=0, help="stages B/C: val answer accuracy every N steps")
     ap.add_argument("--eval-scenes", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", help="stages W/L/J: where to train (cpu, cuda)")
+    add_device_arg(ap, "cpu", help="stages W/L/J: where to train (cpu, cuda; default cpu)")
     ap.add_argument("--workers", type=int, default=0,
                     help="stages W/J: processes that render the next batches ahead (0 = in the training process)")
     ap.add_argument("--grid-weight", type=float, default=0.5,

@@ -115,9 +115,7 @@ def result_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     `timing`: batched, sharing each step's forward, or alone); the `alone_*` columns the method on its own."""
     rows = []
     for method, r in results.get("methods", {}).items():
-        kept = r.get("kept_per_layer") or []
-        full_len = r.get("full_len") or 0
-        mean_kept = (sum(kept) / len(kept) / full_len) if kept and full_len else None
+        mean_kept = r.get("mean_kept_ratio")
         alone = r.get("alone") or {}
         rows.append({
             "method": method, "label": r.get("label"), "stage": r.get("stage"), "status": r.get("status"),

@@ -104,8 +104,7 @@ class Renderer:
         rows = []
         for m in comp.methods:
             s = comp.method_summary(m)
-            kept = s["kept_per_layer"]
-            ratio = (sum(kept) / len(kept) / s["full_len"]) if kept and s["full_len"] else None
+            ratio = s["mean_kept_ratio"]
             alone = s["alone"] or {}
             rows.append([s["label"], _fmt(s["kv_mb"], ".3f"), _fmt(s["kv_ratio"], ".1f", 100), _fmt(ratio, ".2f"),
                          _fmt(s["rouge_l_vs_full"], ".3f"), _fmt(s["policy_ms_per_token"], ".2f"),

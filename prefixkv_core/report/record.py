@@ -26,6 +26,11 @@ def mode_title(budget_mode: str = "published", query_agnostic: bool = False) -> 
     """'published budgets, query-aware', 'equal memory, query-agnostic', ...: which mode produced a result."""
     return f"{BUDGET_MODE_TITLES.get(budget_mode, budget_mode)}, {QUERY_MODE_TITLES[bool(query_agnostic)]}"
 
+def mean_kept_ratio(kept_per_layer: list[int], full_len: int | None) -> float | None:
+    """Mean over layers of the entries kept over the full length N_t (None before any telemetry)."""
+    return sum(kept_per_layer) / len(kept_per_layer) / full_len if kept_per_layer and full_len else None
+
+
 STATUS_OF_KIND = {"start": "streaming", "token": "streaming", "done": "done", "cancelled": "stopped",
                   "error": "error"}
 
@@ -310,6 +315,11 @@ class ComparisonRecord:
         used = self.prefill.curves.get(method) if self.prefill.curves else None
         return used if used is not None else self.prefill.importance
 
+    def mean_kept_ratio(self, method: str) -> float | None:
+        """This method's latest mean kept share of the full length over the layers (its `kept_per_layer` / N_t)."""
+        ev = self.tracks[method].last
+        return mean_kept_ratio(ev.kept_per_layer, ev.full_len) if ev is not None else None
+
     def method_summary(self, method: str) -> dict[str, Any]:
         t = self.tracks[method]
         ev, cur = t.last, t.turn
@@ -343,6 +353,7 @@ class ComparisonRecord:
             "kept_per_layer": list(ev.kept_per_layer) if ev is not None else [],
             "kept_image_per_layer": list(ev.kept_image_per_layer) if ev is not None else [],
             "full_len": ev.full_len if ev is not None else None,
+            "mean_kept_ratio": self.mean_kept_ratio(method),
             "extras": jsonable(ev.extras) if ev is not None else {},
             "error": next((x.error for x in reversed(t.turns) if x.error), None),
         }
