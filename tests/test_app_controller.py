@@ -6,6 +6,7 @@ import gradio as gr
 import pytest
 
 from prefixkv_core import METHODS, Engine
+from prefixkv_core.policies import role_methods
 
 ALL = list(METHODS)
 
@@ -256,7 +257,7 @@ def _plain_comparison():
     from prefixkv_core.report.record import ComparisonRecord
     from ui.runstate import Comparison
 
-    return Comparison(ComparisonRecord(["full"], {"full": "Full"}, "What is this?", 0.3, {"max_new_tokens": 2}, {}))
+    return Comparison(ComparisonRecord(["full"], {"full": "Full"}, "What is this?", 0.3, {"max_new_tokens": 2}, {}, roles=role_methods()))
 
 
 def test_tab_lifecycle_uses_only_what_it_is_given():

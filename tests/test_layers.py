@@ -24,11 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("prefixkv_core", "ui", "benchmarks", "training", "scenes", "texts")
 SCRIPTS = ("app.py",)
 
-# Circles inside the engine that are being taken apart elsewhere; each is written as the modules in import
-# order, the last importing the first. Only these may remain; empty this list once they are gone.
-KNOWN_CORE_CYCLES_BEING_REMOVED: list[tuple[str, ...]] = [
-    ("prefixkv_core.policies.base", "prefixkv_core.policies.equal_memory"),
-]
+# The engine's pipeline, lowest first: a module may import its own layer and the ones below, never above.
+CORE_LAYERS = (
+    ("prefixkv_core.errors", "prefixkv_core.limits", "prefixkv_core.models"),  # the model and its inputs
+    ("prefixkv_core.report",),  # events, the record, Lorenz, metrics, the leaderboard layout
+    ("prefixkv_core.kv",),  # the tracked cache, quantisation, the attention function
+    ("prefixkv_core.policies",),  # what each method keeps
+    ("prefixkv_core.decoding",),  # the runner: one forward over many rows, the policies around it
+    ("prefixkv_core.session",),  # the engine, the session and its turn
+    ("prefixkv_core",),  # the package's face, the CLI, calibration, the CLI's argument helpers, test helpers
+)
 
 # (importer's top folder, imported top folder or third-party package): a dependency that points the wrong way
 FORBIDDEN = {
@@ -195,20 +200,30 @@ def describe_cycle(edges: dict[str, dict[str, int]], cycle: list[str]) -> str:
     return "\n    ".join(steps)
 
 
-def known_cycle_edges() -> set[tuple[str, str]]:
-    """The edges of the known engine circles, closing edge included."""
-    out = set()
-    for cycle in KNOWN_CORE_CYCLES_BEING_REMOVED:
-        ring = list(cycle) + [cycle[0]]
-        out |= set(zip(ring, ring[1:]))
-    return out
-
-
 def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
-    """One circle per strongly connected group of modules, once the known engine circles are taken out."""
-    known = known_cycle_edges()
-    pruned = {a: {b: line for b, line in targets.items() if (a, b) not in known} for a, targets in edges.items()}
-    return [one_cycle(pruned, component) for component in strongly_connected(pruned)]
+    """One circle per strongly connected group of modules."""
+    return [one_cycle(edges, component) for component in strongly_connected(edges)]
+
+
+def core_layer(module: str) -> int | None:
+    """The index in CORE_LAYERS of an engine module (the longest matching prefix), None outside the engine."""
+    best, found = -1, None
+    for i, prefixes in enumerate(CORE_LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), i
+    return found
+
+
+def upward_core_imports(edges: dict[str, dict[str, int]]) -> list[str]:
+    out = []
+    for module, targets in sorted(edges.items()):
+        here = core_layer(module)
+        for target, line in sorted(targets.items()):
+            there = core_layer(target)
+            if here is not None and there is not None and there > here and target != "prefixkv_core":
+                out.append(f"{module} (line {line}) imports {target}, a layer above it ({CORE_LAYERS[there][0]})")
+    return out
 
 
 def violations(edges: dict[str, dict[str, int]], external: dict[str, set[str]]) -> list[str]:
@@ -245,9 +260,10 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n  " + "\n  ".join(describe_cycle(edges, c) for c in found)
 
 
-def test_only_the_engine_keeps_known_cycles():
-    for cycle in KNOWN_CORE_CYCLES_BEING_REMOVED:
-        assert all(top(m) == "prefixkv_core" for m in cycle), f"{cycle} is outside prefixkv_core"
+def test_the_engine_imports_only_down_its_pipeline():
+    edges, _ = import_graph()
+    found = upward_core_imports(edges)
+    assert not found, "engine imports against its pipeline:\n  " + "\n  ".join(found)
 
 
 def test_no_layer_imports_upward():

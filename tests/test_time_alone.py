@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from prefixkv_core import Engine, EngineError, GenerationSettings
+from prefixkv_core.policies import role_methods
 from prefixkv_core.policies import METHODS, register, unregister
 from prefixkv_core.policies.base import Policy, PolicyState, Prefilled
 from prefixkv_core.report.record import ComparisonRecord
@@ -197,7 +198,7 @@ def test_record_keeps_the_shared_forward_once_per_step():
     from prefixkv_core.report.events import MethodEvent
 
     methods = ["full", "h2o", "snapkv"]
-    record = ComparisonRecord(methods, {m: m for m in methods}, "q", 0.3)
+    record = ComparisonRecord(methods, {m: m for m in methods}, "q", 0.3, roles=role_methods())
     for step in (1, 2, 3):
         for m in methods:
             record.apply(MethodEvent(m, m, "token", step=step, kept_per_layer=[4], full_len=10, kv_bytes=40,

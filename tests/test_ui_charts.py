@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from prefixkv_core.report.events import MethodEvent, PrefillInfo
+from prefixkv_core.policies import role_methods
 from prefixkv_core.policies import METHODS, REGISTRY, method_colours
 from prefixkv_core.report.record import BatchSteps
 from ui import charts
@@ -167,7 +168,8 @@ def _comparison():
 
     # the app reads the record the engine session feeds: here the events are fed to it by hand
     comp = Comparison(ComparisonRecord(["full", "h2o"], {"full": "Full", "h2o": "H2O"}, "What is this?", 0.3,
-                                       {"max_new_tokens": 4}, {}, model={"name": "tiny", "device": "cpu"}))
+                                       {"max_new_tokens": 4}, {}, model={"name": "tiny", "device": "cpu"},
+                                       roles=role_methods()))
     comp.record.apply(PrefillInfo(10, 4, 2, _importance(2, 10), np.arange(10) < 4, (2, 2), 0, 0.1))
     for method, label, kv, stage in (("full", "Full", 400, "none"), ("h2o", "H2O", 120, "KV eviction")):
         comp.record.apply(_ev(method, label, [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=kv, stage=stage))

@@ -118,10 +118,7 @@ class ComparisonRecord:
                  model: dict[str, Any] | None = None, budget_mode: str = "published", query_agnostic: bool = False,
                  batched: bool = True, alone: bool = False, roles: dict[str, str] | None = None):
         self.methods = list(methods)
-        if roles is None:  # the registry's roles (the engine passes them; a record built by hand reads them here)
-            from ..policies import role_methods
-
-            roles = role_methods()
+        roles = roles or {}  # role -> method: the registry's (`policies.role_methods()`), as the session passes them
         # the methods that play a part beyond their own panel (policies.ROLES): the reference the answers are
         # scored and the speed-ups measured against, and the method whose allocation the Lorenz chart draws
         self.reference: str | None = roles.get("reference")

@@ -15,7 +15,7 @@ from PIL import Image
 from ..errors import EngineError
 from ..kv.attention import tracked_attention_enabled
 from ..models import ImageLayout, encode, format_followup
-from ..policies import Budget, Policy
+from ..policies import Budget, Policy, role_methods
 from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
 from ..report.record import ComparisonRecord
 from .generation import GenerationSettings
@@ -73,7 +73,7 @@ class Session:
         self.record = ComparisonRecord(
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
             knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
-            query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone)
+            query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone, roles=role_methods())
 
     @property
     def image_offset(self) -> int | None:
