@@ -67,7 +67,7 @@ slider previews the threshold for the new budget.
 **Kept image patches.** The image as the vision tower sees it, with each patch lit in proportion to the
 share of KV heads that still hold it at the chosen layer (dark = evicted everywhere). VisionZip feeds the
 language model fewer image tokens: its dominant patches are lit, the patches merged into its contextual
-tokens half lit and hatched.
+tokens half lit and hatched; Downsample's pooled tokens draw every patch they average half lit and hatched.
 
 **KV-cache size while decoding / per-token latency.** Per generated token over all turns: cache
 megabytes; and the latency: in the batched run the shared forward once, over each method's own policy time;
