@@ -161,7 +161,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
                 with gr.Accordion("Sampling", open=False):
                     with gr.Row():
                         do_sample = gr.Checkbox(False, label="Sample (greedy when off)")
-                        seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED)
+                        seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED,
+                                         info="for sampling, and for the methods that draw at random")
                     with gr.Row():
                         temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                         top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
