@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --sample)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (each method starts from it)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the comparison's seed: sampling (each method starts from it) and the methods that draw "
+                        "at random")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_compare)

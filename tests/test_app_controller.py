@@ -176,7 +176,32 @@ def test_token_reduction_and_head_wise_methods_fill_every_chart(ctl, noise_image
     assert set(captions) == {"Full", "FastV", "VisionZip", "AdaKV"}
     assert "patches kept" in captions["VisionZip"]
     if not equal_memory:  # (held at r·N_t, its prompt may lose the contextual tokens too)
-        assert "merged into contextual tokens" in captions["VisionZip"]  # the patches its language model sees
+        assert "merged into pooled or contextual tokens" in captions["VisionZip"]  # the patches its language model sees
+
+
+@pytest.mark.parametrize("equal_memory,query_agnostic", [(False, False), (True, True)])
+def test_the_control_methods_fill_every_chart(ctl, noise_image, equal_memory, query_agnostic):
+    """Random and Downsample beside Full and PrefixKV: their panels name their stage and say what they did (the
+    seed, the pooled grid), the bars, the Lorenz chart and the overlay are drawn, in both budget and query modes."""
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    methods = ["full", "random", "downsample", "prefixkv"]
+    outs, comp = _run(ctl, box, noise_image, methods, equal_memory=equal_memory, query_agnostic=query_agnostic,
+                      seed=4, downsample__budget_of="image")
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert "Done" in final["status"], final["status"]
+    results = final["results"]["methods"]
+    assert {m: r["status"] for m, r in results.items()} == {m: "done" for m in methods}
+    assert "KV eviction · prompt only" in final["head:random"] and "seed = 4" in final["head:random"]
+    assert "prefill token reduction · prompt only" in final["head:downsample"]
+    assert "grid pooling" in final["head:downsample"] and "image share kept" in final["head:downsample"]
+    assert results["random"]["kv_ratio"] < 1 and results["downsample"]["kv_ratio"] < 1
+    assert len(final["bars"].data) > 0 and len(final["lorenz"].data) > 0
+    captions = {cap.split(" · ")[0]: cap for _, cap in final["gallery"]}
+    assert {"Random", "Downsample"} <= set(captions)
+    if not equal_memory:  # the pooled tokens stand for every patch they average
+        assert "merged into pooled or contextual tokens" in captions["Downsample"]
 
 
 def test_time_each_method_alone(ctl, noise_image):

@@ -132,29 +132,30 @@ def test_the_documented_example_method_runs_everywhere(tiny_llama, noise_image):
     sys.modules[module.__name__] = module
     try:
         exec(compile(example_code(), "docs/architecture.md", "exec", dont_inherit=True), module.__dict__)
-        cls = module.RandomPolicy
-        assert "random" in METHODS and REGISTRY["random"] is cls
-        described = {d["name"]: d for d in describe()}["random"]
-        assert described["knobs"] == {"seed": 0} and described["schedule"] == "prompt only"
-        assert make_policy("random", 0.4, **parse_knobs(["random.seed=3"])["random"]).seed == 3
+        cls = module.StridedPolicy
+        assert "strided" in METHODS and REGISTRY["strided"] is cls
+        described = {d["name"]: d for d in describe()}["strided"]
+        assert described["knobs"] == {"offset": 0} and described["schedule"] == "prompt only"
+        assert make_policy("strided", 0.4, **parse_knobs(["strided.offset=3"])["strided"]).offset == 3
 
         budget = 0.4
-        session = Engine(tiny_llama).new_session(noise_image, "what is in the picture", ["full", "random"], budget,
+        session = Engine(tiny_llama).new_session(noise_image, "what is in the picture", ["full", "strided"], budget,
                                                  GenerationSettings(max_new_tokens=4))
-        events = [e for e in session.run() if getattr(e, "method", None) == "random"]
+        events = [e for e in session.run() if getattr(e, "method", None) == "strided"]
         assert not [e.error for e in events if e.error]
         n = session.prefill.prompt_tokens
         start = next(e for e in events if e.kind == "start")
         assert start.kept_per_layer == [round(budget * n)] * tiny_llama.num_layers
-        state = session.states["random"]
+        state = session.states["strided"]
         for layer in state.cache.layers:  # the protected tokens survive; generated tokens are all kept
             pos = layer.positions[0, 0]
             assert int(pos[0]) == 0 and bool((pos == n - 1).any()) and int(pos[-1]) == state.true_len - 1
-        assert session.results()["random"]["status"] == "done"
+            assert all(p % 2 == 0 for p in pos.tolist() if p < n - 1)  # r = 0.4: every other prompt token
+        assert session.results()["strided"]["status"] == "done"
     finally:
-        unregister("random")
+        unregister("strided")
         sys.modules.pop(module.__name__, None)
-    assert "random" not in METHODS
+    assert "strided" not in METHODS
 
 
 if __name__ == "__main__":

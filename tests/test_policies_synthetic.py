@@ -243,7 +243,7 @@ def test_zipvl_quantised_layer_dequantises_within_bound():
 
 # -- registry -----------------------------------------------------------------------------------------------
 def test_registry_and_errors():
-    assert resolve_methods("all") == list(METHODS) and len(METHODS) == 12
+    assert resolve_methods("all") == list(METHODS) and len(set(METHODS)) == len(describe())
     assert resolve_methods("full, prefixkv") == ["full", "prefixkv"]
     with pytest.raises(PolicyError, match="no method"):
         resolve_methods([])
@@ -259,7 +259,8 @@ def test_registry_and_errors():
     assert {d["name"]: d["stage"] for d in describe()} == {
         "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
         "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
-        "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction"}
+        "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction",
+        "random": "KV eviction", "downsample": "prefill token reduction"}
 
 
 def test_a_method_declares_a_known_stage():
@@ -488,3 +489,56 @@ def test_every_policy_is_frozen_and_reports_typed_facts(method):
     extras = json.loads(json.dumps(policy.extras(result.state)))
     assert facts_from_extras(extras) == [Fact.from_dict(f.as_dict()) for f in facts]
     assert policy.extras(None) == {}
+
+
+# -- Random: a uniform draw at the budget --------------------------------------------------------------------
+def _naive_random(seed, n_layers, n, capacity, sinks, recent):
+    """By hand: per layer, the forced positions, then the others in decreasing order of that layer's noise
+    (row l of one CPU draw of [layers, n]) until `capacity` are kept."""
+    noise = torch.rand(n_layers, n, generator=torch.Generator().manual_seed(seed))
+    out = []
+    for i in range(n_layers):
+        forced = [j for j in range(n) if j < sinks or j >= n - recent]
+        others = sorted((j for j in range(n) if j not in forced), key=lambda j: -float(noise[i, j]))
+        out.append(sorted(forced + others[: capacity - len(forced)]))
+    return out
+
+
+@pytest.mark.parametrize("budget,knobs", [(0.3, {}), (0.5, {"sinks": 4, "recent": 3}), (0.1, {"sinks": 4, "recent": 8})])
+@pytest.mark.parametrize("seed", [0, 7])
+def test_random_keeps_a_uniform_draw_equal_to_the_naive_reference(budget, knobs, seed):
+    from prefixkv_core.policies import ResolveContext
+    from prefixkv_core.policies.base import PrefillView
+
+    n, layers = 40, 3
+    cache, stats = _synthetic_prefill(n=n, n_layers=layers)
+    policy = make_policy("random", budget, **knobs).resolve(ResolveContext("m", "m", layers, budget, seed=seed))
+    assert policy.seed == seed
+    plans, state = policy.prefill(PrefillView(cache, stats, n, budget, 0))
+    capacity = max(2, round(budget * n))
+    sinks, recent = knobs.get("sinks", 1), knobs.get("recent", 1)
+    if sinks + recent > capacity:  # fitted into the budget, sinks first, and said
+        sinks, recent = min(sinks, capacity - 1), capacity - min(sinks, capacity - 1)
+        assert any("do not fit in the budget" in x for x in state.notes)
+    want = _naive_random(seed, layers, n, capacity, sinks, recent)
+    for plan, kept in zip(plans, want):
+        assert plan.keep.shape == (1, 1, capacity)  # one draw per layer, shared by the KV heads
+        assert plan.keep[0, 0].tolist() == kept
+    assert {f.key: f.value for f in policy.facts(state)}["seed"] == seed
+    assert not policy.decode_needs_attention() and policy.schedule == "prompt only"
+
+
+def test_random_draws_every_unprotected_entry_about_equally_often():
+    from prefixkv_core.policies import ResolveContext
+    from prefixkv_core.policies.base import PrefillView
+
+    n, budget, runs = 30, 0.4, 300
+    counts = torch.zeros(n)
+    for seed in range(runs):
+        cache, stats = _synthetic_prefill(n=n, n_layers=1)
+        policy = make_policy("random", budget).resolve(ResolveContext("m", "m", 1, budget, seed=seed))
+        counts[policy.prefill(PrefillView(cache, stats, n, budget, 0)).plans[0].keep[0, 0]] += 1
+    assert counts[0] == runs and counts[n - 1] == runs  # the sink and the last prompt token, always
+    share = counts[1:n - 1] / runs  # every other entry: (12 - 2) / 28 of the time
+    expected = (round(budget * n) - 2) / (n - 2)
+    assert float((share - expected).abs().max()) < 0.1, share

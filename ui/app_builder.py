@@ -68,7 +68,7 @@ slider previews the threshold for the new budget.
 **Kept image patches.** The image as the vision tower sees it, with each patch lit in proportion to the
 share of KV heads that still hold it at the chosen layer (dark = evicted everywhere). VisionZip feeds the
 language model fewer image tokens: its dominant patches are lit, the patches merged into its contextual
-tokens half lit and hatched.
+tokens half lit and hatched; Downsample's pooled tokens draw every patch they average half lit and hatched.
 
 **KV-cache size while decoding / per-token latency.** Per generated token over all turns: cache
 megabytes; and the latency: in the batched run the shared forward once, over each method's own policy time;
@@ -180,7 +180,8 @@ def _request_inputs(page: SimpleNamespace, ctl: Controller, limits: Limits, desc
             with gr.Accordion("Sampling", open=False):
                 with gr.Row():
                     page.do_sample = gr.Checkbox(False, label="Sample (greedy when off)")
-                    page.seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED)
+                    page.seed = gr.Number(0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED,
+                                        info="for sampling, and for the methods that draw at random")
                 with gr.Row():
                     page.temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                     page.top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")

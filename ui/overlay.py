@@ -8,9 +8,10 @@ original image, one panel each, side by side: the patch grid over the part of th
 the high-resolution tiles (tile borders drawn), with a strip at the right of the tiles for the image-newline
 token that closes each row. So every image token of the prompt has exactly one cell.
 
-After a vision-side reduction (VisionZip) the language model saw fewer image tokens than the prompt had: a patch
-kept as a dominant token is lit as above; a patch merged into a contextual token is drawn half lit and hatched
-(its content lives on, averaged with others, in a token the cache holds); a patch in neither is dark.
+After a vision-side reduction (VisionZip, Downsample) the language model saw fewer image tokens than the prompt
+had: a patch kept as a dominant token is lit as above; a patch merged into a contextual token, or averaged into a
+pooled one, is drawn half lit and hatched (its content lives on, averaged with others, in a token the cache
+holds); a patch in neither is dark.
 
 A plain [rows, cols] array is still drawn the old way, on the square the vision tower sees.
 """
@@ -172,7 +173,7 @@ def caption(label: str, share: Any, layer: int) -> str:
         what = "patches" if len(views) == 1 and not views[0].newline else "image tokens"
         detail = f" ({' · '.join(parts)})" if what != "patches" else ""
         merged = share.merged_tokens() if hasattr(share, "merged_tokens") else 0
-        also = f" (+ {merged} merged into contextual tokens)" if merged else ""
+        also = f" (+ {merged} merged into pooled or contextual tokens)" if merged else ""
         return (f"{label} · layer {layer} · {share.kept_tokens()} of {share.n_tokens} {what} kept{also}{detail} · "
                 f"mean share {share.mean_share():.0%}")
     share = np.asarray(share, dtype=float)

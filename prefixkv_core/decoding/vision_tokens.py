@@ -1,18 +1,20 @@
-"""Vision-side token reduction: the image features a policy shrinks before the language model sees them (VisionZip).
+"""Vision-side token reduction: the image features a policy shrinks before the language model sees them (VisionZip,
+Downsample).
 
 It runs the model's own image path once (`get_image_features`, a public method of every LLaVA family) with one
 public extension point: an attention function registered for the vision config (transformers'
 `AttentionInterface`) that records the feature layer's attention probabilities and keys, averaged over heads,
 while the tower's own implementation computes every output. The policy turns those into a plan (per crop, each
-output token a weighted sum of the crop's feature-layer tokens); here the plan is applied, the model's projector
-maps the result, and the prompt's image block is replaced by it, fed as input embeddings: the language model
-sees fewer image tokens from the start, at contiguous positions.
+output token a weighted sum of the crop's feature-layer tokens, or of their projections); here the plan is applied
+and the model's projector maps the result (or the projector's outputs are combined), and the prompt's image block
+is replaced by it, fed as input embeddings: the language model sees fewer image tokens from the start, at
+contiguous positions.
 
 Output order, as in the reference: a view of one crop (LLaVA-1.5, Interleave, an anyres base view) gives its
 tokens in the plan's order (the CLS token, the dominant patches in raster order, the contextual tokens); a view
 of several crops (the anyres tiles) gives the dominant patches of all its crops in raster order over the whole
-tile grid, then the crops' CLS tokens, then their contextual tokens. Newline tokens are not fed: the reduced
-tokens no longer form rows.
+tile grid, then the crops' CLS tokens, then their contextual tokens; pooled tokens are placed as dominant ones, by
+the first patch they cover. Newline tokens are not fed: the reduced tokens no longer form rows.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..models.layout import crop_patches
 from ..policies.base import Policy
-from ..policies.reduction import ImageTokenSources, VisionCrops, VisionPlan
+from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan
 
 VISION_ATTN_NAME = "prefixkv_vision_probe"
 
@@ -134,7 +136,7 @@ def _order(plan: VisionPlan, views: tuple[int, ...], raster: tuple[np.ndarray, .
         dominant = []
         for c in crops:
             for k, kind in enumerate(plan.crops[c].kinds):
-                if kind == "dominant":
+                if kind in ("dominant", "pooled"):
                     patch = int(plan.crops[c].sources(k)[0]) - int(has_cls)
                     dominant.append((int(raster[c][patch]), c, k))
         order += [(c, k) for _, c, k in sorted(dominant)]
@@ -180,9 +182,10 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
         views = patches.views if patches is not None else (0,) * per_row
         raster = patches.raster if patches is not None else tuple(np.arange(side * side) for _ in range(per_row))
         order = _order(plan, views, raster, has_cls)
-        feats = hidden[crops].float()
+        feats = (projector(hidden[crops]) if plan.projected else hidden[crops]).float()
         merged = [plan.crops[c].weights.to(feats.device) @ feats[c] for c in range(per_row)]
-        image = projector(torch.stack([merged[c][k] for c, k in order]).to(hidden.dtype)[None])[0]
+        image = torch.stack([merged[c][k] for c, k in order])
+        image = image if plan.projected else projector(image.to(hidden.dtype)[None])[0]
         text = embed(ids[r:r + 1])[0]
         out_embeds.append(torch.cat([text[:start], image.to(text.dtype), text[stop:]]))
         out_ids.append(torch.cat([ids[r, :start], ids.new_full((len(order),), image_token_id), ids[r, stop:]]))
@@ -204,5 +207,5 @@ def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crop
         sources = sources[sources >= 0]
         tokens = patches.tokens[c][sources]
         cells.append(np.unique(tokens[tokens >= 0]))
-    counts = {kind: kinds.count(kind) for kind in ("cls", "dominant", "contextual")}
+    counts = {kind: kinds.count(kind) for kind in KINDS}
     return ImageTokenSources(kinds, cells, original, crops, counts)

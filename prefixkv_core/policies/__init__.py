@@ -10,6 +10,7 @@ from .adakv import AdaKVPolicy
 from .base import (BUDGET_MODES, ROLES, STAGES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
                    PrefillView, Quantise, ResolveContext)
 from .budget import Budget, check_budget
+from .downsample import DownsamplePolicy
 from .elastic import ElasticPolicy
 from .equal_memory import EqualMemoryHold, hold_for
 from .fastv import FastVPolicy
@@ -21,6 +22,7 @@ from .local import LocalPolicy
 from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
 from .pyramidkv import PyramidKVPolicy
+from .random_pruning import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .visionzip import VisionZipPolicy
 from .zipvl import ZipVLPolicy
@@ -98,7 +100,8 @@ def unregister(name: str) -> None:
 
 
 _BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
-             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy)
+             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy,
+             RandomPolicy, DownsamplePolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)

@@ -144,6 +144,7 @@ class ResolveContext:
     model_name: str
     num_layers: int
     budget: float
+    seed: int = 0  # the comparison's seed (`GenerationSettings.seed`), for methods that draw at random
 
 
 class Prefilled(NamedTuple):

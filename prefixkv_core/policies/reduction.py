@@ -1,11 +1,12 @@
-"""What a vision-side token reduction (VisionZip) and the runner tell each other, as plain tensors and arrays.
+"""What a vision-side token reduction (VisionZip, Downsample) and the runner tell each other, as plain tensors and
+arrays.
 
 The runner runs the model's own image path once and hands the policy, per crop the vision tower encoded, the
 attention and the keys of the feature layer (`VisionCrops`). The policy answers, per crop, which output tokens
-to make and from what (`CropMerge`: each output token a weighted sum of the crop's feature-layer tokens). The
-runner projects them, orders them, builds the shorter prompt and records what each of the language model's
-image tokens stands for among the prompt's original image tokens (`ImageTokenSources`), which the kept-patch
-overlay and the method's facts read.
+to make and from what (`CropMerge`: each output token a weighted sum of the crop's feature-layer tokens, or of
+their projections when the plan says `projected`). The runner projects them, orders them, builds the shorter
+prompt and records what each of the language model's image tokens stands for among the prompt's original image
+tokens (`ImageTokenSources`), which the kept-patch overlay and the method's facts read.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-KINDS = ("cls", "dominant", "contextual")
+KINDS = ("cls", "dominant", "contextual", "pooled")  # pooled: the mean of a block of the patch grid
 
 
 @dataclass
@@ -46,7 +47,7 @@ class CropMerge:
 
     def __post_init__(self):
         if self.weights.shape[0] != len(self.kinds) or any(k not in KINDS for k in self.kinds):
-            raise ValueError("CropMerge needs one kind (cls, dominant or contextual) per output token")
+            raise ValueError(f"CropMerge needs one kind ({', '.join(KINDS)}) per output token")
 
     def sources(self, k: int) -> np.ndarray:
         """The crop tokens output k is made from."""
@@ -55,16 +56,19 @@ class CropMerge:
 
 @dataclass
 class VisionPlan:
-    """One `CropMerge` per crop, in the crops' order."""
+    """One `CropMerge` per crop, in the crops' order. `projected`: the weights apply to the projector's outputs
+    (pooling the language model's image features, Downsample) instead of the feature layer's (VisionZip)."""
 
     crops: list[CropMerge]
+    projected: bool = False
 
 
 @dataclass
 class ImageTokenSources:
     """What each image token the language model saw stands for. `cells[k]`: the prompt's original image tokens
     (indices into its image block) that LM image token k covers: one for a dominant patch token, every merged
-    patch for a contextual one, none for a CLS token (or a patch in anyres padding)."""
+    patch for a contextual one, every patch of its block for a pooled one, none for a CLS token (or a patch in
+    anyres padding)."""
 
     kinds: list[str]
     cells: list[np.ndarray]
@@ -78,8 +82,8 @@ class ImageTokenSources:
 
     def project(self, share: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """share [LM image tokens] (e.g. the share of KV heads that hold each) -> (kept, merged), each
-        [original image tokens]: a dominant token's share on its own patch; a contextual token's on every patch
-        merged into it. A patch gets the largest share of the tokens that cover it."""
+        [original image tokens]: a dominant token's share on its own patch; a contextual or pooled token's on every
+        patch merged into it. A patch gets the largest share of the tokens that cover it."""
         kept = np.zeros(self.original_tokens, dtype=np.float32)
         merged = np.zeros(self.original_tokens, dtype=np.float32)
         for kind, cells, s in zip(self.kinds, self.cells, share):

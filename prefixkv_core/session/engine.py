@@ -113,8 +113,9 @@ class Engine:
         generation = generation or GenerationSettings()
         generation.validate()
         knobs = knobs or {}
-        # what a policy may need about the model before it runs (e.g. offline PrefixKV's calibrated ratios)
-        context = ResolveContext(self.loaded.slug, self.loaded.name, self.loaded.num_layers, budget)
+        # what a policy may need before it runs (e.g. offline PrefixKV's calibrated ratios, Random's seed)
+        context = ResolveContext(self.loaded.slug, self.loaded.name, self.loaded.num_layers, budget,
+                                 seed=generation.seed)
         policies = {}
         for name in names:
             try:

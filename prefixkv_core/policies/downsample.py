@@ -1,0 +1,126 @@
+"""Downsample: the language model sees the image on a coarser grid, a control that says whether a token-selection
+method beats plain downsampling.
+
+Paper: Liao et al., "Are We Using the Right Benchmark: An Evaluation Framework for Visual Token Compression
+Methods" (VTC-Bench), 2025, https://arxiv.org/abs/2510.07143, which finds that simple image downsampling beats
+many visual token compression methods.
+
+A prefill token reduction on the vision side, through the same extension point as VisionZip (`vision_plan`): every
+crop the vision tower encodes (the one view of LLaVA-1.5 and Interleave; the base view and every tile of the
+anyres families) has its side x side patch grid average-pooled to side' x side' (adaptive average pooling's bins)
+after the projector, so the language model gets side'² tokens per crop instead of the crop's patches. The tower
+still sees the image at its own resolution (the model's own image path runs once); only its output grid is made
+coarser. Nothing is evicted afterwards; generated tokens are all kept.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, knob, note
+from .fastv import BUDGET_OF
+from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
+
+BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache (text included), as for every "
+                  "method; image: the prompt's image tokens (the paper's convention)")
+
+
+def pool_bins(side: int, out: int) -> list[tuple[int, int]]:
+    """The [start, stop) rows (or columns) each of `out` pooled rows averages over a grid of `side`: adaptive average
+    pooling's bins, floor(i·side/out) to ceil((i+1)·side/out)."""
+    return [(i * side // out, -(-(i + 1) * side // out)) for i in range(out)]
+
+
+def pool_weights(side: int, out: int, has_cls: bool) -> torch.Tensor:
+    """[out², T] pooled token (row-major over the out x out grid) -> the mean of its bin's patches, over a crop's
+    T = side² tokens (+ a CLS token first, weight 0)."""
+    first = int(has_cls)
+    weights = torch.zeros(out * out, side * side + first)
+    bins = pool_bins(side, out)
+    for a, (r0, r1) in enumerate(bins):
+        for b, (c0, c1) in enumerate(bins):
+            cells = [first + r * side + c for r in range(r0, r1) for c in range(c0, c1)]
+            weights[a * out + b, cells] = 1.0 / len(cells)
+    return weights
+
+
+def pooled_side(wanted: int, crops: int, side: int) -> int:
+    """The pooled grid's side for about `wanted` image tokens over `crops` crops: round(sqrt(wanted / crops)), in
+    [1, side] (one crop: round(sqrt(r')·side) for a share r' = wanted / side² of its patches)."""
+    return max(1, min(side, int(round(math.sqrt(max(wanted, 0) / crops)))))
+
+
+@dataclass
+class DownsampleState(PolicyState):
+    image_tokens: int = 0  # in the prompt
+    sources: ImageTokenSources | None = None  # what the language model's image tokens stand for (None: unreduced)
+    pooled: int = 0  # the side of every crop's pooled grid
+
+
+@dataclass(frozen=True)
+class DownsamplePolicy(Policy):
+    """Downsample: every crop's patch grid average-pooled to a smaller grid after the projector, so the language
+    model sees about r of the image tokens. Paper: "Are We Using the Right Benchmark: An Evaluation Framework for
+    Visual Token Compression Methods" (Liao et al., 2025, VTC-Bench), https://arxiv.org/abs/2510.07143"""
+
+    name = "downsample"
+    label = "Downsample"
+    summary = ("A control: each crop's patch grid is average-pooled to a smaller grid (side ≈ √r'·side), so the "
+               "language model sees fewer image tokens, none chosen by importance. Prompt only.")
+    colour = "#BCBD22"  # olive
+    schedule = "prompt only"
+    stage = "prefill token reduction"
+
+    budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF)
+
+    def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
+        """Image tokens asked for: `cache`, r·N minus the text; `image`, r of the image tokens."""
+        if self.budget_of == "image":
+            return int(round(self.budget * image_tokens))
+        return int(round(self.budget * prompt_len)) - (prompt_len - image_tokens)
+
+    def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
+        has_cls = bool(crops.has_cls)
+        side = math.isqrt(crops.tokens_per_crop - int(has_cls))
+        if side * side != crops.tokens_per_crop - int(has_cls):
+            raise ValueError(f"a crop of {crops.tokens_per_crop} tokens is not a square patch grid")
+        wanted = self.kept_image_tokens(crops.prompt_len, crops.image_tokens)
+        out = pooled_side(wanted, crops.num_crops, side)
+        if out >= side or crops.num_crops * out * out >= crops.image_tokens:
+            return None  # no fewer tokens than the model's own path feeds: nothing to pool
+        weights = pool_weights(side, out, has_cls)
+        return VisionPlan([CropMerge(weights, ["pooled"] * (out * out)) for _ in range(crops.num_crops)],
+                          projected=True)
+
+    def prefill(self, view: PrefillView) -> Prefilled:
+        sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None
+        fed = int(view.layer(0).is_image[0, 0].sum())
+        state = DownsampleState(image_tokens=sources.original_tokens if sources else fed, sources=sources)
+        if sources is None:
+            state.notes.append("every image token is kept at this budget" if fed else "no image: nothing to pool")
+            return Prefilled([None] * view.num_layers, state)
+        state.pooled = math.isqrt(sources.tokens // sources.crops)
+        full_prompt = view.prompt_len - sources.tokens + sources.original_tokens
+        wanted = self.kept_image_tokens(full_prompt, sources.original_tokens)
+        if wanted < sources.tokens:
+            state.notes.append(f"{sources.tokens} image tokens fed ({state.pooled}x{state.pooled} per crop) where r = "
+                               f"{self.budget:.0%} asks for {max(0, wanted)}")
+        return Prefilled([None] * view.num_layers, state)
+
+    def image_token_sources(self, state: PolicyState | None) -> ImageTokenSources | None:
+        return state.sources if isinstance(state, DownsampleState) else None
+
+    def facts(self, state: PolicyState) -> list[Fact]:
+        out = super().facts(state)
+        if isinstance(state, DownsampleState) and state.sources is not None:
+            s = state.sources
+            out.append(Fact("image_fed", "image tokens fed to the language model", s.tokens, fmt="d",
+                            unit=f" of {s.original_tokens}"))
+            out.append(Fact("image_share", "image share kept", s.tokens / max(1, s.original_tokens), fmt=".0%"))
+            crops = f" per crop, {s.crops} crops" if s.crops > 1 else ""
+            out.append(Fact("grid", "pooled grid", f"{state.pooled}x{state.pooled}{crops}"))
+            out.append(note("grid pooling: the projected patch grid average-pooled; the vision tower sees the image "
+                            "at its own resolution"))
+        return out
