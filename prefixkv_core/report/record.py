@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from .events import MethodEvent, PrefillInfo
+from . import summary as summaries
 from .metrics import rouge_l
+from .summary import MB, jsonable  # noqa: F401 - part of this module's vocabulary (charts, exports)
 
-MB = 1e6  # decimal megabytes, as the app's badges and charts show them
 # How a comparison ran, in words for titles and captions: the budget mode (policies.BUDGET_MODES) and whether
 # the prompt was compressed with the question in view (query-aware) or before it (query-agnostic)
 BUDGET_MODE_TITLES = {"published": "published budgets", "equal_memory": "equal memory"}
@@ -318,109 +319,9 @@ class ComparisonRecord:
         return mean_kept_ratio(ev.kept_per_layer, ev.full_len) if ev is not None else None
 
     def method_summary(self, method: str) -> dict[str, Any]:
-        t = self.tracks[method]
-        ev, cur = t.last, t.turn
-        rouge = self.rouge(method)
-        return {
-            "label": t.label,
-            "stage": ev.stage if ev is not None and ev.stage else None,
-            "status": cur.status if cur else "waiting",
-            "text": cur.answer if cur else "",
-            "answers": [x.answer for x in t.turns],
-            "tokens": ev.step if ev is not None else 0,
-            "kv_bytes": ev.kv_bytes if ev is not None else None,
-            "full_kv_bytes": ev.full_kv_bytes if ev is not None else None,
-            "kv_mb": round(ev.kv_bytes / MB, 4) if ev is not None else None,
-            "kv_ratio": round(ev.kv_ratio, 4) if ev is not None else None,
-            # the main run's throughput and TTFT: batched (the step's forward is shared by the batch, see
-            # "timing" at the top), or the method's own when the session decoded every method alone
-            "timing": "batched" if self.batched else "alone",
-            "tokens_per_s": round(ev.tokens_per_s, 2) if ev is not None and ev.tokens_per_s else None,
-            "ttft_s": round(ev.ttft_s, 4) if ev is not None and ev.ttft_s is not None else None,
-            # the method's own cost, measured around its policy calls in the main run
-            "policy_ms_per_token": round(1000 * cur.policy_s / cur.decode_steps, 4) if cur and cur.decode_steps
-            else None,
-            "compress_ms": round(1000 * ev.compress_s, 3) if ev is not None and ev.compress_s is not None else None,
-            "alone": self.alone_summary(method),
-            "speedup_vs_full": _round(self.speedup(method), 3),
-            "rouge_l_vs_full": round(rouge, 4) if rouge is not None else None,
-            # every turn's ROUGE-L against Full's answer to it (None where either did not finish)
-            "rouge_l_per_turn": [None if x is None else round(x, 4) for x in
-                                 (self.rouge(method, i) for i in range(len(t.turns)))],
-            "kept_per_layer": list(ev.kept_per_layer) if ev is not None else [],
-            "kept_image_per_layer": list(ev.kept_image_per_layer) if ev is not None else [],
-            "full_len": ev.full_len if ev is not None else None,
-            "mean_kept_ratio": self.mean_kept_ratio(method),
-            "extras": jsonable(ev.extras) if ev is not None else {},
-            "error": next((x.error for x in reversed(t.turns) if x.error), None),
-        }
-
-    def alone_summary(self, method: str) -> dict[str, Any] | None:
-        """The current turn decoded on its own: TTFT, tokens/s, per-token latency (forward + policy), and
-        whether the answer is the main run's."""
-        run = self.alone_turn(method)
-        if run is None:
-            return None
-        ev, main = run.last, self.tracks[method].turn
-        done = run.status == "done"
-        return {
-            "status": run.status,
-            "tokens": ev.step if ev is not None else 0,
-            "ttft_s": _round(ev.ttft_s if ev is not None else None, 4),
-            "tokens_per_s": _round(ev.tokens_per_s if ev is not None else None, 2),
-            "ms_per_token": _round(1000 * sum(run.latency_s) / len(run.latency_s) if run.latency_s else None, 3),
-            "policy_ms_per_token": _round(1000 * run.policy_s / run.decode_steps if run.decode_steps else None, 4),
-            "latency_ms": [round(1000 * x, 3) for x in run.latency_s],
-            # after a batched run: did the method alone give the same answer (None while either is unfinished)
-            "same_answer": run.answer == main.answer if self.batched and done and main is not None
-            and main.status == "done" else None,
-            "error": run.error,
-        }
+        """One method's figures of the current turn, JSON-ready (`summary.method_summary`)."""
+        return summaries.method_summary(self, method)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready results: the CLI's --json, the app's `results` output and exported results.json."""
-        pre = self.prefill
-        return {
-            "model": self.model.get("name"),
-            "device": self.model.get("device"),
-            "budget": self.budget,
-            "budget_mode": self.budget_mode,
-            "query_agnostic": self.query_agnostic,
-            # how the figures were timed: the batched run (its shared forward once, here) and/or each method
-            # decoded on its own (each method's "alone")
-            "timing": {"batched": self.batched, "alone": self.alone, "batch": self.batch_summary()},
-            "settings": jsonable(self.settings),
-            "knobs": jsonable(self.knobs),
-            "prompts": list(self.prompts),
-            "turn": self.turn_index + 1,
-            "finished": self.finished and not self.active,
-            "error": self.error,
-            "prefill": None if pre is None else {
-                "prompt_tokens": pre.prompt_tokens, "image_tokens": pre.image_tokens,
-                "num_layers": pre.num_layers, "prefill_s": round(pre.prefill_s, 4),
-                "compressed_tokens": pre.compressed_tokens if pre.compressed_tokens is not None else pre.prompt_tokens,
-                "image_grid": list(pre.image_grid) if pre.image_grid else None,
-                # every view of the image: one grid, or an anyres base view + high-resolution tiles
-                "image_views": pre.image_layout.describe() if pre.image_layout is not None else None,
-            },
-            "methods": {m: self.method_summary(m) for m in self.methods},
-        }
-
-
-def _round(x: float | None, digits: int) -> float | None:
-    return None if x is None else round(x, digits)
-
-
-def jsonable(x: Any) -> Any:
-    """Plain JSON types from numpy arrays / scalars and nested containers (anything else as its str)."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
+        return summaries.record_dict(self)
