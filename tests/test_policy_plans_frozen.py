@@ -18,6 +18,7 @@ import torch
 from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
+from prefixkv_core.testing import synthetic_extra_stats
 
 RECORD = Path(__file__).resolve().parent / "data" / "policy_plans.json"
 N, LAYERS, HEADS, DIM, STEPS = 36, 3, 2, 8, 6
@@ -47,6 +48,8 @@ CASES = {
     "prefixkv": ("prefixkv", {}),
     "prefixkv-normalised": ("prefixkv", {"scorer": "normalised"}),
     "prefixkv-offline": ("prefixkv", {"mode": "offline", "ratios": [0.5, 0.3, 0.2]}),
+    "dart": ("dart", {"layer": 1, "budget_of": "image"}),
+    "vlcache": ("vlcache", {}),
 }
 
 
@@ -67,6 +70,8 @@ def synthetic(seed: int) -> tuple[TrackedCache, dict[int, dict[str, torch.Tensor
                     "subset": torch.rand(1, HEADS, N, generator=g)}
         layer.scores = colsum.clone()  # the runner's prefill adds the column sums to the scores
         cache.layers[i] = layer
+    for i, extra in synthetic_extra_stats(cache, 24, seed).items():  # drawn apart: the cases above stay as recorded
+        stats[i].update(extra)
     return cache, stats
 
 

@@ -10,6 +10,7 @@ from .adakv import AdaKVPolicy
 from .base import (BUDGET_MODES, ROLES, STAGES, DecodeView, LayerPlan, Merge, Policy, PolicyError, PolicyState, Prefilled,
                    PrefillView, Quantise, ResolveContext)
 from .budget import Budget, check_budget
+from .dart import DARTPolicy
 from .elastic import ElasticPolicy
 from .fastv import FastVPolicy
 from .facts import Fact, facts_from_extras, facts_to_extras
@@ -22,6 +23,7 @@ from .prefixkv import PrefixKVPolicy
 from .pyramidkv import PyramidKVPolicy
 from .snapkv import SnapKVPolicy
 from .visionzip import VisionZipPolicy
+from .vlcache import VLCachePolicy
 from .zipvl import ZipVLPolicy
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -97,7 +99,8 @@ def unregister(name: str) -> None:
 
 
 _BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
-             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy)
+             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy,
+             DARTPolicy, VLCachePolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)
