@@ -14,7 +14,7 @@ from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenize
 
 __all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
            "FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
-           "kept_entry_masks", "synthetic_prompt_cache"]
+           "kept_entry_masks", "synthetic_prompt_cache", "synthetic_extra_stats"]
 
 
 def build_tiny_model(variant: str = "llama", seed: int = 0) -> LoadedModel:
@@ -82,4 +82,23 @@ def synthetic_prompt_cache(n: int = 40, n_layers: int = 3, h: int = 2, seed: int
         layer.scores = colsum.clone()
         stats[i] = {"colsum": colsum, "window": torch.rand(1, h, n, generator=g)}
         cache.layers[i] = layer
+    for i, extra in synthetic_extra_stats(cache, image[1], seed).items():
+        stats[i].update(extra)
     return cache, stats
+
+
+def synthetic_extra_stats(cache, image_end: int, seed: int = 0) -> dict:
+    """The prefill statistics the synthetic caches add for the methods that read more than column sums and window
+    votes, drawn from a generator of their own (the others' draws stay as they were): per layer the post-vision
+    queries' attention sums ("post_vision") and sparse counts ("post_vision_sparse", at most the number of
+    post-vision queries: the tokens after `image_end`, or the last one), the layer's keys ("keys") and hidden
+    states of width 8 ("hidden")."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        b, h, n = layer.positions.shape
+        post = max(1, n - image_end)
+        out[i] = {"post_vision": torch.rand(b, h, n, generator=g) * post,
+                  "post_vision_sparse": torch.randint(0, post + 1, (b, h, n), generator=g).float(),
+                  "keys": layer.keys.float().clone(), "hidden": torch.randn(b, n, 8, generator=g)}
+    return out

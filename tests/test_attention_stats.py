@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv_core.kv.attention import StatRequest, _attention_with_stats, _decode_with_statistic, _sdpa_output
+from prefixkv_core.kv.attention import (StatRequest, _attention_with_stats, _decode_with_statistic, _sdpa_output,
+                                       post_vision_queries)
 
 
 def _naive(q, k, v, scale, key_mask=None):
@@ -69,3 +70,53 @@ def test_decode_step_matches_naive(rows, per_head_mask):
     out, stat = _decode_with_statistic(q, k, v, 0.3, mask, rows)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stat, per_kv[:rows, :, :, -1].mean(2), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len,k_len,heads,kv_heads", [(300, 300, 4, 2), (130, 400, 4, 4)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_post_vision_stats_match_naive(q_len, k_len, heads, kv_heads, masked):
+    """The post-vision queries' attention sums, and per key how many of them score it below 1% of their row's
+    largest probability (visible keys only), over two rows whose images end at different places."""
+    torch.manual_seed(3)
+    q = torch.randn(2, heads, q_len, 16) * 2
+    k, v = torch.randn(2, kv_heads, k_len, 16), torch.randn(2, kv_heads, k_len, 16)
+    flags = torch.zeros(2, q_len, dtype=torch.bool)
+    flags[0, 10:q_len - 40] = True
+    flags[1, 5:q_len - 1] = True  # the image ends the prompt: the last query alone
+    after = post_vision_queries(flags)
+    assert after[0].nonzero().flatten().tolist() == list(range(q_len - 40, q_len))
+    assert after[1].nonzero().flatten().tolist() == [q_len - 1]
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, k_len) > 0.3
+        mask[..., -q_len:] = True  # every query still sees its own token
+    req = StatRequest(colsum=True, post_vision=0.01)
+    out, stats = _attention_with_stats(q, k, v, 0.25, mask, req, after)
+    ref_out, per_kv = _naive(q, k, v, 0.25, mask)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    weight = after.float()[:, None, None, :, None]
+    torch.testing.assert_close(stats["post_vision"], (per_kv * weight).sum(3).mean(2), atol=1e-5, rtol=1e-5)
+    allowed = torch.arange(k_len)[None, :] <= (k_len - q_len + torch.arange(q_len)[:, None])
+    if mask is not None:
+        allowed = allowed & mask[:, :, None, :]
+    sparse = torch.zeros(2, kv_heads, k_len)
+    g = heads // kv_heads
+    for b in range(2):
+        for h in range(heads):
+            for i in after[b].nonzero().flatten().tolist():
+                row = per_kv[b, h // g, h % g, i]
+                seen = allowed[b, 0, i] if allowed.dim() == 4 else allowed[i]
+                sparse[b, h // g] += ((row < 0.01 * row.max()) & seen).float() / g
+    torch.testing.assert_close(stats["post_vision_sparse"], sparse, atol=1e-4, rtol=1e-5)
+
+
+def test_post_vision_without_an_image_takes_every_query_and_needs_flags():
+    flags = torch.zeros(1, 6, dtype=torch.bool)
+    assert post_vision_queries(flags).all()
+    q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="after_image"):
+        _attention_with_stats(q, k, v, 0.5, None, StatRequest(post_vision=0.01))
+    with pytest.raises(ValueError, match="thresholds"):
+        StatRequest.union([StatRequest(post_vision=0.01), StatRequest(post_vision=0.02)])
+    both = StatRequest.union([StatRequest(keys=(1,), hidden=(1,)), StatRequest(keys=(0,), post_vision=0.01)])
+    assert both.keys == (0, 1) and both.hidden == (1,) and both.post_vision == 0.01 and both.any()

@@ -184,10 +184,11 @@ def test_full_equals_generate_over_two_turns(lm, picture):
 
 
 @pytest.mark.parametrize("method,budget", [("h2o", 0.3), ("snapkv", 0.3), ("adakv", 0.3), ("pyramidkv", 0.3),
-                                           ("prefixkv", 0.3), ("fastv", 0.8), ("random", 0.3)])
+                                           ("prefixkv", 0.3), ("fastv", 0.8), ("random", 0.3),
+                                           ("dart", 0.8), ("vlcache", 0.3)])
 def test_eviction_equals_masking(lm, picture, method, budget):
     """A compressed cache gives the logits of its prefill's cache with the evicted entries masked (FastV: of its own
-    prefill, whose later layers never saw the dropped image tokens)."""
+    prefill, whose later layers never saw the dropped image tokens; DART likewise)."""
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
     policy = make_policy(method, budget, **({"window": 8} if method == "adakv" else {}))

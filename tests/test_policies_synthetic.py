@@ -15,6 +15,7 @@ from prefixkv_core.policies.lookm import lookm_keep, similarity_merge
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
 from prefixkv_core.policies.snapkv import snap_select
 from prefixkv_core.policies.zipvl import adaptive_count, probe_queries, visibility_counts
+from prefixkv_core.testing import synthetic_extra_stats
 
 
 def _layer(n=20, h=2, d=4, seed=0):
@@ -260,7 +261,8 @@ def test_registry_and_errors():
         "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
         "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
         "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction",
-        "random": "KV eviction", "downsample": "prefill token reduction"}
+        "random": "KV eviction", "downsample": "prefill token reduction",
+        "dart": "prefill token reduction", "vlcache": "KV eviction"}
 
 
 def test_a_method_declares_a_known_stage():
@@ -419,6 +421,8 @@ def _synthetic_prefill(n=40, n_layers=3, h=2, seed=0):
         cache.layers[i] = _layer(n=n, h=h, d=8, seed=seed + i)
         cache.layers[i].is_image[..., 5:25] = True
         stats[i] = {k: torch.rand(1, h, n, generator=g) for k in ("colsum", "window", "subset", "last_query")}
+    for i, extra in synthetic_extra_stats(cache, 25, seed).items():
+        stats[i].update(extra)
     return cache, stats
 
 

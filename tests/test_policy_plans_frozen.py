@@ -18,6 +18,7 @@ import torch
 from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import DecodeView, PrefillView, apply_plans
+from prefixkv_core.testing import synthetic_extra_stats
 
 RECORD = Path(__file__).resolve().parent / "data" / "policy_plans.json"
 N, LAYERS, HEADS, DIM, STEPS = 36, 3, 2, 8, 6
@@ -50,6 +51,8 @@ CASES = {
     "adakv": ("adakv", {}),
     "random": ("random", {}),  # the draw of seed 0 (the policy as built, before `resolve` sets the comparison's)
     "random-sinks4-recent4": ("random", {"sinks": 4, "recent": 4}),
+    "dart": ("dart", {"layer": 1, "budget_of": "image"}),
+    "vlcache": ("vlcache", {}),
 }
 
 # The one place a registered method may be left out of the record, and why. Both plan nothing on the cache: they
@@ -79,6 +82,8 @@ def synthetic(seed: int) -> tuple[TrackedCache, dict[int, dict[str, torch.Tensor
                     "subset": torch.rand(1, HEADS, N, generator=g)}
         layer.scores = colsum.clone()  # the runner's prefill adds the column sums to the scores
         cache.layers[i] = layer
+    for i, extra in synthetic_extra_stats(cache, 24, seed).items():  # drawn apart: the cases above stay as recorded
+        stats[i].update(extra)
     return cache, stats
 
 

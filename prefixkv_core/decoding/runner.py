@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..kv.attention import AttentionProbe, StatRequest
+from ..kv.attention import AttentionProbe, StatRequest, hidden_states_recorded, post_vision_queries
 from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
@@ -301,12 +301,15 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
     cache.set_pending(positions, flags)
     if isinstance(probe, StatRequest):
         probe = AttentionProbe(probe)
+    if probe.request.post_vision is not None and probe.after_image is None:
+        probe.after_image = post_vision_queries(flags)
     for layer, mask in cache.key_masks(t).items():  # heads that keep fewer entries: never attend to empty slots
         given = probe.key_masks.get(layer)
         probe.key_masks[layer] = mask if given is None else (mask & given)
     inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": ids}
-    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                kv_probe=probe, **vision_kwargs(vision_inputs))
+    with hidden_states_recorded(model, probe):
+        out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
 
 
@@ -463,7 +466,7 @@ def prefill_for(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
 def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prompt_len: int,
                  row: slice | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset",
-    "last_query"), cut to `row` when the prefill ran several prompts at once."""
+    "last_query", "post_vision" and "post_vision_sparse", and "keys" and "hidden" in the layers that asked), cut to `row` when the prefill ran several prompts at once."""
     asked = policy.prefill_stats(prompt_len)
     out = {}
     for layer, s in stats.items():
@@ -474,6 +477,10 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
             mine["subset"] = s["subset"]
         if asked.last_query:
             mine["last_query"] = s["last_query"]
+        if asked.post_vision is not None:
+            mine["post_vision"], mine["post_vision_sparse"] = s["post_vision"], s["post_vision_sparse"]
+        mine.update({name: s[name] for name, layers in (("keys", asked.keys), ("hidden", asked.hidden))
+                     if layer in layers})
         out[layer] = {k: v[row] for k, v in mine.items()} if row is not None else mine
     return out
 

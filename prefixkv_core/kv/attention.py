@@ -3,8 +3,10 @@
 Why our own: the built-in causal mask is sized from layer 0, which breaks once layers hold different
 numbers of tokens. This function builds its own bottom-right-aligned causal mask from the shapes it is
 given, and, when an `AttentionProbe` asks for it, computes the attention statistics the policies need
-(column sums, observation-window sums, sampled-query sums, the current query's row) in fp32 without
-materialising more than one query chunk of the attention matrix at a time.
+(column sums, observation-window sums, sampled-query sums, the current query's row, the post-vision queries'
+sums and sparsity, a layer's keys) in fp32 without materialising more than one query chunk of the attention
+matrix at a time. A layer's output hidden states are recorded by a forward hook (`hidden_states_recorded`),
+as the attention function never sees them.
 
 The probe travels as the `kv_probe` keyword argument of the model's forward: transformers passes
 unknown keyword arguments down to the attention function, so nothing global holds per-run state.
@@ -39,9 +41,19 @@ class StatRequest:
     # How many batch rows, counted from the first, want the last-query statistic (None = every row); the
     # statistic then has one row each. The runner puts those rows first, so they are a view of the batch.
     last_query_rows: int | None = None
+    # The post-vision queries (each row's queries after its last image token; the last query alone when the image
+    # ends the prompt): stats["post_vision"], their attention summed over them, and stats["post_vision_sparse"],
+    # per key how many of them give it less than `post_vision` times their row's largest probability (counting
+    # visible keys only; VL-Cache's sparsity). None: not recorded. Needs the probe's `after_image`.
+    post_vision: float | None = None
+    keys: tuple[int, ...] = ()  # layers whose keys are kept as stats[layer]["keys"], [B, Hkv, Tk, D] fp32 (DART)
+    # layers whose output hidden states, through the text model's final norm, are kept as stats[layer]["hidden"],
+    # [B, T, D] fp32 (DART); recorded by `hidden_states_recorded`, not by the attention function
+    hidden: tuple[int, ...] = ()
 
     def any(self) -> bool:
-        return self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
+        return (self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
+                or self.post_vision is not None)
 
     def last_query_count(self, batch: int) -> int:
         """How many of a batch's first rows want the last query's row (0 when none is asked for)."""
@@ -60,6 +72,12 @@ class StatRequest:
             out.colsum |= r.colsum
             out.last_query |= r.last_query
             out.windows = tuple(sorted(set(out.windows) | set(r.all_windows())))
+            out.keys = tuple(sorted(set(out.keys) | set(r.keys)))
+            out.hidden = tuple(sorted(set(out.hidden) | set(r.hidden)))
+            if r.post_vision is not None:
+                if out.post_vision is not None and out.post_vision != r.post_vision:
+                    raise ValueError("two different post-vision sparsity thresholds cannot share one forward pass")
+                out.post_vision = r.post_vision
             if r.query_subset is not None:
                 if out.query_subset is not None and not torch.equal(out.query_subset, r.query_subset):
                     raise ValueError("two different probe-query subsets cannot share one forward pass")
@@ -83,6 +101,9 @@ class AttentionProbe:
     # None). Attention then reads each group where it lives instead of the keys and values it was handed.
     row_groups: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = field(
         default_factory=dict)
+    # bool [B, Tq]: the queries after each row's last image token (the post-vision statistics' queries); the
+    # runner sets it from the image flags when the request asks for them
+    after_image: torch.Tensor | None = None
 
     def key_mask(self, layer: int) -> torch.Tensor | None:
         mask = self.key_masks.get(layer)
@@ -132,8 +153,10 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
         probe.stats[layer] = {"last_query": _last_query_probs(query[:rows], key[:rows], scale,
                                                               _leading(extra_mask, rows)).mean(dim=2)}
     else:
-        out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request)
+        out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request, probe.after_image)
         probe.stats[layer] = stats
+    if request is not None and layer in request.keys:
+        probe.stats.setdefault(layer, {})["keys"] = key.float()
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -211,7 +234,8 @@ def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> 
 
 
 def _only_last_query(req: StatRequest) -> bool:
-    return req.last_query and not (req.colsum or req.all_windows() or req.query_subset is not None)
+    return req.last_query and not (req.colsum or req.all_windows() or req.query_subset is not None
+                                   or req.post_vision is not None)
 
 
 def _check_rows(req: StatRequest) -> None:
@@ -239,8 +263,9 @@ def _expand_heads(mask: torch.Tensor, n_heads: int) -> torch.Tensor:
     return mask.repeat_interleave(n_heads // mask.shape[1], dim=1)
 
 
-def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest):
-    """Chunked exact attention in fp32 that also returns the requested per-KV-head statistics."""
+def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest, after_image=None):
+    """Chunked exact attention in fp32 that also returns the requested per-KV-head statistics (`after_image`
+    [B, Tq]: the post-vision queries, when the request asks for their statistics)."""
     bsz, n_heads, q_len, head_dim = query.shape
     n_kv, k_len = key.shape[1], key.shape[2]
     group = n_heads // n_kv
@@ -258,6 +283,11 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
     win_starts = {w: q_len - min(w, q_len) for w in req.all_windows()}
     for w in win_starts:
         acc[f"window:{w}"] = torch.zeros(bsz, n_kv, k_len, device=query.device)
+    if req.post_vision is not None:
+        if after_image is None or after_image.shape != (bsz, q_len):
+            raise ValueError("post-vision statistics need the probe's after_image flags, one per query of each row")
+        for name in ("post_vision", "post_vision_sparse"):
+            acc[name] = torch.zeros(bsz, n_kv, k_len, device=query.device)
     subset_flags = None
     if req.query_subset is not None:
         subset_flags = torch.zeros(q_len, dtype=torch.bool, device=query.device)
@@ -295,11 +325,64 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
             rows = subset_flags[start:stop]
             if rows.any():
                 acc["subset"][..., :visible] += probs[:, :, :, rows].sum(dim=3).mean(dim=2)
+        if req.post_vision is not None:
+            _add_post_vision(acc, scores, probs, after_image[:, start:stop], req.post_vision)
         if want["last_query"] and stop == q_len:
             acc["last_query"][..., :visible] = probs[:, :, :, -1].mean(dim=2)
     if req.window > 0:
         acc["window"] = acc[f"window:{req.window}"]  # the single-window name policies read
     return out, acc
+
+
+def _add_post_vision(acc: dict[str, torch.Tensor], scores: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+                     threshold: float) -> None:
+    """Add one query chunk's post-vision statistics. scores, probs [B, Hkv, group, tc, visible] (masked scores are
+    -inf); rows bool [B, tc]: the chunk's post-vision queries. A key counts as sparse for a query when it is
+    visible and gets less than `threshold` times the query's largest probability."""
+    if not bool(rows.any()):
+        return
+    visible = probs.shape[-1]
+    weight = rows.to(probs.dtype).view(rows.shape[0], 1, 1, rows.shape[1], 1)
+    acc["post_vision"][..., :visible] += (probs * weight).sum(dim=3).mean(dim=2)
+    below = (probs < threshold * probs.amax(dim=-1, keepdim=True)) & (scores > float("-inf"))
+    acc["post_vision_sparse"][..., :visible] += (below.to(probs.dtype) * weight).sum(dim=3).mean(dim=2)
+
+
+def post_vision_queries(image_flags: torch.Tensor) -> torch.Tensor:
+    """image_flags bool [B, T] -> bool [B, T]: each row's queries after its last image token; the last query alone
+    when the image ends the row (or when the row has no image token, every query)."""
+    b, t = image_flags.shape
+    idx = torch.arange(t, device=image_flags.device).expand(b, t)
+    last = torch.where(image_flags, idx, torch.full_like(idx, -1)).amax(dim=1, keepdim=True)  # -1: no image
+    after = idx > last
+    after[:, -1] = True
+    return after
+
+
+@contextlib.contextmanager
+def hidden_states_recorded(model, probe: "AttentionProbe"):
+    """While the block runs, the text model's decoder layers in `probe.request.hidden` record their output hidden
+    states, through the text model's final norm, as probe.stats[layer]["hidden"] ([B, T, D] fp32)."""
+    layers = probe.request.hidden
+    if not layers:
+        yield
+        return
+    text = model.get_decoder()
+    handles = []
+
+    def hook(index):
+        def record(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            probe.stats.setdefault(index, {})["hidden"] = text.norm(hidden).float()
+        return record
+
+    try:
+        for index in (i for i in layers if 0 <= i < len(text.layers)):
+            handles.append(text.layers[index].register_forward_hook(hook(index)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _no_mask(*args, **kwargs):

@@ -11,6 +11,7 @@ from .base import (BUDGET_MODES, ROLES, STAGES, DecodeView, LayerPlan, Merge, Po
                    PrefillView, Quantise, ResolveContext)
 from .budget import Budget, check_budget
 from .downsample import DownsamplePolicy
+from .dart import DARTPolicy
 from .elastic import ElasticPolicy
 from .equal_memory import EqualMemoryHold, hold_for
 from .fastv import FastVPolicy
@@ -25,6 +26,7 @@ from .pyramidkv import PyramidKVPolicy
 from .random_pruning import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .visionzip import VisionZipPolicy
+from .vlcache import VLCachePolicy
 from .zipvl import ZipVLPolicy
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -101,7 +103,7 @@ def unregister(name: str) -> None:
 
 _BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
              LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy,
-             RandomPolicy, DownsamplePolicy)
+             RandomPolicy, DownsamplePolicy, DARTPolicy, VLCachePolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)

@@ -7,11 +7,13 @@ A prefill token reduction: it changes the prefill itself, so it runs one of its 
 token. The attention of layer K-1's last query, averaged over heads, ranks the image tokens; from layer K on the
 lowest-ranked ones are masked out of every later layer's attention (the runner asks `prefill_key_masks` during
 the forward) and, once the prompt is done, their entries leave those layers' caches. Text tokens all stay.
-Generated tokens are all kept afterwards.
+Generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
+whose later layers never see the dropped image tokens, the budget mapping and the plans.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,18 +52,18 @@ def fastv_keep(last_query: torch.Tensor, is_image: torch.Tensor, keep: int) -> t
 
 
 class DropAfterLayer:
-    """The key-mask rule of FastV's prefill: nothing before layer K; from K on, the tokens `fastv_keep` chose from
-    layer K-1's last-query attention (decided once, at layer K)."""
+    """The key-mask rule of a prefill that drops image tokens after layer K: nothing before layer K; from K on, the
+    tokens `choose(stats)` kept (bool [B, N]), decided once, at layer K, from what layers 0 … K-1 recorded."""
 
-    def __init__(self, layer: int, is_image: torch.Tensor, keep: int):
-        self.layer, self.is_image, self.keep = layer, is_image, keep
+    def __init__(self, layer: int, choose: Callable[[dict[int, dict[str, torch.Tensor]]], torch.Tensor]):
+        self.layer, self.choose = layer, choose
         self.kept: torch.Tensor | None = None
 
     def __call__(self, layer: int, stats: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor | None:
         if layer < self.layer:
             return None
         if self.kept is None:
-            self.kept = fastv_keep(stats[self.layer - 1]["last_query"], self.is_image, self.keep)
+            self.kept = self.choose(stats)
         return self.kept[:, None, :]
 
 
@@ -73,25 +75,26 @@ class FastVState(PolicyState):
 
 
 @dataclass(frozen=True)
-class FastVPolicy(Policy):
-    """FastV: after layer K the image tokens the last prompt token attends to least are dropped for every later
-    layer. Paper: "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play Inference Acceleration for Large
-    Vision-Language Models" (Chen et al., ECCV 2024), https://arxiv.org/abs/2403.06764"""
+class ImageDropPolicy(Policy):
+    """What FastV and DART share (not a method of its own): a prefill of their own whose layers from K on never see
+    the image tokens `choose` drops, decided from what layers 0 … K-1 recorded; once the prompt is done those
+    entries leave the caches of layers K and later. Text tokens all stay; generated tokens are all kept."""
 
-    name = "fastv"
-    label = "FastV"
-    summary = ("Prefill token reduction: after the first K layers, the image tokens the last prompt token attends to "
-               "least are dropped from every later layer. Generated tokens are all kept.")
-    colour = "#17BECF"
     schedule = "prompt only"
     stage = "prefill token reduction"
 
-    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1's last query ranks the image tokens and "
-                              "layers K and later never see the dropped ones", low=1, high=1024, integer=True)
+    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layers K and later never see the dropped image "
+                              "tokens", low=1, high=1024, integer=True)
     budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF)
 
-    def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(last_query=True)  # layer K-1's last query ranks the image tokens
+    def choose(self, stats: dict[int, dict[str, torch.Tensor]], is_image: torch.Tensor, keep: int,
+               state: PolicyState | None = None) -> torch.Tensor:
+        """bool [B, N] the tokens layers K and later keep (every text token and `keep` image tokens per row), from
+        the statistics of layers 0 … K-1; `state` (in the prefill's planning) may note what was found."""
+        raise NotImplementedError
+
+    def new_state(self) -> FastVState:
+        return FastVState(layer=self.layer)
 
     def _keep(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> int:
         return kept_image_tokens(self.budget, prompt_len, int(is_image[0].sum()), num_layers, self.layer,
@@ -101,14 +104,15 @@ class FastVPolicy(Policy):
         keep = self._keep(prompt_len, is_image, num_layers)
         if self.layer >= num_layers or keep >= int(is_image[0].sum()):
             return None
-        return DropAfterLayer(self.layer, is_image, keep)
+        return DropAfterLayer(self.layer, lambda stats: self.choose(stats, is_image, keep))
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n, num_layers = view.prompt_len, view.num_layers
         is_image = view.layer(0).is_image[:, 0]
         n_image = int(is_image[0].sum())
         keep = self._keep(n, is_image, num_layers)
-        state = FastVState(layer=self.layer, image_tokens=n_image, image_kept=keep)
+        state = self.new_state()
+        state.image_tokens, state.image_kept = n_image, keep
         if self.layer >= num_layers:
             state.notes.append(f"K = {self.layer} is not below the model's {num_layers} layers: nothing is dropped")
         plans: list[LayerPlan | None] = [None] * num_layers
@@ -119,11 +123,7 @@ class FastVPolicy(Policy):
             reached = (self.layer * n + (num_layers - self.layer) * (n - n_image)) / (num_layers * n)
             state.notes.append(f"dropping every image token after layer {self.layer} holds {reached:.0%} of the "
                                f"cache, not r = {self.budget:.0%}")
-        last_query = view.stats[self.layer - 1].get("last_query")
-        if last_query is None:
-            raise PolicyError("FastV ranks the image tokens by the last query's attention of layer K-1, recorded by "
-                              "its own prefill (runner.own_prefill)")
-        kept = fastv_keep(last_query, is_image, keep)  # the same count in every row of a batch
+        kept = self.choose(view.stats, is_image, keep, state)  # the same count in every row of a batch
         index = torch.stack([row.nonzero().flatten() for row in kept]).unsqueeze(1)
         for i in range(self.layer, num_layers):
             plans[i] = LayerPlan(keep=index)
@@ -135,3 +135,30 @@ class FastVPolicy(Policy):
             out.append(Fact("image_kept", f"image tokens kept from layer {state.layer} on", state.image_kept,
                             fmt="d", unit=f" of {state.image_tokens}"))
         return out
+
+
+@dataclass(frozen=True)
+class FastVPolicy(ImageDropPolicy):
+    """FastV: after layer K the image tokens the last prompt token attends to least are dropped for every later
+    layer. Paper: "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play Inference Acceleration for Large
+    Vision-Language Models" (Chen et al., ECCV 2024), https://arxiv.org/abs/2403.06764"""
+
+    name = "fastv"
+    label = "FastV"
+    summary = ("Prefill token reduction: after the first K layers, the image tokens the last prompt token attends to "
+               "least are dropped from every later layer. Generated tokens are all kept.")
+    colour = "#17BECF"
+
+    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1's last query ranks the image tokens and "
+                              "layers K and later never see the dropped ones", low=1, high=1024, integer=True)
+
+    def prefill_stats(self, prompt_len: int) -> StatRequest:
+        return StatRequest(last_query=True)  # layer K-1's last query ranks the image tokens
+
+    def choose(self, stats: dict[int, dict[str, torch.Tensor]], is_image: torch.Tensor, keep: int,
+               state: PolicyState | None = None) -> torch.Tensor:
+        last_query = stats.get(self.layer - 1, {}).get("last_query")
+        if last_query is None:
+            raise PolicyError("FastV ranks the image tokens by the last query's attention of layer K-1, recorded by "
+                              "its own prefill (runner.own_prefill)")
+        return fastv_keep(last_query, is_image, keep)
