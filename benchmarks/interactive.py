@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
           f"commit {report['commit']}, {report['date']}")
     print(f"{len(methods)} methods, budget {args.budget}, prompt {report['prompt_tokens']} tokens, "
           f"{args.new_tokens} new tokens each, median of {args.repeats}")
-    print(f"| measure | value |\n|---|---|")
+    print("| measure | value |\n|---|---|")
     print(f"| decode tok/s, all {len(methods)} methods as one batch (summed) | {report['together_tokens_per_s']:.1f} |")
     print(f"| decode tok/s, Full alone | {report['full_alone_tokens_per_s']:.1f} |")
     print(f"| **throughput ratio** (goal >= 3x) | **{report['throughput_ratio']:.2f}x** |")

@@ -1,5 +1,5 @@
-"""Equal-memory mode: prompt-only methods (SnapKV, PyramidKV, LOOK-M, PrefixKV with decode = grow) held at
-about r·N_t entries after the prompt and after every token, the way the every-step methods hold themselves, so
+"""Equal-memory mode: the budgeted methods that compress the prompt once (every policy whose schedule is "prompt
+only", and PrefixKV with decode = grow) held at about r·N_t entries after the prompt and after every token, the way the every-step methods hold themselves, so
 all budgeted methods are compared at the same memory and under the same rules.
 
 1. Layer l holds round(ρ_l · N_t) entries, where ρ_l is the layer's share right after the method compressed the
