@@ -272,7 +272,7 @@ def test_every_test_a_doc_cites_exists(doc):
 
 @pytest.mark.parametrize("doc", _doc_param())
 def test_every_snake_case_name_a_doc_gives_occurs_in_the_code(doc):
-    """A name in backticks such as `question_start`, `_advance` or `kept_per_layer` (a function, an attribute, a
+    """A name in backticks such as `question_start`, a private helper or `kept_per_layer` (a function, an attribute, a
     knob, a JSON key) occurs somewhere in the project's code: a renamed or removed one fails here."""
     code = _code_text()
     local = _names_in_code_blocks(doc.read_text())
