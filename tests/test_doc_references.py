@@ -272,13 +272,33 @@ def test_every_test_a_doc_cites_exists(doc):
 
 @pytest.mark.parametrize("doc", _doc_param())
 def test_every_snake_case_name_a_doc_gives_occurs_in_the_code(doc):
-    """A name in backticks such as `question_start`, a private helper or `kept_per_layer` (a function, an attribute, a
-    knob, a JSON key) occurs somewhere in the project's code: a renamed or removed one fails here."""
+    """A name in backticks such as `question_start`, a private helper, `kept_per_layer` or `SPARE_ENTRIES` (a
+    function, an attribute, a knob, a JSON key, a constant, an environment variable) occurs somewhere in the
+    project's code: a renamed or removed one fails here."""
     code = _code_text()
     local = _names_in_code_blocks(doc.read_text())
     missing = []
     for span in _code_spans(doc.read_text()):
-        name = re.fullmatch(r"(_[a-z][a-z0-9_]*|[a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?:\(\))?", span.strip())
+        name = re.fullmatch(r"(_[A-Za-z][A-Za-z0-9_]*|[a-z][a-z0-9]*(?:_[a-z0-9]+)+|[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)"
+                            r"(?:\(\))?", span.strip())
         if name and name.group(1) not in local | FOREIGN_NAMES and not re.search(r"\b%s\b" % re.escape(name.group(1)), code):
             missing.append(name.group(1))
     assert not missing, f"{doc.name} names identifiers that occur nowhere in the code: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", _doc_param())
+def test_every_name_a_doc_places_in_a_file_is_defined_there(doc):
+    """"`ui/inputs.py` `guard_input`, `check_request`": the names after a Python file are defined in that file."""
+    missing = []
+    text = doc.read_text()
+    pattern = r"`((?:%s)/[\w/]+\.py)`((?:,? (?:/ )?`[A-Za-z_]\w*`)+)" % "|".join(map(re.escape, PROJECT_DIRS))
+    for match in re.finditer(pattern, text):
+        path = ROOT / match.group(1)
+        if not path.exists():
+            continue  # the path test reports it
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}
+        missing += [f"{match.group(1)} {name}" for name in re.findall(r"`(\w+)`", match.group(2)) if name not in defined]
+    assert not missing, f"{doc.name} places names in files that do not define them: {sorted(set(missing))}"
