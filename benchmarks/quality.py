@@ -22,7 +22,7 @@ number), claims.md (does PrefixKV beat Local, H2O, PyramidKV and Elastic at ever
 (kvpress's leaderboard layout: a row per method and compression ratio, a ROUGE-L column per task; see
 prefixkv_core/report/leaderboard.py), quality.html (+ quality.png when Chromium is installed).
 
-`--equal-memory` also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding, so
+`--equal-memory` also holds the prompt-only methods at r·N_t while decoding, so
 every budgeted method is compared at the same memory. `--query-agnostic` compresses the image and any text
 before the question first, then feeds the question and decodes on the compressed cache (image prompts only:
 the text mode has no question). The tables, the figure and results.json say which modes produced them, and

@@ -13,7 +13,7 @@ kept counts do not depend on the sample keep the prompts in one cache; Elastic C
 PrefixKV keep a cache per prompt, padded and masked into the same forward (the `mode` column says which).
 `full-stock` is the full cache through transformers' own DynamicCache and sdpa (no tracking): the
 engine-free baseline. An out-of-memory configuration is reported as OOM, not as a crash. `--equal-memory`
-also holds the prompt-only methods (SnapKV, PyramidKV, LOOK-M) at r·N_t while decoding; `--query-agnostic`
+also holds the prompt-only methods at r·N_t while decoding; `--query-agnostic`
 compresses BOS + the image block first and then feeds the text (the question) through the compressed caches.
 The tables, the figure and results.json say which modes produced them.
 Outputs in --out: speed.md/.csv/.tex, results.json (every step time), speed.html (+ .png with Chromium).

@@ -14,8 +14,9 @@ from .policies import (REGISTRY, Budget, PolicyError, ResolveContext, knob_field
 
 AUTO = "auto"  # a knob flag's default: the policy's own pick for the model
 
-EQUAL_MEMORY_HELP = ("also hold the prompt-only methods (SnapKV, AdaKV, PyramidKV, LOOK-M, FastV, VisionZip) at r·N_t "
-                     "while decoding, so every budgeted method holds the same memory (default: each as published)")
+EQUAL_MEMORY_HELP = ("also hold the prompt-only methods (schedule 'prompt only' in `python -m prefixkv_core methods`, "
+                     "and PrefixKV with decode=grow) at r·N_t while decoding, so every budgeted method holds the same "
+                     "memory (default: each as published)")
 QUERY_AGNOSTIC_HELP = ("compress the image and any text before the question first, then feed the question and answer "
                        "on the compressed cache, as in a chat about one image (default: compress with the question "
                        "in the prompt)")

@@ -22,6 +22,8 @@ FOREIGN_ROOTS = {"torch", "transformers", "gr", "gradio", "np", "numpy", "F", "m
                  "playwright", "safetensors", "tqdm", "rouge_scorer", "json", "os", "dataclasses", "functools",
                  "math", "kvpress", "processor", "tokenizer", "generate", "fig", "go", "px", "PIL", "Image",
                  "handle_file"}
+# names in other projects' code that the docs quote (DART's reference code)
+FOREIGN_NAMES = {"max_num_trunction"}
 # flags of other tools the docs mention next to ours (pip, docker, lmms-eval)
 FOREIGN_FLAGS = {"--no-deps", "--build-arg", "--no-sandbox", "--include_path", "--model_args", "--tasks",
                  "--num_processes", "--batch_size", "--output_path", "--log_samples", "--limit"}
@@ -155,3 +157,148 @@ def test_every_flag_a_doc_gives_our_commands_exists(doc):
             if flag not in FOREIGN_FLAGS and f'"{flag}' not in code and f"'{flag}" not in code:
                 missing.append(flag)
     assert not missing, f"{doc.name} gives flags no command of the project takes: {sorted(set(missing))}"
+
+
+# -- names qualified by their class or module ---------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _classes() -> dict[str, tuple[set[str], list[str]]]:
+    """Every class the project defines: name -> (its members: methods, class attributes, fields and the attributes
+    its methods set on self, its base classes' names). Classes of the same name are merged."""
+    found: dict[str, tuple[set[str], list[str]]] = {}
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            members, bases = found.setdefault(node.name, (set(), []))
+            bases += [ast.unparse(b).split(".")[-1].split("[")[0] for b in node.bases]
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    members.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    members.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" \
+                        and isinstance(sub.ctx, ast.Store):
+                    members.add(sub.attr)
+    return found
+
+
+PACKAGES = {"prefixkv_core", "ui", "benchmarks", "training", "scenes", "texts", "tests", "docs", "assets"}
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "csv", "tex", "html", "png", "pdf", "svg", "txt", "pt", "safetensors",
+                 "rank"}
+
+
+def _class_has(name: str, member: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether the project's class `name` (or a base class) has `member`; True when a base is not the project's
+    (the member may come from a library class, such as transformers' DynamicCache)."""
+    classes = _classes()
+    members, bases = classes[name]
+    if member in members:
+        return True
+    for base in bases:
+        if base in seen or base in ("object", "Protocol", "Generic"):
+            continue
+        if base not in classes or _class_has(base, member, seen | {name}):
+            return True
+    return False
+
+
+@lru_cache(maxsize=1)
+def _modules() -> dict[str, set[str]]:
+    """A project module's short name (its file's stem, or a package's folder) -> every name defined in it: at
+    module level, and the members of its classes (`record.lock` names a record's attribute)."""
+    found: dict[str, set[str]] = {}
+    for path in _python_files():
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        names = found.setdefault(stem, set())
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                names |= _classes()[node.name][0]
+    return found
+
+
+@pytest.mark.parametrize("doc", _doc_param())
+def test_every_class_or_module_member_a_doc_names_exists(doc):
+    """`Session.run`, `RowStepper.advance`, `runner.forward_rows`: the member belongs to that class (or a base) or
+    that module, not merely to something somewhere (a method moved to another class fails here)."""
+    classes, modules = _classes(), _modules()
+    local = _names_in_code_blocks(doc.read_text())
+    missing = []
+    for span in _code_spans(doc.read_text()):
+        for owner, member in re.findall(r"(?<![\w.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b(?!\.\w)", span):
+            if owner in FOREIGN_ROOTS or owner in local or owner in PACKAGES or member in FILE_SUFFIXES:
+                continue
+            if owner in classes:
+                if not _class_has(owner, member):
+                    missing.append(f"{owner}.{member}")
+            elif owner in modules and owner not in ("self", "policy", "view", "state", "layer", "cache", "context"):
+                if member not in modules[owner]:
+                    missing.append(f"{owner}.{member}")
+    assert not missing, f"{doc.name} names members their class or module does not have: {sorted(set(missing))}"
+
+
+def _test_functions(path: Path) -> set[str]:
+    return {node.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+@pytest.mark.parametrize("doc", _doc_param())
+def test_every_test_a_doc_cites_exists(doc):
+    """`tests/test_x.py::test_y` names a test of that file; a bare `test_y` in backticks a test of some file."""
+    text = doc.read_text()
+    missing = []
+    for path, name in re.findall(r"(tests/\w+\.py)::(\w+)", text):
+        if not (ROOT / path).exists() or name not in _test_functions(ROOT / path):
+            missing.append(f"{path}::{name}")
+    every = set().union(*(_test_functions(p) for p in sorted((ROOT / "tests").glob("test_*.py"))))
+    for span in _code_spans(text):
+        for name in re.findall(r"^(test_\w+)(?:\(\))?$", span.strip()):
+            if name not in every:
+                missing.append(name)
+    assert not missing, f"{doc.name} cites tests that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", _doc_param())
+def test_every_snake_case_name_a_doc_gives_occurs_in_the_code(doc):
+    """A name in backticks such as `question_start`, a private helper, `kept_per_layer` or `SPARE_ENTRIES` (a
+    function, an attribute, a knob, a JSON key, a constant, an environment variable) occurs somewhere in the
+    project's code: a renamed or removed one fails here."""
+    code = _code_text()
+    local = _names_in_code_blocks(doc.read_text())
+    missing = []
+    for span in _code_spans(doc.read_text()):
+        name = re.fullmatch(r"(_[A-Za-z][A-Za-z0-9_]*|[a-z][a-z0-9]*(?:_[a-z0-9]+)+|[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)"
+                            r"(?:\(\))?", span.strip())
+        if name and name.group(1) not in local | FOREIGN_NAMES and not re.search(r"\b%s\b" % re.escape(name.group(1)), code):
+            missing.append(name.group(1))
+    assert not missing, f"{doc.name} names identifiers that occur nowhere in the code: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", _doc_param())
+def test_every_name_a_doc_places_in_a_file_is_defined_there(doc):
+    """"`ui/inputs.py` `guard_input`, `check_request`": the names after a Python file are defined in that file."""
+    missing = []
+    text = doc.read_text()
+    pattern = r"`((?:%s)/[\w/]+\.py)`((?:,? (?:/ )?`[A-Za-z_]\w*`)+)" % "|".join(map(re.escape, PROJECT_DIRS))
+    for match in re.finditer(pattern, text):
+        path = ROOT / match.group(1)
+        if not path.exists():
+            continue  # the path test reports it
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}
+        missing += [f"{match.group(1)} {name}" for name in re.findall(r"`(\w+)`", match.group(2)) if name not in defined]
+    assert not missing, f"{doc.name} places names in files that do not define them: {sorted(set(missing))}"

@@ -1,9 +1,16 @@
-"""Train the embedded model's vision tower + projector on synthetic scenes (CPU-friendly).
+"""Train the embedded model's vision tower + projector (and a LoRA adapter of its language model) on synthetic
+scenes. The current recipe, the word grid (training/README.md has the shipped run's full commands):
+
+    python -m training.train_embedded W --layout anchored --out runs/emb   # tower + projector emit the word grid
+    python -m training.train_embedded L --layout anchored --out runs/emb   # an adapter answers from the grid
+    python -m training.train_embedded J --layout anchored --out runs/emb   # both end to end on rendered scenes
+    python -m training.train_embedded export --out runs/emb [--eval-json results.json]
+
+The earlier recipe (runs v1-v5, which stayed near chance):
 
     python -m training.train_embedded A --steps 300 --out runs/emb      # tower from scratch, aux heads
     python -m training.train_embedded B --steps 100 --out runs/emb      # projector on descriptions
     python -m training.train_embedded C --steps 1200 --out runs/emb     # all QA turns of a scene
-    python -m training.train_embedded export --out runs/emb [--eval-json results.json]
 
 Stage A never runs the language model: linear heads on 3x3-pooled patch features predict, from the scene
 metadata, each cell's colour/shape/size plus counts and the printed word; the heads are thrown away.
