@@ -4,24 +4,34 @@ Paper: Chen et al., "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play I
 Vision-Language Models", ECCV 2024, https://arxiv.org/abs/2403.06764.
 
 A prefill token reduction: it changes the prefill itself, so it runs one of its own. Layers 0 … K-1 see every
-token. The attention of layer K-1's last query, averaged over heads, ranks the image tokens; from layer K on the
-lowest-ranked ones are masked out of every later layer's attention (the runner asks `prefill_key_masks` during
-the forward) and, once the prompt is done, their entries leave those layers' caches. Text tokens all stay.
-Generated tokens are all kept afterwards.
+token. A score from layer K-1 ranks the image tokens (`rank`: by default the attention of its last query,
+averaged over heads, as the reference code ranks them); from layer K on the lowest-ranked ones are masked out
+of every later layer's attention (the runner asks `prefill_key_masks` during the forward) and, once the prompt
+is done, their entries leave those layers' caches. Text tokens all stay. The ranking is made once, on the
+prompt; generated tokens are all kept afterwards.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kv.attention import StatRequest
-from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob
+from ..models.embedded import EMBEDDED_SLUG
+from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, knob
 
 BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
                   "method (image tokens are dropped after layer K until the mean reaches r); image: the image tokens "
                   "kept after layer K (the paper's 1 - R)")
+RANKS = ("last_query", "mean_received", "random")
+RANK_HELP = ("what ranks the image tokens at layer K-1. last_query: the last prompt token's attention averaged over "
+             "heads (the reference code); mean_received: the attention each token receives, averaged over every "
+             "prompt query and head (the paper's text); random: a seeded uniform draw (the reference code's control)")
+EMBEDDED_NOTE = ("on the embedded model, layer-1 attention is not an object detector: every ranking keeps about as "
+                 "many object patches as chance, and dropping image tokens after layer 2 loses the image whichever "
+                 "are kept (docs/methods.md, FastV on the embedded model)")
 
 
 def kept_image_tokens(budget: float, prompt_len: int, image_tokens: int, num_layers: int, layer: int,
@@ -36,12 +46,28 @@ def kept_image_tokens(budget: float, prompt_len: int, image_tokens: int, num_lay
     return image_tokens - min(image_tokens, max(0, dropped))
 
 
-def fastv_keep(last_query: torch.Tensor, is_image: torch.Tensor, keep: int) -> torch.Tensor:
-    """last_query [B, Hkv, N]: the last prompt query's attention (each KV head: the mean over its query heads);
-    is_image [B, N] -> bool [B, N] tokens kept: every text token and the `keep` image tokens with the highest
-    attention averaged over heads (ties to the earlier token). The first token is always kept."""
-    score = last_query.float().mean(dim=1)  # equal-sized groups: the mean over every query head
-    score = torch.where(is_image, score, torch.full_like(score, float("inf")))
+def rank_scores(stats: dict[str, torch.Tensor], rank: str, seed: int = 0) -> torch.Tensor:
+    """One layer's statistics -> [B, N] fp32 scores over the prompt tokens (higher = kept first).
+
+    last_query: the last query's row ("last_query" [B, Hkv, N], each KV head the mean over its query heads),
+    averaged over heads; mean_received: the column sums over every prompt query ("colsum" [B, Hkv, N]) averaged
+    over heads and divided by N; random: uniform noise from a CPU generator seeded with `seed`, the same in
+    every row."""
+    if rank == "last_query":
+        return stats["last_query"].float().mean(dim=1)  # equal-sized groups: the mean over every query head
+    colsum = stats["colsum"].float()
+    if rank == "mean_received":
+        return colsum.mean(dim=1) / colsum.shape[-1]
+    if rank == "random":
+        noise = torch.rand(colsum.shape[-1], generator=torch.Generator(device="cpu").manual_seed(int(seed)))
+        return noise.to(colsum.device).expand(colsum.shape[0], -1)
+    raise PolicyError(f"unknown FastV rank {rank!r}; accepted: {', '.join(RANKS)}")
+
+
+def fastv_keep(score: torch.Tensor, is_image: torch.Tensor, keep: int) -> torch.Tensor:
+    """score [B, N] (`rank_scores`); is_image [B, N] -> bool [B, N] tokens kept: every text token and the `keep`
+    image tokens with the highest score (ties to the earlier token). The first token is always kept."""
+    score = torch.where(is_image, score.float(), torch.full_like(score, float("inf"), dtype=torch.float))
     n_text = int((~is_image[0]).sum())
     order = torch.argsort(score, dim=-1, descending=True, stable=True)[:, : n_text + keep]
     kept = torch.zeros_like(is_image).scatter_(1, order, True)
@@ -51,17 +77,18 @@ def fastv_keep(last_query: torch.Tensor, is_image: torch.Tensor, keep: int) -> t
 
 class DropAfterLayer:
     """The key-mask rule of FastV's prefill: nothing before layer K; from K on, the tokens `fastv_keep` chose from
-    layer K-1's last-query attention (decided once, at layer K)."""
+    layer K-1's statistics (decided once, at layer K)."""
 
-    def __init__(self, layer: int, is_image: torch.Tensor, keep: int):
-        self.layer, self.is_image, self.keep = layer, is_image, keep
+    def __init__(self, layer: int, is_image: torch.Tensor, keep: int, rank: str = "last_query", seed: int = 0):
+        self.layer, self.is_image, self.keep, self.rank, self.seed = layer, is_image, keep, rank, seed
         self.kept: torch.Tensor | None = None
 
     def __call__(self, layer: int, stats: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor | None:
         if layer < self.layer:
             return None
         if self.kept is None:
-            self.kept = fastv_keep(stats[self.layer - 1]["last_query"], self.is_image, self.keep)
+            score = rank_scores(stats[self.layer - 1], self.rank, self.seed)
+            self.kept = fastv_keep(score, self.is_image, self.keep)
         return self.kept[:, None, :]
 
 
@@ -70,6 +97,7 @@ class FastVState(PolicyState):
     layer: int = 0  # K: the first layer without the dropped tokens
     image_tokens: int = 0
     image_kept: int = 0  # in layers K and later
+    rank: str = "last_query"
 
 
 @dataclass(frozen=True)
@@ -86,12 +114,20 @@ class FastVPolicy(Policy):
     schedule = "prompt only"
     stage = "prefill token reduction"
 
-    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1's last query ranks the image tokens and "
-                              "layers K and later never see the dropped ones", low=1, high=1024, integer=True)
+    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1 ranks the image tokens and layers K and "
+                              "later never see the dropped ones", low=1, high=1024, integer=True)
     budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF)
+    rank: str = knob("last_query", help=RANK_HELP, choices=RANKS)
+    # not knobs, set by `resolve`: the comparison's seed (the random ranking's draw) and the model's slug
+    seed: int = field(default=0, kw_only=True)
+    model_slug: str = field(default="", kw_only=True)
+
+    def resolve(self, context: ResolveContext) -> "FastVPolicy":
+        return dataclasses.replace(self, seed=int(context.seed), model_slug=context.model_slug)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(last_query=True)  # layer K-1's last query ranks the image tokens
+        # layer K-1's last query ranks the image tokens; the column sums are always recorded
+        return StatRequest(last_query=self.rank == "last_query")
 
     def _keep(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> int:
         return kept_image_tokens(self.budget, prompt_len, int(is_image[0].sum()), num_layers, self.layer,
@@ -101,16 +137,18 @@ class FastVPolicy(Policy):
         keep = self._keep(prompt_len, is_image, num_layers)
         if self.layer >= num_layers or keep >= int(is_image[0].sum()):
             return None
-        return DropAfterLayer(self.layer, is_image, keep)
+        return DropAfterLayer(self.layer, is_image, keep, self.rank, self.seed)
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n, num_layers = view.prompt_len, view.num_layers
         is_image = view.layer(0).is_image[:, 0]
         n_image = int(is_image[0].sum())
         keep = self._keep(n, is_image, num_layers)
-        state = FastVState(layer=self.layer, image_tokens=n_image, image_kept=keep)
+        state = FastVState(layer=self.layer, image_tokens=n_image, image_kept=keep, rank=self.rank)
         if self.layer >= num_layers:
             state.notes.append(f"K = {self.layer} is not below the model's {num_layers} layers: nothing is dropped")
+        if n_image and self.model_slug.startswith(EMBEDDED_SLUG):
+            state.notes.append(EMBEDDED_NOTE)
         plans: list[LayerPlan | None] = [None] * num_layers
         if n_image == 0 or keep >= n_image or self.layer >= num_layers:
             state.image_kept = n_image
@@ -119,11 +157,11 @@ class FastVPolicy(Policy):
             reached = (self.layer * n + (num_layers - self.layer) * (n - n_image)) / (num_layers * n)
             state.notes.append(f"dropping every image token after layer {self.layer} holds {reached:.0%} of the "
                                f"cache, not r = {self.budget:.0%}")
-        last_query = view.stats[self.layer - 1].get("last_query")
-        if last_query is None:
+        stats = view.stats[self.layer - 1]
+        if self.rank == "last_query" and stats.get("last_query") is None:
             raise PolicyError("FastV ranks the image tokens by the last query's attention of layer K-1, recorded by "
                               "its own prefill (runner.own_prefill)")
-        kept = fastv_keep(last_query, is_image, keep)  # the same count in every row of a batch
+        kept = fastv_keep(rank_scores(stats, self.rank, self.seed), is_image, keep)  # the same count in every row
         index = torch.stack([row.nonzero().flatten() for row in kept]).unsqueeze(1)
         for i in range(self.layer, num_layers):
             plans[i] = LayerPlan(keep=index)
@@ -132,6 +170,10 @@ class FastVPolicy(Policy):
     def facts(self, state: PolicyState) -> list[Fact]:
         out = super().facts(state)
         if isinstance(state, FastVState) and state.image_tokens:
+            share = state.image_kept / state.image_tokens
             out.append(Fact("image_kept", f"image tokens kept from layer {state.layer} on", state.image_kept,
                             fmt="d", unit=f" of {state.image_tokens}"))
+            out.append(Fact("image_kept_share", "share of the image tokens kept", share, fmt=".0%",
+                            unit=f" (the paper's R = {1 - share:.0%} dropped)"))
+            out.append(Fact("rank", "ranked by", state.rank.replace("_", " ")))
         return out
