@@ -13,6 +13,12 @@ policy's `uses_budget` is false: Full, the reference, keeps everything; ZipVL se
 asked once per question and reported at budget 1 (full@1, zipvl@1). --equal-memory holds the
 prompt-only methods at r·N_t while decoding (the engine's "equal_memory" budget mode).
 
+Image-token reductions (FastV, VisionZip) read the budget r as a share of the prompt's cache by default
+(`budget_of=cache`); the share of the image tokens they actually keep (`image_kept_share`, their R) is
+recorded per answer and shown beside r in the tables. --budget-of-image also runs every method with a
+`budget_of` knob with `budget_of=image` (r = the share of image tokens kept, the papers' convention), as rows
+of their own ("fastv[image]"). --knob METHOD.KNOB=VALUE sets a method's knob (e.g. fastv.rank=random).
+
 --controls N adds two checks with the full cache: the same colour and shape questions over a blank grey
 image (a model that reads the image stays at chance there), and N freeform images (scenes.freeform: one
 turned shape of any size, anywhere, on a background colour outside the generator's palette) asked for
@@ -32,7 +38,7 @@ from tqdm import tqdm
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
-from prefixkv_core.policies import REGISTRY, role_method
+from prefixkv_core.policies import REGISTRY, knob_fields, parse_knobs, role_method
 from scenes import QTYPES, render_scene, split_seeds
 from scenes.freeform import render_freeform
 from scenes.grading import is_correct, normalise
@@ -40,10 +46,16 @@ from scenes.phrasings import HELD_OUT
 
 DESCRIBE_PROMPT = "Describe the image."
 NO_BUDGET = 1.0  # the budget a method without one is reported at: whatever r is, it keeps what it keeps
+IMAGE_SUFFIX = "[image]"  # a method run with budget_of=image, in the tables (--budget-of-image)
+
+
+def has_budget_of(method: str) -> bool:
+    """Whether the method reads its budget as a share of the cache or of the image tokens (a `budget_of` knob)."""
+    return any(name == "budget_of" for name, _, _ in knob_fields(REGISTRY[method]))
 
 
 def uses_budget(method: str) -> bool:
-    return REGISTRY[method].uses_budget
+    return REGISTRY[method.removesuffix(IMAGE_SUFFIX)].uses_budget
 
 
 def reported_budget(method: str, budget: float) -> float:
@@ -57,16 +69,36 @@ def named_share(description: str, scene) -> float:
 
 
 def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
-        budget_mode: str = "published") -> dict[str, str]:
-    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new),
+        budget_mode: str = "published", knobs: dict | None = None) -> dict[str, str]:
+    return {m: text for m, (text, _) in ask_with_share(engine, image, prompt, methods, budget, max_new, budget_mode,
+                                                       knobs).items()}
+
+
+def ask_with_share(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
+                   budget_mode: str = "published", knobs: dict | None = None) -> dict[str, tuple[str, float | None]]:
+    """Each method's answer and the share of the image tokens it kept (`image_kept_share`, reported by the
+    image-token reductions; None for the others)."""
+    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new), knobs,
                                  budget_mode=budget_mode)
     for _ in session.run():
         pass
-    return {m: (r["error"] and f"ERROR {r['error']}") or r["text"] for m, r in session.results().items()}
+    return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"], (r.get("extras") or {}).get("image_kept_share"))
+            for m, r in session.results().items()}
+
+
+def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[list[str], dict, str]]:
+    """The sessions one question is asked in: (methods, knobs, suffix of their names in the tables). The methods as
+    given; with `image_rows`, the methods with a `budget_of` knob again with budget_of=image."""
+    out = [(methods, knobs, "")]
+    again = [m for m in methods if has_budget_of(m)] if image_rows else []
+    if again:
+        out.append((again, {**knobs, **{m: {**knobs.get(m, {}), "budget_of": "image"} for m in again}}, IMAGE_SUFFIX))
+    return out
 
 
 def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
-             describe: int, split: str, budget_mode: str = "published") -> dict:
+             describe: int, split: str, budget_mode: str = "published", knobs: dict | None = None,
+             image_rows: bool = False) -> dict:
     records = []
     descriptions = []
     # A method without a budget answers alike at every budget: ask it once, with the first budget.
@@ -77,13 +109,16 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
         scene = render_scene(seed)
         for budget, ms in runs:
             for qa in scene.qa:
-                outs = ask(engine, scene.image, qa.question, ms, budget, max_new, budget_mode)
-                for m, text in outs.items():
-                    records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
-                                    "qtype": qa.qtype, "method": m, "budget": reported_budget(m, budget),
-                                    "output": text, "correct": is_correct(text, qa.answer)})
+                for group, group_knobs, suffix in sessions(ms, knobs or {}, image_rows):
+                    outs = ask_with_share(engine, scene.image, qa.question, group, budget, max_new, budget_mode,
+                                          group_knobs)
+                    for m, (text, share) in outs.items():
+                        records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
+                                        "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
+                                        "image_kept_share": share, "output": text,
+                                        "correct": is_correct(text, qa.answer)})
             if i < describe:
-                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode)
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, knobs)
                 for m, text in outs.items():
                     descriptions.append({"seed": seed, "method": m, "budget": reported_budget(m, budget),
                                          "output": text, "reference": scene.description,
@@ -151,7 +186,19 @@ def summarise(res: dict) -> dict:
         named[f"{d['method']}@{d['budget']:g}"].append(d["named"])
     for k, v in named.items():
         out.setdefault(k, {})["describe_named_objects"] = {"n": len(v), "accuracy": sum(v) / len(v)}
+    shares: dict = defaultdict(list)
+    for r in res["records"]:
+        if r.get("image_kept_share") is not None:
+            shares[f"{r['method']}@{r['budget']:g}"].append(r["image_kept_share"])
+    for k, v in shares.items():  # the mean over the answers (prompts differ in length by a few tokens)
+        out[k]["image_kept_share"] = sum(v) / len(v)
     return out
+
+
+def kept_share(per: dict) -> str:
+    """' (R 33%)': the share of image tokens a method kept, where it reports one."""
+    share = per.get("image_kept_share")
+    return f" (R {share:.0%})" if share is not None else ""
 
 
 def markdown(summary: dict) -> str:
@@ -159,23 +206,24 @@ def markdown(summary: dict) -> str:
     lines = ["| method@budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for key, per in summary.items():
         cells = [f"{per[c]['accuracy']:.1%} (n={per[c]['n']})" if c in per else "-" for c in cols]
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        lines.append(f"| {key}{kept_share(per)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def pivot(summary: dict, qtype: str = "all") -> str:
     """Methods x budgets, one question type (default: all types pooled); a method without a budget is one
-    column at 1.0, the reference (Full) on the first row."""
+    column at 1.0, the reference (Full) on the first row. An image-token reduction's cell adds the share of the
+    image tokens it kept, R (the mean over its answers), beside the budget r its column is."""
     rows: dict = defaultdict(dict)
     for key, per in summary.items():
         m, b = key.rsplit("@", 1)
         if qtype in per:
-            rows[m][float(b)] = per[qtype]["accuracy"]
+            rows[m][float(b)] = f"{per[qtype]['accuracy']:.1%}{kept_share(per)}"
     budgets = sorted({b for r in rows.values() for b in r})
     lines = ["| method | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
     reference = role_method("reference")
     for m in sorted(rows, key=lambda m: (m != reference, m)):
-        lines.append(f"| {m} | " + " | ".join(f"{rows[m][b]:.1%}" if b in rows[m] else "" for b in budgets) + " |")
+        lines.append(f"| {m} | " + " | ".join(rows[m].get(b, "") for b in budgets) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,6 +273,11 @@ def main(argv=None) -> int:
                     help="hold the prompt-only methods at r·N_t while decoding (budget mode equal_memory)")
     ap.add_argument("--controls", type=int, default=0, metavar="N",
                     help="also run the blank-image control and N freeform images (full cache)")
+    ap.add_argument("--knob", action="append", default=[], metavar="METHOD.KNOB=VALUE",
+                    help="a method's own setting, repeatable, e.g. fastv.rank=random")
+    ap.add_argument("--budget-of-image", action="store_true",
+                    help="also run the methods with a budget_of knob (FastV, VisionZip) with budget_of=image: r is "
+                         "then the share of image tokens kept (rows '<method>[image]')")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
@@ -234,8 +287,9 @@ def main(argv=None) -> int:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded)
     budget_mode = "equal_memory" if args.equal_memory else "published"
+    knobs = parse_knobs(args.knob)
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
-                   args.describe, args.split, budget_mode)
+                   args.describe, args.split, budget_mode, knobs, args.budget_of_image)
     ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
         if args.controls else None
     summary = summarise(res)
@@ -245,6 +299,7 @@ def main(argv=None) -> int:
     payload = {
         "model": args.model, "vision_trained": loaded.vision_trained, "split": args.split, "scenes": args.scenes,
         "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens, "budget_mode": budget_mode,
+        "knobs": knobs, "budget_of_image": args.budget_of_image,
         "controls": ctrl["summary"] if ctrl else None,
         "accuracy": {t: v["accuracy"] for t, v in full.items()} if full else None,
         "n": {t: v["n"] for t, v in full.items()} if full else None,

@@ -1,5 +1,7 @@
 """AdaKV: head-wise budgets over SnapKV's window votes, against naive references, and a cache whose KV heads hold
 different numbers of entries (empty slots masked from attention, bytes counted from the entries kept)."""
+import math
+
 import pytest
 import torch
 
@@ -8,7 +10,6 @@ from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.adakv import floored_counts
 from prefixkv_core.policies.base import PrefillView, apply_plans
-from prefixkv_core.policies.scoring import snap_window
 
 N, HEADS, DIM, LAYERS = 48, 4, 8, 3
 PROMPT = "describe the picture in detail and name every object you can see in it"
@@ -29,12 +30,26 @@ def _synthetic(seed=0, heads=HEADS):
     return cache, stats
 
 
-def _naive_flattened_counts(scores, total):
-    """Rank every (head, token) pair of a layer together, one by one; count each head's among the best `total`."""
-    pairs = sorted(((float(scores[h, j]), h, j) for h in range(scores.shape[0]) for j in range(scores.shape[1])),
-                   key=lambda p: -p[0])
-    counts = [0] * scores.shape[0]
-    for _, h, _ in pairs[:total]:
+def _naive_votes(window_votes, window, kernel):
+    """Per head, (pooled, raw) votes of the tokens before the window: max pooling with the sink's (position 0) vote
+    left out of every neighbourhood, the sink itself at +inf."""
+    pooled, raw = [], []
+    for h in range(window_votes.shape[0]):
+        r = window_votes[h, : window_votes.shape[1] - window].tolist()
+        p = [math.inf] + [max(r[i] for i in range(max(1, j - kernel // 2), min(len(r), j + kernel // 2 + 1)))
+                          for j in range(1, len(r))]
+        pooled.append(p)
+        raw.append(r)
+    return pooled, raw
+
+
+def _naive_flattened_counts(pooled, raw, total):
+    """Rank every (head, token) pair of a layer together, one by one, by (pooled, raw, head, position); count each
+    head's among the best `total`."""
+    pairs = sorted(((pooled[h][j], raw[h][j], h, j) for h in range(len(pooled)) for j in range(len(pooled[h]))),
+                   key=lambda p: (-p[0], -p[1], p[2], p[3]))
+    counts = [0] * len(pooled)
+    for _, _, h, _ in pairs[:total]:
         counts[h] += 1
     return counts
 
@@ -48,10 +63,9 @@ def test_head_counts_are_the_flattened_top_k_and_sum_to_the_layer_budget(budget,
     plans, state = policy.prefill(PrefillView(cache, stats, N, budget, window))
     capacity = round(budget * N)  # per KV head on average, window included
     for i, plan in enumerate(plans):
-        scores = snap_window(stats[i]["window"], window, kernel)[0, :, : N - window].clone()
-        scores[:, 0] = float("inf")  # the sink, kept in every head
+        pooled, raw = _naive_votes(stats[i]["window"][0], window, kernel)
         total = HEADS * (capacity - window)
-        adaptive = _naive_flattened_counts(scores, total)
+        adaptive = _naive_flattened_counts(pooled, raw, total)
         expect = adaptive if floor_alpha == 0 else floored_counts(adaptive, total, floor_alpha, high=N - window)
         assert state.head_counts[i] == expect
         assert sum(expect) == total  # the layer's total is SnapKV's
@@ -62,7 +76,7 @@ def test_head_counts_are_the_flattened_top_k_and_sum_to_the_layer_budget(budget,
             real = row[row >= 0]
             assert int((row < 0).sum()) == keep.shape[-1] - (expect[h] + window)
             assert real[-window:].tolist() == list(range(N - window, N))
-            naive = sorted(sorted(range(N - window), key=lambda j: -float(scores[h, j]))[: expect[h]])
+            naive = sorted(sorted(range(N - window), key=lambda j: (-pooled[h][j], -raw[h][j], j))[: expect[h]])
             assert real[:-window].tolist() == naive
 
 

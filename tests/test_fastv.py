@@ -1,6 +1,8 @@
 """FastV: its own prefill equals a full forward whose layers from K on have the dropped image tokens masked out,
 the dropped tokens are the ones layer K-1's last query attends to least (a plain eager forward as reference),
 and the cache it decodes on holds exactly the kept tokens in those layers."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,9 @@ from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
-from prefixkv_core.policies.fastv import kept_image_tokens
+from prefixkv_core.policies.base import Fact, ResolveContext
+from prefixkv_core.policies.fastv import EMBEDDED_NOTE, kept_image_tokens
+from prefixkv_core.models.embedded import EMBEDDED_SLUG
 from prefixkv_core.testing import kept_entry_masks
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
@@ -57,6 +61,59 @@ def test_dropped_tokens_are_the_least_attended_by_the_last_query(tiny, noise_ima
             assert plan is None  # layers 0 … K-1 keep every token
         else:
             assert plan.keep[0, 0].tolist() == expect
+
+
+def _eager_attention(lm, inputs, layer):
+    """[N, N] one layer's attention, averaged over heads, from a plain eager forward."""
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = lm.model(**inputs, output_attentions=True)
+    finally:
+        lm.model.set_attn_implementation("sdpa")
+    return out.attentions[layer][0].float().mean(dim=0)
+
+
+@pytest.mark.parametrize("rank", ["mean_received", "random"])
+def test_other_rankings_keep_the_naive_top_image_tokens(tiny, noise_image, rank):
+    """mean_received: the attention each image token receives, summed over every prompt query and averaged over
+    heads (eager forward); random: a uniform draw seeded with the comparison's seed. Both keep the top `keep`."""
+    inputs, ids, is_image = _inputs(tiny, noise_image)
+    n, n_img, layer, budget = ids.shape[1], int(is_image.sum()), 2, 0.3
+    policy = make_policy("fastv", budget, layer=layer, budget_of="image", rank=rank).resolve(
+        ResolveContext("tiny", "tiny", tiny.num_layers, budget, seed=7))
+    assert policy.seed == 7 and not policy.prefill_stats(n).last_query
+    with tracked_attention_enabled(tiny.model):
+        own = runner.own_prefill(tiny.model, policy, ids, is_image, inputs["pixel_values"], tiny.num_layers,
+                                 tiny.device, tiny.image_token_id)
+    view = PrefillView(own.cache, runner.policy_stats(policy, own.stats, n), n, budget, 0)
+    plans, state = policy.prefill(view)
+    assert EMBEDDED_NOTE not in state.notes  # the note is the embedded model's only
+    assert EMBEDDED_NOTE in dataclasses.replace(policy, model_slug=EMBEDDED_SLUG).prefill(view).state.notes
+    keep = kept_image_tokens(budget, n, n_img, tiny.num_layers, layer, "image")
+    if rank == "mean_received":
+        score = _eager_attention(tiny, inputs, layer - 1).sum(dim=0).tolist()
+    else:
+        score = torch.rand(n, generator=torch.Generator().manual_seed(7)).tolist()
+    image_positions = is_image[0].nonzero().flatten().tolist()
+    ranked = sorted(image_positions, key=lambda j: -score[j])
+    expect = sorted(set(range(n)) - set(image_positions) | set(ranked[:keep]))
+    assert [plans[i].keep[0, 0].tolist() for i in range(layer, tiny.num_layers)] == [expect] * (tiny.num_layers - layer)
+    facts = {f.key: f.value for f in policy.facts(state)}
+    assert facts["image_kept_share"] == pytest.approx(keep / n_img) and facts["rank"] == rank.replace("_", " ")
+
+
+def test_facts_say_the_share_of_image_tokens_kept(tiny_llama, noise_image):
+    """The panel shows R beside r: the share of the image tokens kept, and the paper's R dropped."""
+    session = Engine(tiny_llama).new_session(noise_image, PROMPT, ["fastv"], 0.9, GenerationSettings(max_new_tokens=2))
+    done = [e for e in session.run() if getattr(e, "kind", None) == "done"][0]
+    n, n_img = done.full_len, done.kept_image_per_layer[0]
+    keep = kept_image_tokens(0.9, n - 2, n_img, tiny_llama.num_layers, 2, "cache")
+    assert done.extras["image_kept_share"] == pytest.approx(keep / n_img)
+    texts = [Fact.from_dict(f).text() for f in done.extras["facts"]]
+    assert f"share of the image tokens kept = {keep / n_img:.0%} (the paper's R = {1 - keep / n_img:.0%} dropped)" \
+        in texts
+    assert not any("embedded model" in t for t in texts)
 
 
 @pytest.mark.parametrize("layer", [1, 2])

@@ -13,6 +13,7 @@ from prefixkv_core.policies.base import DecodeView, LayerPlan, apply_plans, fixe
 from prefixkv_core.policies.elastic import merge_into_nearest, nearest_anchor
 from prefixkv_core.policies.lookm import lookm_keep, similarity_merge
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
+from prefixkv_core.policies import scoring
 from prefixkv_core.policies.snapkv import snap_select
 from prefixkv_core.policies.zipvl import adaptive_count, probe_queries, visibility_counts
 from prefixkv_core.testing import synthetic_extra_stats
@@ -84,14 +85,23 @@ def test_top_k_keep_forces_protected_and_sorts():
     assert top_k_keep(s, 2).tolist() == [[[1, 3]]]
 
 
+def _naive_pool(raw, kernel):
+    """Max pooling of one head's votes before the window, the sink's (position 0) left out of every window; the
+    sink itself keeps its raw vote."""
+    pooled = [max(v for i, v in enumerate(raw[max(0, j - kernel // 2): j + kernel // 2 + 1], max(0, j - kernel // 2))
+                  if i > 0) if j > 0 else raw[0] for j in range(len(raw))]
+    return pooled
+
+
 def _naive_snap(scores, capacity, window, kernel):
+    """Per head, the sink, then the best by (pooled vote, raw vote, earlier position), then the window."""
     b, h, n = scores.shape
     out = []
     for head in range(h):
-        s = scores[0, head, : n - window].tolist()
-        pooled = [max(s[max(0, j - kernel // 2): j + kernel // 2 + 1]) for j in range(len(s))]
-        pooled[0] = math.inf
-        out.append((pooled, sorted(pooled, reverse=True)[: capacity - window]))
+        raw = scores[0, head, : n - window].tolist()
+        pooled = _naive_pool(raw, kernel)
+        ranked = sorted(range(1, n - window), key=lambda j: (-pooled[j], -raw[j], j))
+        out.append(sorted([0] + ranked[: capacity - window - 1]) + list(range(n - window, n)))
     return out
 
 
@@ -99,11 +109,29 @@ def test_snap_select_matches_naive():
     torch.manual_seed(3)
     scores = torch.rand(1, 3, 40)
     got = snap_select(scores, 15, 4, 7)[0]
-    # max pooling creates ties, so compare the pooled values chosen rather than tie-broken indices
-    for head, (pooled, best) in enumerate(_naive_snap(scores, 15, 4, 7)):
-        idx = got[head].tolist()
-        assert idx[-4:] == [36, 37, 38, 39] and idx[0] == 0 and idx == sorted(idx)
-        assert sorted((pooled[j] for j in idx[:-4]), reverse=True) == best
+    assert got.tolist() == _naive_snap(scores, 15, 4, 7)
+
+
+def test_snap_ties_on_pooled_votes_go_to_the_raw_vote():
+    """A strong token shares its pooled score with its neighbours: at a budget of one voted entry it is the one kept,
+    not its left neighbour (position order would pick that)."""
+    votes = torch.full((1, 1, 20), 0.01)
+    votes[0, 0, 9] = 0.9  # neighbours 6..12 all pool to 0.9
+    keep = snap_select(votes, 2 + 4, 4, 7)[0, 0].tolist()  # sink + 1 voted + window 4
+    assert keep == [0, 9, 16, 17, 18, 19]
+
+
+def test_snap_sink_vote_lifts_no_neighbour():
+    """The sink's large vote is not pooled into positions 1..3: they rank by their own neighbourhoods."""
+    votes = torch.full((1, 1, 24), 0.01)
+    votes[0, 0, 0] = 5.0  # the sink
+    votes[0, 0, 12] = 0.5
+    votes[0, 0, 1] = 0.02
+    keep = snap_select(votes, 1 + 2 + 4, 4, 7)[0, 0].tolist()  # sink + 2 voted + window 4
+    assert keep == [0, 9, 12, 20, 21, 22, 23]  # 12, then the earliest of its pooled neighbours (raw votes tie)
+    pooled = scoring.snap_window(votes, 4, 7, sink=1)[0, 0]
+    assert float(pooled[0]) == 5.0 and float(pooled[1]) == pytest.approx(0.02)
+    assert float(scoring.snap_window(votes, 4, 7)[0, 0, 1]) == 5.0  # without `sink` the sink lifts them
 
 
 def test_pyramid_capacities_follow_the_schedule():

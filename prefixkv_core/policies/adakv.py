@@ -20,20 +20,24 @@ from ..report.lorenz import distribute
 from . import scoring
 from .base import EMPTY_SLOT, Fact, LayerPlan, PolicyState, Prefilled, PrefillView, budget_count, knob
 from .eviction_order import snap_rank
-from .snapkv import SnapKVPolicy, SnapState, clamp_window
+from .snapkv import SnapKVPolicy, SnapState, clamp_window, snap_votes
 
 
-def best_first(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k highest scores along the last axis; ties go to the lower index (a stable sort)."""
-    return torch.argsort(scores.float(), dim=-1, descending=True, stable=True)[..., :k]
+def best_first(scores: torch.Tensor, k: int, raw: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the k highest scores along the last axis; ties go to the higher `raw` score (when given), then
+    to the lower index."""
+    if raw is None:
+        return torch.argsort(scores.float(), dim=-1, descending=True, stable=True)[..., :k]
+    return scoring.two_key_order(scores, raw)[..., :k]
 
 
-def flattened_counts(scores: torch.Tensor, total: int) -> torch.Tensor:
+def flattened_counts(scores: torch.Tensor, total: int, raw: torch.Tensor | None = None) -> torch.Tensor:
     """scores [B, H, M] -> [B, H] how many of each head's entries are among the `total` best of all heads' entries
-    ranked together (the adaptive, head-wise allocation)."""
+    ranked together (the adaptive, head-wise allocation); ties by `raw` [B, H, M] when given, then the lower
+    (head, index)."""
     b, h, m = scores.shape
     total = max(0, min(total, h * m))
-    best = best_first(scores.reshape(b, h * m), total)
+    best = best_first(scores.reshape(b, h * m), total, None if raw is None else raw.reshape(b, h * m))
     counts = torch.zeros(b, h, dtype=torch.long, device=scores.device)
     return counts.scatter_add_(1, best // m, torch.ones_like(best))
 
@@ -93,9 +97,8 @@ class AdaKVPolicy(SnapKVPolicy):
         capacity = budget_count(self.budget, n, min_keep=w + 1)  # per KV head on average, window included
         plans: list[LayerPlan | None] = []
         for i in range(view.num_layers):
-            votes = scoring.snap_window(view.stats[i]["window"], w, self.kernel)
-            prefix = votes[..., : n - w].clone()
-            prefix[..., 0] = float("inf")  # the sink, in every head (as SnapKV here)
+            # pooled votes (the sink's pooled out, the sink at +inf in every head, as SnapKV here) and raw votes
+            prefix, raw = snap_votes(view.stats[i]["window"], w, self.kernel)
             heads = prefix.shape[1]
             if capacity >= n:
                 state.head_counts.append([n - w] * heads)
@@ -103,9 +106,9 @@ class AdaKVPolicy(SnapKVPolicy):
                 continue
             per_head = capacity - w
             total = heads * per_head
-            adaptive = flattened_counts(prefix, total)[0].tolist()
+            adaptive = flattened_counts(prefix, total, raw)[0].tolist()
             counts = floored_counts(adaptive, total, self.floor_alpha, high=n - w)
-            chosen = [best_first(prefix[0, h], c) for h, c in enumerate(counts)]
+            chosen = [best_first(prefix[0, h], c, raw[0, h]) for h, c in enumerate(counts)]
             tail = torch.arange(n - w, n, device=prefix.device)
             state.head_counts.append(counts)
             plans.append(LayerPlan(keep=padded_keep(chosen, tail), empty_slots=min(counts) < max(counts)))

@@ -45,10 +45,11 @@ def ranked(scores: torch.Tensor, first: torch.Tensor | None = None) -> HoldRank:
 
 def snap_rank(window_votes: torch.Tensor, window: int, kernel: int, across_heads: bool = False) -> HoldRank:
     """SnapKV's (and PyramidKV's, AdaKV's) own order: the observation window first, then max-pooled window votes,
+    pooled without the sink's vote (ties in the hold go by position),
     per KV head. window_votes [B, Hkv, N]."""
     n = window_votes.shape[-1]
     pos = torch.arange(n, device=window_votes.device).view(1, 1, -1)
-    rank = ranked(scoring.snap_window(window_votes, window, kernel), pos >= n - min(window, n))
+    rank = ranked(scoring.snap_window(window_votes, window, kernel, sink=1), pos >= n - min(window, n))
     rank.across_heads = across_heads
     return rank
 

@@ -4,26 +4,37 @@ Paper: Chen et al., "An Image is Worth 1/2 Tokens After Layer 2: Plug-and-Play I
 Vision-Language Models", ECCV 2024, https://arxiv.org/abs/2403.06764.
 
 A prefill token reduction: it changes the prefill itself, so it runs one of its own. Layers 0 … K-1 see every
-token. The attention of layer K-1's last query, averaged over heads, ranks the image tokens; from layer K on the
-lowest-ranked ones are masked out of every later layer's attention (the runner asks `prefill_key_masks` during
-the forward) and, once the prompt is done, their entries leave those layers' caches. Text tokens all stay.
-Generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
+token. A score from layer K-1 ranks the image tokens (`rank`: by default the attention of its last query,
+averaged over heads, as the reference code ranks them); from layer K on the lowest-ranked ones are masked out
+of every later layer's attention (the runner asks `prefill_key_masks` during the forward) and, once the prompt
+is done, their entries leave those layers' caches. Text tokens all stay. The ranking is made once, on the
+prompt; generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
 whose later layers never see the dropped image tokens, the budget mapping and the plans.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..kv.attention import StatRequest
-from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, knob
+from ..models.embedded import EMBEDDED_SLUG
+from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, knob
 
 BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
                   "method (image tokens are dropped after layer K until the mean reaches r); image: the image tokens "
                   "kept after layer K (the paper's 1 - R)")
+RANKS = ("last_query", "mean_received", "random")
+RANK_HELP = ("what ranks the image tokens at layer K-1. last_query: the last prompt token's attention averaged over "
+             "heads (the reference code); mean_received: the attention each token receives, averaged over every "
+             "prompt query and head (the paper's text); random: a seeded uniform draw (the reference code's control)")
+EMBEDDED_NOTE = ("on the embedded model, the last query's layer-1 attention picks against the objects (2.6 of 17 "
+                 "object patches in its top 47, a random 47 hold 6), and dropping image tokens after layer 2 loses "
+                 "most of the image whichever are kept: near chance at r = 0.5 (docs/methods.md, FastV on the "
+                 "embedded model)")
 
 
 def kept_image_tokens(budget: float, prompt_len: int, image_tokens: int, num_layers: int, layer: int,
@@ -38,12 +49,28 @@ def kept_image_tokens(budget: float, prompt_len: int, image_tokens: int, num_lay
     return image_tokens - min(image_tokens, max(0, dropped))
 
 
-def fastv_keep(last_query: torch.Tensor, is_image: torch.Tensor, keep: int) -> torch.Tensor:
-    """last_query [B, Hkv, N]: the last prompt query's attention (each KV head: the mean over its query heads);
-    is_image [B, N] -> bool [B, N] tokens kept: every text token and the `keep` image tokens with the highest
-    attention averaged over heads (ties to the earlier token). The first token is always kept."""
-    score = last_query.float().mean(dim=1)  # equal-sized groups: the mean over every query head
-    score = torch.where(is_image, score, torch.full_like(score, float("inf")))
+def rank_scores(stats: dict[str, torch.Tensor], rank: str, seed: int = 0) -> torch.Tensor:
+    """One layer's statistics -> [B, N] fp32 scores over the prompt tokens (higher = kept first).
+
+    last_query: the last query's row ("last_query" [B, Hkv, N], each KV head the mean over its query heads),
+    averaged over heads; mean_received: the column sums over every prompt query ("colsum" [B, Hkv, N]) averaged
+    over heads and divided by N; random: uniform noise from a CPU generator seeded with `seed`, the same in
+    every row."""
+    if rank == "last_query":
+        return stats["last_query"].float().mean(dim=1)  # equal-sized groups: the mean over every query head
+    colsum = stats["colsum"].float()
+    if rank == "mean_received":
+        return colsum.mean(dim=1) / colsum.shape[-1]
+    if rank == "random":
+        noise = torch.rand(colsum.shape[-1], generator=torch.Generator(device="cpu").manual_seed(int(seed)))
+        return noise.to(colsum.device).expand(colsum.shape[0], -1)
+    raise PolicyError(f"unknown FastV rank {rank!r}; accepted: {', '.join(RANKS)}")
+
+
+def fastv_keep(score: torch.Tensor, is_image: torch.Tensor, keep: int) -> torch.Tensor:
+    """score [B, N] (`rank_scores`); is_image [B, N] -> bool [B, N] tokens kept: every text token and the `keep`
+    image tokens with the highest score (ties to the earlier token). The first token is always kept."""
+    score = torch.where(is_image, score.float(), torch.full_like(score, float("inf"), dtype=torch.float))
     n_text = int((~is_image[0]).sum())
     order = torch.argsort(score, dim=-1, descending=True, stable=True)[:, : n_text + keep]
     kept = torch.zeros_like(is_image).scatter_(1, order, True)
@@ -72,6 +99,7 @@ class FastVState(PolicyState):
     layer: int = 0  # K: the first layer without the dropped tokens
     image_tokens: int = 0
     image_kept: int = 0  # in layers K and later
+    rank: str = ""  # what ranked the image tokens (FastV's `rank`)
 
 
 @dataclass(frozen=True)
@@ -132,8 +160,13 @@ class ImageDropPolicy(Policy):
     def facts(self, state: PolicyState) -> list[Fact]:
         out = super().facts(state)
         if isinstance(state, FastVState) and state.image_tokens:
+            share = state.image_kept / state.image_tokens
             out.append(Fact("image_kept", f"image tokens kept from layer {state.layer} on", state.image_kept,
                             fmt="d", unit=f" of {state.image_tokens}"))
+            out.append(Fact("image_kept_share", "share of the image tokens kept", share, fmt=".0%",
+                            unit=f" (the paper's R = {1 - share:.0%} dropped)"))
+            if state.rank:
+                out.append(Fact("rank", "ranked by", state.rank.replace("_", " ")))
         return out
 
 
@@ -149,16 +182,33 @@ class FastVPolicy(ImageDropPolicy):
                "least are dropped from every later layer. Generated tokens are all kept.")
     colour = "#17BECF"
 
-    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1's last query ranks the image tokens and "
-                              "layers K and later never see the dropped ones", low=1, high=1024, integer=True)
+    layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1 ranks the image tokens and layers K and "
+                              "later never see the dropped ones", low=1, high=1024, integer=True)
+    rank: str = knob("last_query", help=RANK_HELP, choices=RANKS)
+    # not knobs, set by `resolve`: the comparison's seed (the random ranking's draw) and the model's slug
+    seed: int = field(default=0, kw_only=True)
+    model_slug: str = field(default="", kw_only=True)
+
+    def resolve(self, context: ResolveContext) -> "FastVPolicy":
+        return dataclasses.replace(self, seed=int(context.seed), model_slug=context.model_slug)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(last_query=True)  # layer K-1's last query ranks the image tokens
+        # layer K-1's last query ranks the image tokens; the column sums are always recorded
+        return StatRequest(last_query=self.rank == "last_query")
+
+    def new_state(self) -> FastVState:
+        return FastVState(layer=self.layer, rank=self.rank)
+
+    def prefill(self, view: PrefillView) -> Prefilled:
+        plans, state = super().prefill(view)
+        if state.image_tokens and self.model_slug.startswith(EMBEDDED_SLUG):
+            state.notes.append(EMBEDDED_NOTE)
+        return Prefilled(plans, state)
 
     def choose(self, stats: dict[int, dict[str, torch.Tensor]], is_image: torch.Tensor, keep: int,
                state: PolicyState | None = None) -> torch.Tensor:
-        last_query = stats.get(self.layer - 1, {}).get("last_query")
-        if last_query is None:
+        layer_stats = stats.get(self.layer - 1, {})
+        if self.rank == "last_query" and layer_stats.get("last_query") is None:
             raise PolicyError("FastV ranks the image tokens by the last query's attention of layer K-1, recorded by "
                               "its own prefill (runner.own_prefill)")
-        return fastv_keep(last_query, is_image, keep)
+        return fastv_keep(rank_scores(layer_stats, self.rank, self.seed), is_image, keep)

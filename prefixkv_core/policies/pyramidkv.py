@@ -55,5 +55,8 @@ class PyramidKVPolicy(SnapKVPolicy):
         return "its window votes, the observation window last, in its per-layer capacities"
 
     def facts(self, state: PyramidState) -> list[Fact]:
-        caps = [Fact("capacities", "capacity", list(state.capacities), kind="per-layer", fmt="d", unit=" entries")]
-        return (caps if state.capacities else []) + super().facts(state)
+        caps = [Fact("capacities", "capacity per KV head (every head the same count, window included)",
+                     list(state.capacities), kind="per-layer", fmt="d", unit=" entries")]
+        # the capacities are the per-head counts: SnapKV's own per-head fact would repeat them
+        rest = [f for f in super().facts(state) if f.key != "per_head"]
+        return (caps if state.capacities else []) + rest

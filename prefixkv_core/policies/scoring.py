@@ -10,6 +10,7 @@ layer-wise methods) or [B, Hkv, T] (a ranking per KV head: SnapKV's window). Met
 - `normalised_colsum`: the same divided by how many prompt queries see each token (N - j), which removes
   the bias towards early tokens.
 - `snap_window`: the votes of the last W prompt queries (SnapKV's observation window), max-pooled.
+- `two_key_order`: a ranking by one score, ties broken by a second (SnapKV's pooled votes, then raw votes).
 """
 from __future__ import annotations
 
@@ -46,17 +47,31 @@ def accumulated(scores: torch.Tensor, per_head: bool = False) -> torch.Tensor:
     return scores if per_head else scores.mean(dim=1, keepdim=True)
 
 
-def snap_window(window_votes: torch.Tensor, window: int, kernel: int = SNAP_KERNEL) -> torch.Tensor:
+def snap_window(window_votes: torch.Tensor, window: int, kernel: int = SNAP_KERNEL, sink: int = 0) -> torch.Tensor:
     """SnapKV's scores per KV head. window_votes [B, Hkv, N]: attention of the last `window` prompt queries
     summed over them. The tokens before the window get their votes max-pooled (width `kernel`, stride 1,
     same length, pooled among themselves only); the window's own tokens keep their raw votes (SnapKV keeps
-    them whatever they score). -> [B, Hkv, N] fp32."""
+    them whatever they score). The first `sink` tokens (kept whatever they score) are left out of the pool:
+    their votes do not lift their neighbours, and they keep their raw votes. -> [B, Hkv, N] fp32."""
     b, h, n = window_votes.shape
     w = min(window, n)
-    prefix = window_votes[..., : n - w].float()
+    raw = window_votes[..., : n - w].float()
+    prefix = raw
     if kernel > 1 and prefix.shape[-1] > 0:
-        prefix = F.max_pool1d(prefix.reshape(b * h, 1, -1), kernel, stride=1, padding=kernel // 2).view(b, h, -1)
+        s = min(sink, prefix.shape[-1])
+        masked = raw.clone()
+        masked[..., :s] = float("-inf")
+        prefix = F.max_pool1d(masked.reshape(b * h, 1, -1), kernel, stride=1, padding=kernel // 2).view(b, h, -1)
+        prefix[..., :s] = raw[..., :s]
     return torch.cat([prefix, window_votes[..., n - w:].float()], dim=-1)
+
+
+def two_key_order(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Indices along the last axis, best first: higher `first`, then (among equal `first`) higher `second`,
+    then the lower index. first, second [..., T] (broadcastable to each other)."""
+    first, second = torch.broadcast_tensors(first.float(), second.float())
+    order = torch.argsort(second, dim=-1, descending=True, stable=True)
+    return order.gather(-1, torch.argsort(first.gather(-1, order), dim=-1, descending=True, stable=True))
 
 
 def prefill_scores(stats: dict[str, torch.Tensor], positions: torch.Tensor, prompt_len: int, scorer: str,

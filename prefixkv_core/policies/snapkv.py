@@ -3,31 +3,39 @@
 Preset: uniform allocation, the window scorer (per KV head), the window itself and the sink always kept."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kv.attention import StatRequest
 from . import allocation, scoring
-from .base import LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
+from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
 from .eviction_order import snap_rank
+
+
+def snap_votes(window_scores: torch.Tensor, window: int, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two keys SnapKV's family ranks the tokens before the window by, per KV head: (max-pooled votes with the
+    sink's pooled out and the sink itself at +inf, raw votes), each [B, Hkv, N - window]."""
+    n = window_scores.shape[-1]
+    pooled = scoring.snap_window(window_scores, window, kernel, sink=1)[..., : n - window].clone()
+    if pooled.shape[-1] > 0:
+        pooled[..., 0] = float("inf")  # the sink
+    return pooled, window_scores[..., : n - window].float()
 
 
 def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
     """window_scores [B, Hkv, N] -> kept indices [B, Hkv, capacity] (ascending).
 
     The last `window` tokens are always kept; from the rest, the top `capacity - window` per KV head by
-    max-pooled window attention. The first token (attention sink) is always among them.
+    max-pooled window attention (pooled without the sink's vote), ties broken by the raw vote, then by position.
+    The first token (attention sink) is always among them.
     """
     b, h, n = window_scores.shape
     w = min(window, n)
     capacity = max(min(capacity, n), w + 1 if n > w else n)
-    prefix = scoring.snap_window(window_scores, w, kernel)[..., : n - w]
-    if prefix.shape[-1] > 0:
-        prefix = prefix.clone()
-        prefix[..., 0] = float("inf")  # the sink
-    k = min(capacity - w, prefix.shape[-1])
-    chosen = torch.topk(prefix, k, dim=-1, sorted=False).indices
+    pooled, raw = snap_votes(window_scores, w, kernel)
+    k = min(capacity - w, pooled.shape[-1])
+    chosen = scoring.two_key_order(pooled, raw)[..., :k]
     tail = torch.arange(n - w, n, device=window_scores.device).view(1, 1, -1).expand(b, h, -1)
     return torch.cat([chosen.sort(dim=-1).values, tail], dim=-1)
 
@@ -64,6 +72,7 @@ def check_kernel(label: str, kernel: int) -> None:
 @dataclass
 class SnapState(PolicyState):
     window: int = 0  # the observation window used on this prompt
+    per_head: list[int] = field(default_factory=list)  # per layer, prompt entries every KV head keeps (window in)
 
 
 @dataclass(frozen=True)
@@ -98,7 +107,15 @@ class SnapKVPolicy(Policy):
         capacities = self.layer_capacities(view.prompt_len, view.num_layers, w, state)
         plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
                  for i, capacity in enumerate(capacities)]
+        state.per_head = [int(p.keep.shape[-1]) for p in plans]
         return Prefilled(plans, state)
+
+    def facts(self, state: PolicyState) -> list[Fact]:
+        out = super().facts(state)
+        if isinstance(state, SnapState) and state.per_head:
+            out.append(Fact("per_head", "entries per KV head (every head the same count, window included)",
+                            list(state.per_head), kind="per-layer", fmt="d"))
+        return out
 
     def eviction_order(self, view: PrefillView, state: SnapState):
         return [snap_rank(view.stats[i]["window"], state.window, self.kernel) for i in range(view.num_layers)]
