@@ -2,6 +2,8 @@
 
     python -m benchmarks.vision_accuracy --scenes 100                       # full cache only
     python -m benchmarks.vision_accuracy --scenes 30 --methods full,prefixkv,snapkv --budgets 0.2,0.5
+    python -m benchmarks.vision_accuracy --scenes 40 --methods all --budgets 0.05,0.1,0.2,0.3,0.5 \
+        --query-agnostic --budget-of-image --checkpoint runs/qa.jsonl       # the table that tells methods apart
 
 Every QA pair of the first --scenes seeds of the TEST split (scenes/, disjoint from the
 training seeds) is asked as the first turn of its own session (image + question), greedy decoding, a
@@ -11,7 +13,12 @@ reports which share of their objects ("red circle") it names. Writes <out>.json 
 <out>.html/.png (accuracy vs budget per method) when budgets are given. A method without a budget (its
 policy's `uses_budget` is false: Full, the reference, keeps everything; ZipVL sets its own share by τ) is
 asked once per question and reported at budget 1 (full@1, zipvl@1). --equal-memory holds the
-prompt-only methods at r·N_t while decoding (the engine's "equal_memory" budget mode).
+prompt-only methods at r·N_t while decoding (the engine's "equal_memory" budget mode). --query-agnostic
+compresses the image before the question is fed: with the question in view, the KV-cache methods keep the
+one-word answers at every budget because the first answer token comes from the full prefill; asked after the
+image was compressed, they differ. Each budget then gets a line naming the methods whose accuracy is not above
+the control's (--control, Random by default). --checkpoint appends every scene and budget's answers to a JSON-lines
+file as they finish and skips those already there, so a long run can stop and resume.
 
 Image-token reductions (FastV, VisionZip) read the budget r as a share of the prompt's cache by default
 (`budget_of=cache`); the share of the image tokens they actually keep (`image_kept_share`, their R) is
@@ -38,7 +45,7 @@ from tqdm import tqdm
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
-from prefixkv_core.policies import REGISTRY, knob_fields, parse_knobs, role_method
+from prefixkv_core.policies import REGISTRY, knob_fields, parse_knobs, resolve_methods, role_method
 from scenes import QTYPES, render_scene, split_seeds
 from scenes.freeform import render_freeform
 from scenes.grading import is_correct, normalise
@@ -69,17 +76,19 @@ def named_share(description: str, scene) -> float:
 
 
 def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
-        budget_mode: str = "published", knobs: dict | None = None) -> dict[str, str]:
+        budget_mode: str = "published", knobs: dict | None = None, query_agnostic: bool = False) -> dict[str, str]:
     return {m: text for m, (text, _) in ask_with_share(engine, image, prompt, methods, budget, max_new, budget_mode,
-                                                       knobs).items()}
+                                                       knobs, query_agnostic).items()}
 
 
 def ask_with_share(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
-                   budget_mode: str = "published", knobs: dict | None = None) -> dict[str, tuple[str, float | None]]:
+                   budget_mode: str = "published", knobs: dict | None = None, query_agnostic: bool = False
+                   ) -> dict[str, tuple[str, float | None]]:
     """Each method's answer and the share of the image tokens it kept (`image_kept_share`, reported by the
-    image-token reductions; None for the others)."""
+    image-token reductions; None for the others). `query_agnostic`: the image is compressed before the question
+    is fed (the engine's query-agnostic mode)."""
     session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new), knobs,
-                                 budget_mode=budget_mode)
+                                 budget_mode=budget_mode, query_agnostic=query_agnostic)
     for _ in session.run():
         pass
     return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"], (r.get("extras") or {}).get("image_kept_share"))
@@ -98,9 +107,14 @@ def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[li
 
 def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
              describe: int, split: str, budget_mode: str = "published", knobs: dict | None = None,
-             image_rows: bool = False) -> dict:
-    records = []
-    descriptions = []
+             image_rows: bool = False, query_agnostic: bool = False, checkpoint: Path | None = None) -> dict:
+    """Every question of every scene at every budget. `checkpoint`: a JSON-lines file that gets one line per scene
+    and budget as it finishes; the (scene, budget) pairs already in it are not asked again (a long run resumes)."""
+    done = read_checkpoint(checkpoint)
+    records, descriptions = [], []
+    for line in done.values():
+        records += line["records"]
+        descriptions += line["descriptions"]
     # A method without a budget answers alike at every budget: ask it once, with the first budget.
     runs = [(budget, ms) for j, budget in enumerate(budgets)
             if (ms := [m for m in methods if uses_budget(m) or j == 0])]
@@ -108,24 +122,71 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
     for i, seed in enumerate(seeds):
         scene = render_scene(seed)
         for budget, ms in runs:
+            bar.update()
+            if (seed, budget) in done:
+                continue
+            line = {"seed": seed, "budget": budget, "records": [], "descriptions": []}
             for qa in scene.qa:
                 for group, group_knobs, suffix in sessions(ms, knobs or {}, image_rows):
                     outs = ask_with_share(engine, scene.image, qa.question, group, budget, max_new, budget_mode,
-                                          group_knobs)
+                                          group_knobs, query_agnostic)
                     for m, (text, share) in outs.items():
-                        records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
-                                        "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
-                                        "image_kept_share": share, "output": text,
-                                        "correct": is_correct(text, qa.answer)})
+                        line["records"].append({
+                            "split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
+                            "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
+                            "image_kept_share": share, "output": text, "correct": is_correct(text, qa.answer)})
             if i < describe:
-                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, knobs)
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, knobs, query_agnostic)
                 for m, text in outs.items():
-                    descriptions.append({"seed": seed, "method": m, "budget": reported_budget(m, budget),
-                                         "output": text, "reference": scene.description,
-                                         "named": named_share(text, scene)})
-            bar.update()
+                    line["descriptions"].append({"seed": seed, "method": m, "budget": reported_budget(m, budget),
+                                                 "output": text, "reference": scene.description,
+                                                 "named": named_share(text, scene)})
+            records += line["records"]
+            descriptions += line["descriptions"]
+            if checkpoint is not None:
+                with checkpoint.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
     bar.close()
     return {"records": records, "descriptions": descriptions}
+
+
+def read_checkpoint(path: Path | None) -> dict[tuple[int, float], dict]:
+    """(seed, budget) -> the line a previous run wrote for it (a torn last line, from a run stopped mid-write, is
+    dropped and asked again)."""
+    done: dict[tuple[int, float], dict] = {}
+    if path is None or not path.exists():
+        return done
+    for raw in path.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        done[(line["seed"], line["budget"])] = line
+    return done
+
+
+def not_above_control(summary: dict, control: str) -> dict[float, tuple[float, list[str]]]:
+    """Per budget: the control's accuracy (all question types) and the methods with a budget whose accuracy is not
+    above it there (a method that does not beat chance at that budget)."""
+    by_budget: dict[float, dict[str, float]] = defaultdict(dict)
+    for key, per in summary.items():
+        m, b = key.rsplit("@", 1)
+        if "all" in per and uses_budget(m):
+            by_budget[float(b)][m] = per["all"]["accuracy"]
+    out = {}
+    for budget, accs in sorted(by_budget.items()):
+        if control in accs:
+            out[budget] = (accs[control], sorted(m for m, a in accs.items() if m != control and a <= accs[control]))
+    return out
+
+
+def control_lines(summary: dict, control: str | None) -> str:
+    if control is None:
+        return ""
+    lines = [f"- r = {b:g}: {control} {acc:.1%}; not above it: {', '.join(ms) or 'none'}"
+             for b, (acc, ms) in not_above_control(summary, control).items()]
+    return (f"Methods that do not beat {control} (accuracy over all question types not above its own):\n\n"
+            + "\n".join(lines) + "\n") if lines else ""
 
 
 BLANK_GREY = (128, 128, 128)
@@ -227,7 +288,7 @@ def pivot(summary: dict, qtype: str = "all") -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
+def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agnostic: bool = False) -> str:
     """Accuracy vs budget per method (the reference, Full, and any other method without a budget as horizontal
     lines); HTML always, PNG when Chromium is there."""
     import plotly.graph_objects as go
@@ -251,7 +312,8 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published") -> str:
         fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m))
     if full is not None:
         fig.add_hline(y=full, line_dash="dash", annotation_text=f"full cache {full:.0%}")
-    mode = "equal memory" if budget_mode == "equal_memory" else "budgets as published"
+    mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
+        ", query-agnostic" if query_agnostic else ", question in view")
     fig.update_layout(title=f"Scene QA accuracy vs KV budget (held-out test scenes) [{mode}]",
                       xaxis_title="KV budget (share of the cache kept)",
                       yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], width=900, height=480)
@@ -278,10 +340,16 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-of-image", action="store_true",
                     help="also run the methods with a budget_of knob (FastV, VisionZip) with budget_of=image: r is "
                          "then the share of image tokens kept (rows '<method>[image]')")
+    ap.add_argument("--query-agnostic", action="store_true",
+                    help="compress the image before the question is fed (the engine's query-agnostic mode)")
+    ap.add_argument("--control", default="random",
+                    help="the method each budget's line of methods that do not beat it names ('' for none)")
+    ap.add_argument("--checkpoint", default=None, metavar="PATH",
+                    help="append each scene and budget's answers here as they finish, and skip those already in it")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = resolve_methods(args.methods)  # "all", or names separated by commas
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()] or [1.0]
     t0 = time.time()
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -289,17 +357,19 @@ def main(argv=None) -> int:
     budget_mode = "equal_memory" if args.equal_memory else "published"
     knobs = parse_knobs(args.knob)
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
-                   args.describe, args.split, budget_mode, knobs, args.budget_of_image)
+                   args.describe, args.split, budget_mode, knobs, args.budget_of_image, args.query_agnostic,
+                   Path(args.checkpoint) if args.checkpoint else None)
     ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
         if args.controls else None
     summary = summarise(res)
     full = summary.get(f"{role_method('reference')}@{NO_BUDGET:g}")
-    out = Path(args.out + ("-equal-memory" if budget_mode == "equal_memory" and args.out == DEFAULT_OUT else ""))
+    out = Path(args.out + ("-equal-memory" if budget_mode == "equal_memory" and args.out == DEFAULT_OUT else "")
+               + ("-query-agnostic" if args.query_agnostic and args.out == DEFAULT_OUT else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "model": args.model, "vision_trained": loaded.vision_trained, "split": args.split, "scenes": args.scenes,
         "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens, "budget_mode": budget_mode,
-        "knobs": knobs, "budget_of_image": args.budget_of_image,
+        "knobs": knobs, "budget_of_image": args.budget_of_image, "query_agnostic": args.query_agnostic,
         "controls": ctrl["summary"] if ctrl else None,
         "accuracy": {t: v["accuracy"] for t, v in full.items()} if full else None,
         "n": {t: v["n"] for t, v in full.items()} if full else None,
@@ -309,11 +379,14 @@ def main(argv=None) -> int:
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     md = markdown(summary)
     if len(budgets) > 1 or budgets != [1.0]:
-        md = "All question types pooled:\n\n" + pivot(summary) + "\nPer question type:\n\n" + md
-        print(figure(summary, out, budget_mode), file=sys.stderr)
+        control = args.control if args.control in methods else None
+        md = ("All question types pooled:\n\n" + pivot(summary) + "\n" + control_lines(summary, control)
+              + "\nPer question type:\n\n" + md)
+        print(figure(summary, out, budget_mode, args.query_agnostic), file=sys.stderr)
     if ctrl:
         md += "\nControls (full cache):\n\n" + controls_markdown(ctrl)
-    mode = "equal memory" if budget_mode == "equal_memory" else "budgets as published"
+    mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
+        ", query-agnostic" if args.query_agnostic else ", question in view")
     out.with_suffix(".md").write_text(f"Scene QA accuracy, {args.split} split, {args.scenes} scenes, "
                                       f"model {args.model}, {mode}\n\n" + md)
     print(md)

@@ -44,3 +44,50 @@ def test_controls_and_budget_mode(tmp_path, monkeypatch):
     questions = [r["question"] for r in res["control_records"] if r["set"] == "freeform"]
     assert all("What colour is the" not in q for q in questions)  # not the templates' wording
     assert "Controls (full cache)" in out.with_suffix(".md").read_text()
+
+
+def test_query_agnostic_run_resumes_from_its_checkpoint_and_names_who_does_not_beat_random(tmp_path, monkeypatch):
+    """--query-agnostic reaches the engine; a run stopped after some scenes resumes from --checkpoint without
+    asking them again and gives the same records as one run; each budget gets a line naming the methods whose
+    accuracy is not above Random's."""
+    monkeypatch.setattr(va, "figure", lambda *a: "figure skipped in tests")
+    asked_modes, asked = [], []
+    real = va.ask_with_share
+
+    def spy(engine, image, prompt, methods, budget, max_new, budget_mode="published", knobs=None,
+            query_agnostic=False):
+        asked_modes.append(query_agnostic)
+        asked.append((prompt, budget))
+        return real(engine, image, prompt, methods, budget, max_new, budget_mode, knobs, query_agnostic)
+
+    monkeypatch.setattr(va, "ask_with_share", spy)
+    args = ["--model", "tiny-llama", "--device", "cpu", "--methods", "full,random,snapkv", "--budgets", "0.3,0.6",
+            "--max-new-tokens", "2", "--query-agnostic"]
+    one = tmp_path / "one"
+    assert va.main(args + ["--scenes", "2", "--out", str(one)]) == 0
+    assert asked_modes and all(asked_modes)
+    whole = json.loads(one.with_suffix(".json").read_text())
+    assert whole["query_agnostic"] is True
+
+    checkpoint = tmp_path / "run.jsonl"
+    part = tmp_path / "part"
+    assert va.main(args + ["--scenes", "1", "--checkpoint", str(checkpoint), "--out", str(part)]) == 0
+    before = len(asked)
+    assert va.main(args + ["--scenes", "2", "--checkpoint", str(checkpoint), "--out", str(part)]) == 0
+    seeds = sorted({r["seed"] for r in whole["records"]}, key=[r["seed"] for r in whole["records"]].index)
+    second = {r["question"] for r in whole["records"] if r["seed"] == seeds[1]}
+    assert len(asked) - before == 2 * len(second)  # only the second scene, at both budgets
+    resumed = json.loads(part.with_suffix(".json").read_text())
+    key = lambda r: (r["seed"], r["question"], r["method"], r["budget"], r["output"])  # noqa: E731
+    assert sorted(map(key, resumed["records"])) == sorted(map(key, whole["records"]))
+
+    md = one.with_suffix(".md").read_text()
+    assert "Methods that do not beat random" in md
+    for budget in ("0.3", "0.6"):
+        assert f"- r = {budget}: random " in md
+    lines = va.not_above_control(whole["summary"], "random")
+    assert set(lines) == {0.3, 0.6}
+    for budget, (acc, names) in lines.items():
+        snap = whole["summary"][f"snapkv@{budget:g}"]["all"]["accuracy"]
+        assert ("snapkv" in names) == (snap <= acc)
+        assert "full" not in names  # no budget: not compared
