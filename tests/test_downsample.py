@@ -113,7 +113,7 @@ def test_a_shorter_prompt_at_contiguous_positions_batched_equals_alone(lm, pictu
     assert state.prompt_len == n - n_img + fed and state.reduced_by == n_img - fed
     facts = state.policy.facts(state.policy_state)
     values = {f.key: f.value for f in facts}
-    assert values["image_fed"] == fed and values["image_share"] == pytest.approx(fed / n_img)  # the share kept
+    assert values["image_fed"] == fed and values["image_kept_share"] == pytest.approx(fed / n_img)  # the share kept
     assert any("grid pooling" in f.text() for f in facts)  # the panel says how it was reduced
     for layer in state.cache.layers:
         pos = layer.positions[0, 0]
