@@ -57,16 +57,16 @@ def named_share(description: str, scene) -> float:
 
 
 def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
-        budget_mode: str = "published") -> dict[str, str]:
+        budget_mode: str = "published", query_agnostic: bool = False) -> dict[str, str]:
     session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new),
-                                 budget_mode=budget_mode)
+                                 budget_mode=budget_mode, query_agnostic=query_agnostic)
     for _ in session.run():
         pass
     return {m: (r["error"] and f"ERROR {r['error']}") or r["text"] for m, r in session.results().items()}
 
 
 def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
-             describe: int, split: str, budget_mode: str = "published") -> dict:
+             describe: int, split: str, budget_mode: str = "published", query_agnostic: bool = False) -> dict:
     records = []
     descriptions = []
     # A method without a budget answers alike at every budget: ask it once, with the first budget.
@@ -77,13 +77,13 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
         scene = render_scene(seed)
         for budget, ms in runs:
             for qa in scene.qa:
-                outs = ask(engine, scene.image, qa.question, ms, budget, max_new, budget_mode)
+                outs = ask(engine, scene.image, qa.question, ms, budget, max_new, budget_mode, query_agnostic)
                 for m, text in outs.items():
                     records.append({"split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
                                     "qtype": qa.qtype, "method": m, "budget": reported_budget(m, budget),
                                     "output": text, "correct": is_correct(text, qa.answer)})
             if i < describe:
-                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode)
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, query_agnostic)
                 for m, text in outs.items():
                     descriptions.append({"seed": seed, "method": m, "budget": reported_budget(m, budget),
                                          "output": text, "reference": scene.description,
@@ -223,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--describe", type=int, default=0, help="also ask this many scenes for a description")
     ap.add_argument("--equal-memory", action="store_true",
                     help="hold the prompt-only methods at r·N_t while decoding (budget mode equal_memory)")
+    ap.add_argument("--query-agnostic", action="store_true",
+                    help="compress the image before the question is read, then feed the question (the engine's "
+                         "query_agnostic mode)")
     ap.add_argument("--controls", type=int, default=0, metavar="N",
                     help="also run the blank-image control and N freeform images (full cache)")
     ap.add_argument("--out", default=DEFAULT_OUT)
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
     engine = Engine(loaded)
     budget_mode = "equal_memory" if args.equal_memory else "published"
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
-                   args.describe, args.split, budget_mode)
+                   args.describe, args.split, budget_mode, args.query_agnostic)
     ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
         if args.controls else None
     summary = summarise(res)
@@ -245,6 +248,7 @@ def main(argv=None) -> int:
     payload = {
         "model": args.model, "vision_trained": loaded.vision_trained, "split": args.split, "scenes": args.scenes,
         "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens, "budget_mode": budget_mode,
+        "query_agnostic": args.query_agnostic,
         "controls": ctrl["summary"] if ctrl else None,
         "accuracy": {t: v["accuracy"] for t, v in full.items()} if full else None,
         "n": {t: v["n"] for t, v in full.items()} if full else None,

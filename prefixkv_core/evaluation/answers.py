@@ -60,6 +60,7 @@ class AnswerBank:
         self.answers: dict[str, dict[Run, str]] = {}
         self.scores: dict[tuple, float | None] = {}  # teacher-forced log-likelihoods, per method
         self.skipped: dict[str, str] = {}  # sample id -> why it has no answer (over the context, ...)
+        self.kv: dict[Run, list[float]] = {}  # each answer's final KV bytes over an uncompressed cache's
         self.sessions = 0  # engine sessions run (the sweep's cost, against one per method and budget)
 
     def answer(self, sample: Sample, run: Run) -> str:
@@ -106,7 +107,13 @@ class AnswerBank:
             if r["error"]:
                 log.warning("sample %s: %s failed: %s", sample.sample_id, m, r["error"])
             texts[m] = cut_at_stop(r["text"] or "", sample.until)
+            if r["full_kv_bytes"]:
+                self.kv.setdefault((m, float(budget)), []).append(r["kv_bytes"] / r["full_kv_bytes"])
         return texts
+
+    def kv_share(self) -> dict[str, float]:
+        """'method@budget' -> the mean final KV share of its answers (what a method without a budget keeps)."""
+        return {f"{m}@{b:g}": sum(v) / len(v) for (m, b), v in self.kv.items() if v}
 
     def _skip(self, sample: Sample, why: str) -> None:
         self.skipped[sample.sample_id] = why

@@ -64,7 +64,10 @@ class PrefixKV(lmms):
     def select(self, method: str, budget: float) -> None:
         """The method and budget whose answers the next evaluation reports (one run of a sweep)."""
         run = (method, float(budget))
-        if run not in {(m, float(b)) for m, b in self.settings.runs()}:
+        known = {(m, float(b)) for m, b in self.settings.runs()}
+        if self.settings.reference:  # decoded beside the others at every budget's first batch
+            known |= {(self.settings.reference, float(b)) for b in self.settings.budgets}
+        if run not in known:
             raise ValueError(f"{method}@{budget:g} is not in this model's sweep: "
                              + ", ".join(f"{m}@{b:g}" for m, b in self.settings.runs()))
         self.current = run
