@@ -26,13 +26,11 @@ from tqdm import tqdm
 
 from ..models import load_model
 from ..session.engine import Engine
-from ..session.generation import GenerationSettings
 from .answers import AnswerBank, Run, Sample
+from .gen_kwargs import generation_settings, stop_strings
 from .model_args import parse_model_args
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_NEW_TOKENS = 256  # when a task sets none
 
 
 class PrefixKV(lmms):
@@ -117,24 +115,7 @@ class PrefixKV(lmms):
             log.warning("sample %s skipped: %s", sample_id, self.bank.skipped[sample_id])
             return None
         return Sample(sample_id, context, visuals[0].convert("RGB") if visuals else None,
-                      tuple(_until(gen_kwargs)), generation_settings(gen_kwargs, self.settings.seed))
+                      tuple(stop_strings(gen_kwargs)), generation_settings(gen_kwargs, self.settings.seed))
 
     def _run_name(self) -> str:
         return f"{self.current[0]}@{self.current[1]:g}"
-
-
-def _until(gen_kwargs: dict[str, Any]) -> list[str]:
-    until = gen_kwargs.get("until") or []
-    return [until] if isinstance(until, str) else list(until)
-
-
-def generation_settings(gen_kwargs: dict[str, Any], seed: int) -> GenerationSettings:
-    """A task's generation_kwargs as the engine's settings: sampling when do_sample is set or the temperature
-    is above 0 (lmms-eval's convention), greedy otherwise."""
-    temperature = float(gen_kwargs.get("temperature") or 0.0)
-    sample = bool(gen_kwargs.get("do_sample", False)) or temperature > 0
-    top_p = gen_kwargs.get("top_p")
-    return GenerationSettings(max_new_tokens=int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
-                              do_sample=sample, temperature=temperature if sample and temperature > 0 else 0.7,
-                              top_p=float(top_p) if sample and top_p else 0.9 if not top_p else float(top_p),
-                              seed=seed)
