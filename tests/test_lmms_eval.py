@@ -122,7 +122,7 @@ def test_two_processes_match_one(full_run, tmp_path):
 
 def test_bad_model_args_fail_at_construction_with_the_engines_message(tmp_path):
     proc = lmms_eval(tmp_path, "pretrained=embedded,method=snapkv,knobs=snapkv.nosuch=1", limit=1, check=False)
-    assert proc.returncode != 0
+    # lmms-eval's CLI logs a failed run and still exits 0: the message and the missing outputs tell
     assert "snapkv has no knob(s) nosuch; its knobs: window" in proc.stdout + proc.stderr
     assert not list(tmp_path.rglob("*_samples_*.jsonl"))
 
