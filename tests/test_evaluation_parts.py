@@ -71,6 +71,32 @@ def test_leaderboard_rows_from_a_sweep():
     assert "scene_qa,,embedded,snapkv,0.90,75.00,75.00" in agree
 
 
+def _lmms_eval_output(folder, model_args, answers):
+    """An lmms-eval output folder as `--log_samples` leaves it: results, and one samples file per task."""
+    import json
+
+    folder.mkdir(parents=True)
+    (folder / "20261125_120000_results.json").write_text(json.dumps({
+        "config": {"model": "prefixkv", "model_args": model_args},
+        "results": {"scene_qa_colour": {"alias": "scene_qa_colour", "accuracy,none": sum(c for _, c in answers) / 2,
+                                        "accuracy_stderr,none": 0.0}}}))
+    (folder / "20261125_120000_samples_scene_qa_colour.jsonl").write_text("\n".join(
+        json.dumps({"doc_id": i, "filtered_resps": [text], "accuracy": c}) for i, (text, c) in enumerate(answers)))
+
+
+def test_leaderboard_rows_from_separate_lmms_eval_runs(tmp_path):
+    from prefixkv_core.evaluation.collect import collect, split_model_args
+
+    assert split_model_args('pretrained=embedded,knobs="snapkv.window=16;h2o.recent_fraction=0.5",query_agnostic=true') \
+        == {"pretrained": "embedded", "knobs": "snapkv.window=16;h2o.recent_fraction=0.5", "query_agnostic": True}
+    _lmms_eval_output(tmp_path / "full", "pretrained=embedded,method=full", [("red", 1), ("blue", 1)])
+    _lmms_eval_output(tmp_path / "snapkv", "pretrained=embedded,method=snapkv,budget=0.2", [("red", 1), ("green", 0)])
+    scores, agree = leaderboard_rows(collect([tmp_path / "full", tmp_path / "snapkv"]))
+    assert "scene_qa_colour,,embedded,snapkv_query_aware,0.80,50.00,50.00" in scores
+    assert "scene_qa_colour,,embedded,full_query_aware,0.00,100.00,100.00" in scores
+    assert "scene_qa_colour,,embedded,snapkv_query_aware,0.80,50.00,50.00" in agree
+
+
 def test_a_sample_over_the_context_is_skipped_by_id(tiny_llama):
     engine = Engine(tiny_llama)
     bank = AnswerBank(engine, parse_model_args({"pretrained": "tiny-llama", "methods": "snapkv", "budget": 0.5}))

@@ -28,21 +28,22 @@ def _scaled(value: float | None) -> float | None:
 
 
 def leaderboard_rows(payload: dict[str, Any]) -> tuple[str, str]:
-    """A sweep's results.json -> (scores CSV, agreement CSV), both in the leaderboard's layout."""
-    margs = payload["model_args"]
-    query_aware = not margs.get("query_agnostic", False)
-    budget_mode = margs.get("budget_mode", "published")
-    knobs = parse_knobs(split_list_knobs(margs.get("knobs", "")))
+    """A sweep's results.json (or `collect.py`'s runs: each may carry its own `model_args`) -> (scores CSV,
+    agreement CSV), both in the leaderboard's layout."""
     scores, agreements = [], []
     for run in payload["runs"]:
+        margs = run.get("model_args", payload.get("model_args", {}))
+        query_aware = not margs.get("query_agnostic", False)
+        budget_mode = margs.get("budget_mode", "published")
+        knobs = parse_knobs(split_list_knobs(margs.get("knobs", "")))
         method, budget = run["method"], run["budget"]
         kv = payload.get("kv_share", {}).get(f"{method}@{budget:g}")
         ratio = compression_ratio(budget if REGISTRY[method].uses_budget else None,
                                   1.0 if kv is None else kv)
         name = method_name(method, query_aware=query_aware,
                            held=held_in_equal_memory(method, budget_mode, knobs))
-        common = dict(dataset=str(payload.get("tasks", "")), data_dir="", model=str(payload["model"]), method=name,
-                      compression_ratio=ratio)
+        common = dict(dataset=str(run.get("tasks", payload.get("tasks", ""))), data_dir="",
+                      model=str(run.get("model", payload.get("model", ""))), method=name, compression_ratio=ratio)
         scores.append(LeaderboardRow(**common, scores={t: _scaled(v) for t, v in run["scores"].items()}))
         agreements.append(LeaderboardRow(**common, scores={t: _scaled(v) for t, v in run["agreement"].items()}))
     tasks = sorted({t for r in scores for t in r.scores})
