@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EngineError
+from ..policies import REGISTRY
 from ..report.events import MethodEvent
 from ..session.engine import Engine
 from ..session.generation import GenerationSettings
@@ -154,6 +155,4 @@ class AnswerBank:
 
 
 def _uses_budget(method: str) -> bool:
-    from ..policies import REGISTRY
-
     return REGISTRY[method].uses_budget

@@ -56,8 +56,7 @@ class PrefixKV(lmms):
     # -- what lmms-eval asks of a model ------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return torch.device(self.engine.loaded.device) if not isinstance(self.engine.loaded.device, torch.device) \
-            else self.engine.loaded.device
+        return torch.device(self.engine.loaded.device)
 
     def select(self, method: str, budget: float) -> None:
         """The method and budget whose answers the next evaluation reports (one run of a sweep)."""
