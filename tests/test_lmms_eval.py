@@ -151,3 +151,15 @@ def test_a_sweep_decodes_each_sample_once_per_budget(tmp_path, engine):
     assert board[0] == "dataset,data_dir,model,method,compression_ratio,score,scene_qa_colour,scene_qa_count"
     assert len(board) == 1 + 5
     assert len((out / "leaderboard-agreement.csv").read_text().splitlines()) == 1 + 5
+
+
+def test_a_device_in_model_args_and_on_the_command_line_do_not_clash():
+    code = ("from prefixkv_core.evaluation.lmms_model import PrefixKV\n"
+            "from prefixkv_core.method_args import MethodArgError\n"
+            "try:\n"
+            "    PrefixKV.create_from_arg_string('method=snapkv,device=cpu,knobs=snapkv.nosuch=1',"
+            " {'device': 'cuda', 'batch_size': 1})\n"
+            "except MethodArgError as exc:\n"
+            "    print('refused:', exc)\n")
+    proc = subprocess.run([str(EVAL_PY), "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert "refused: knobs: snapkv has no knob(s) nosuch" in proc.stdout, proc.stderr[-2000:]

@@ -53,6 +53,16 @@ class PrefixKV(lmms):
         self.bank = AnswerBank(self.engine, self.settings)
         self.current: Run = self.settings.runs()[0]
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PrefixKV":
+        """lmms-eval's --device (and --batch_size) arrive beside model_args; a device given in model_args wins
+        instead of clashing with it."""
+        from lmms_eval.utils import simple_parse_args_string
+
+        args = simple_parse_args_string(arg_string)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in args}
+        return cls(**args, **extra)
+
     # -- what lmms-eval asks of a model ------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
