@@ -59,7 +59,9 @@ def _defined_names() -> frozenset[str]:
 @lru_cache(maxsize=1)
 def _code_text() -> str:
     parts = [p.read_text() for p in _python_files()]
-    parts += [(ROOT / name).read_text() for name in ("Makefile", "Dockerfile") if (ROOT / name).exists()]
+    parts += [(ROOT / name).read_text() for name in ("Makefile", "Dockerfile", "pyproject.toml")
+              if (ROOT / name).exists()]
+    parts += [p.read_text() for p in sorted((ROOT / "benchmarks").rglob("*.yaml"))]  # the lmms-eval tasks
     return "\n".join(parts)
 
 
