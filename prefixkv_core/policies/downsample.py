@@ -116,10 +116,7 @@ class DownsamplePolicy(Policy):
         out = super().facts(state)
         if isinstance(state, DownsampleState) and state.sources is not None:
             s = state.sources
-            out.append(Fact("image_fed", "image tokens fed to the language model", s.tokens, fmt="d",
-                            unit=f" of {s.original_tokens}"))
-            out.append(Fact("image_kept_share", "share of the image tokens kept",
-                            s.tokens / max(1, s.original_tokens), fmt=".0%"))
+            out += s.fed_facts()
             crops = f" per crop, {s.crops} crops" if s.crops > 1 else ""
             out.append(Fact("grid", "pooled grid", f"{state.pooled}x{state.pooled}{crops}"))
             out.append(note("grid pooling: the projected patch grid average-pooled; the vision tower sees the image "

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .facts import Fact
+
 KINDS = ("cls", "dominant", "contextual", "pooled")  # pooled: the mean of a block of the patch grid
 
 
@@ -92,3 +94,11 @@ class ImageTokenSources:
             target = kept if kind == "dominant" else merged
             target[cells] = np.maximum(target[cells], float(s))
         return kept, merged
+
+    def fed_facts(self) -> list[Fact]:
+        """How many image tokens the language model was fed, and their share of the prompt's (the paper's R is
+        the share dropped): what every vision-side reduction's panel shows first."""
+        return [Fact("image_fed", "image tokens fed to the language model", self.tokens, fmt="d",
+                     unit=f" of {self.original_tokens}"),
+                Fact("image_kept_share", "share of the image tokens kept", self.tokens / max(1, self.original_tokens),
+                     fmt=".0%")]

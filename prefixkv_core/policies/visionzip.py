@@ -148,10 +148,7 @@ class VisionZipPolicy(Policy):
         out = super().facts(state)
         if isinstance(state, VisionZipState) and state.sources is not None:
             s = state.sources
-            out.append(Fact("image_fed", "image tokens fed to the language model", s.tokens, fmt="d",
-                            unit=f" of {s.original_tokens}"))
-            out.append(Fact("image_kept_share", "share of the image tokens kept", s.tokens / s.original_tokens,
-                            fmt=".0%"))
+            out += s.fed_facts()
             kept = s.counts.get("dominant", 0) + s.counts.get("cls", 0)
             out.append(Fact("dominant", "dominant", kept, fmt="d",
                             unit=" (CLS included)" if s.counts.get("cls") else ""))
