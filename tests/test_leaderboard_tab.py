@@ -79,7 +79,7 @@ def test_the_page_has_a_compare_and_a_leaderboard_tab(app):
 def test_show_filters_the_shipped_rows(ctl):
     fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_agnostic", "published", "agreement")
     assert len(rows) == 38 and len(fig.data) == 14
-    assert {r[-1] for r in rows} == {"scene_qa/embedded-query-agnostic"}
+    assert {r[-2] for r in rows} == {"scene_qa/embedded-query-agnostic"}
     assert "synthetic scenes only" in note and "4 samples per task" in note
     snapkv = next(t for t in fig.data if t.name == "SnapKV")
     assert list(snapkv.x) == [pytest.approx(0.1), pytest.approx(0.3), pytest.approx(0.5)]

@@ -10,7 +10,7 @@ import gradio as gr
 from .export import find_browser
 from .inputs import guard_input
 from .leaderboard_chart import X_TITLE
-from .leaderboard_view import FIGURE_FORMATS, TABLE_HEADERS
+from .leaderboard_view import FIGURE_FORMATS, TABLE_HEADERS, TABLE_WIDTHS
 
 INTRO = f"""
 **Stored results** of the compression methods in [kvpress's leaderboard layout](https://huggingface.co/spaces/nvidia/kvpress-leaderboard),
@@ -41,7 +41,7 @@ def leaderboard_tab(ctl) -> SimpleNamespace:
     t.plot = gr.Plot(figure, show_label=False, elem_id="lb-chart")
     t.note = gr.Markdown(note, elem_id="lb-note")
     t.table = gr.Dataframe(headers=TABLE_HEADERS, value=rows, label="Rows shown", interactive=False, wrap=True,
-                           elem_id="lb-table")
+                           column_widths=TABLE_WIDTHS, elem_id="lb-table")
     with gr.Accordion("Download: CSV, JSON and the figure for papers", open=False):
         with gr.Row(equal_height=True):
             t.formats = gr.CheckboxGroup([("PNG ×3", "png"), ("PDF", "pdf")], value=list(FIGURE_FORMATS),

@@ -31,7 +31,8 @@ BUDGET_MODE_LABELS = {"published": "published", "equal_memory": "equal memory"}
 METRIC_NAMES = {"accuracy": "accuracy", "agreement": "agreement with Full"}
 FIGURE_FORMATS = ("png", "pdf")
 TABLE_HEADERS = ["Method", "Kept share", "compression_ratio", "Accuracy", "Agreement with Full", "Budget r",
-                 "Measured KV share", "Samples / task", "Commit", "Command", "Source"]
+                 "Measured KV share", "Samples / task", "Commit", "Source", "Command"]
+TABLE_WIDTHS = ["9%", "6%", "7%", "6%", "7%", "5%", "6%", "5%", "6%", "13%", "30%"]
 EMBEDDED_MODELS = ("embedded", EMBEDDED_SLUG)
 NO_BROWSER = ("No Chromium or Chrome found (set BROWSER_PATH or install chromium): the figure was not rendered "
               "as PNG/PDF; the CSV and JSON are ready.")
@@ -110,7 +111,7 @@ class LeaderboardView:
         return [[self.labels.get(p.method, p.method), pct(p.kept_share), ratio_text(p.compression_ratio),
                  "" if p.accuracy is None else p.accuracy, "" if p.agreement is None else p.agreement,
                  "" if p.budget is None else p.budget, pct(p.kv_share), p.samples or "", p.commit or "",
-                 p.command or "", p.source] for p in points]
+                 p.source, p.command or ""] for p in points]
 
     def note(self, sel: Selection, points: list[LeaderboardPoint]) -> str:
         lines = []
