@@ -1,5 +1,6 @@
-"""The Gradio Blocks: inputs, one streaming panel per method (3 per row), live charts, the patch overlay,
-follow-up chat and export, wired to the Controller.
+"""The Gradio Blocks: two tabs. Compare: inputs, one streaming panel per method (3 per row), live charts, the
+patch overlay, follow-up chat and export; Leaderboard: the stored results (leaderboard_tab.py). Both are wired to
+the Controller.
 
     demo = build_app(Engine(build_tiny_model("llama")))        # tests: no model download
     demo.launch(**launch_kwargs("127.0.0.1", 7860))
@@ -20,6 +21,7 @@ from prefixkv_core import Engine, describe, resolve_methods
 from prefixkv_core.limits import MB, Limits, server_limits
 from prefixkv_core.models import EMBEDDED_SLUG
 from prefixkv_core.policies import role_label
+from prefixkv_core.report.leaderboard_store import LeaderboardStore
 
 from .controller import ENGINE_QUEUE, BoxReaper, Controller, SessionBox
 from .export import ALL_FORMATS
@@ -27,6 +29,7 @@ from .export_store import ExportStore
 from .http_limits import BodySizeLimit, body_limit_for
 from .inputs import (DEFAULT_LIMITS, MAX_SEED, checked_image, example_images, guard_input, guard_requests,
                      knob_specs, upload_folder)
+from .leaderboard_tab import leaderboard_tab
 from .panels import status_line
 from .sessions import SessionRegistry
 from .theme import css, gradio_theme
@@ -110,10 +113,12 @@ QUERY_AGNOSTIC_INFO = ("on: the image is compressed before the question is read,
 
 def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any = "all",
               default_methods: Any = None, max_new_tokens_limit: int = 256, examples_dir: Path | str | None = None,
-              title: str = TITLE, limits: Limits | None = None, queue_size: int = QUEUE_SIZE) -> gr.Blocks:
+              title: str = TITLE, limits: Limits | None = None, queue_size: int = QUEUE_SIZE,
+              leaderboard: LeaderboardStore | None = None) -> gr.Blocks:
     """Blocks for one loaded model. `methods` are the methods offered (registry order), all selected unless
     `default_methods` says otherwise. The queue runs one engine request at a time; at most `queue_size`
-    wait in line."""
+    wait in line. `leaderboard`: the stored results the Leaderboard tab shows (default: the repository's
+    `benchmarks/leaderboard/`, read once here)."""
     engine = engine_or_factory if isinstance(engine_or_factory, Engine) else engine_or_factory()
     limits = limits or server_limits(engine.loaded)
     offered = resolve_methods(methods)
@@ -123,7 +128,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     specs = knob_specs(described, offered)
     examples_folder = Path(examples_dir) if examples_dir else ASSETS
     ctl = Controller(engine, offered, limit, specs, limits=limits, registry=SessionRegistry(limits),
-                     exports=ExportStore(), image_roots=lambda: [upload_folder(), str(examples_folder)])
+                     exports=ExportStore(), image_roots=lambda: [upload_folder(), str(examples_folder)],
+                     leaderboard=leaderboard)
     examples = example_images(examples_folder, scenes_first=engine.loaded.slug == EMBEDDED_SLUG)
 
     with gr.Blocks(title=title, analytics_enabled=False, delete_cache=FILE_CACHE) as demo:
@@ -133,10 +139,14 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
         # a plain instance, deep-copied for every session (a callable default would add a public load endpoint);
         # when gradio deletes a closed session's state, whatever it still holds goes too
         page.box = gr.State(SessionBox(overlay_layer=ctl.num_layers // 2), delete_callback=BoxReaper(ctl))
-        _request_inputs(page, ctl, limits, described, specs, chosen, limit, examples)
-        _method_panels(page, ctl, limits, chosen)
-        _charts(page, ctl)
-        _export_and_help(page, offered)
+        with gr.Tabs(elem_id="tabs"):
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                _request_inputs(page, ctl, limits, described, specs, chosen, limit, examples)
+                _method_panels(page, ctl, limits, chosen)
+                _charts(page, ctl)
+                _export_and_help(page, offered)
+            with gr.Tab("Leaderboard", id="leaderboard", elem_id="tab-leaderboard"):
+                page.leaderboard = leaderboard_tab(ctl)
         _wire_events(page, ctl)
         demo.unload(ctl.disconnected)  # a closed tab or client: its caches and exports go at once
 

@@ -10,7 +10,9 @@ objects, each given what it needs in its constructor:
 - `TabLifecycle(registry, exports, renderer, engine_busy=, queue_waiting=)` (lifecycle.py): the queued click,
   Stop, Clear, closed tabs;
 - `ViewControls(renderer, overlay, num_layers)` (view_controls.py): the handlers that only change a view;
-- `Exporter(renderer, exports)` (exporting.py).
+- `Exporter(renderer, exports)` (exporting.py);
+- `LeaderboardView(store, exports, labels)` (leaderboard_view.py): the Leaderboard tab, on the stored results
+  (`prefixkv_core.report.leaderboard_store`), with an export store of its own for its downloads.
 
 The Controller builds them and offers their handlers under the names app_builder.py and the API use. It also
 holds the controller's static facts and the order of the outputs (`output_keys`).
@@ -28,13 +30,15 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from prefixkv_core.limits import Limits
-from prefixkv_core.policies import role_label
+from prefixkv_core.policies import describe, role_label
+from prefixkv_core.report.leaderboard_store import LeaderboardStore, load_leaderboard
 
 from . import queue_probe
 from .catalog import MethodCatalog, model_facts
 from .export_store import ExportStore
 from .exporting import Exporter
 from .inputs import DEFAULT_LIMITS, KnobSpec, upload_folder
+from .leaderboard_view import LeaderboardView
 from .lifecycle import TabLifecycle
 from .overlay import crops_to_square
 from .overlay_sampler import OverlaySampler
@@ -83,7 +87,8 @@ class Controller:
 
     def __init__(self, engine, methods: list[str], max_new_tokens_limit: int, knob_specs: list[KnobSpec], *,
                  limits: Limits = DEFAULT_LIMITS, registry: SessionRegistry | None = None,
-                 exports: ExportStore | None = None, image_roots: Callable[[], list[str]] | None = None):
+                 exports: ExportStore | None = None, image_roots: Callable[[], list[str]] | None = None,
+                 leaderboard: LeaderboardStore | None = None):
         self.engine = engine
         self.loaded = engine.loaded
         self.limit = int(max_new_tokens_limit)
@@ -104,6 +109,8 @@ class Controller:
                                  queue_waiting=self._queue_waiting)
         self.views = ViewControls(self.renderer, overlay, self.num_layers)
         self.exporter = Exporter(self.renderer, self.exports)
+        self.leaderboard = LeaderboardView(leaderboard if leaderboard is not None else load_leaderboard(),
+                                           ExportStore(max_folders=8), {d["name"]: d["label"] for d in describe()})
 
     # -- static facts ------------------------------------------------------------------------------------------
     @property
@@ -169,6 +176,7 @@ class Controller:
 
     def disconnected(self, request: gr.Request = None) -> None:
         self.tabs.disconnected(request)
+        self.leaderboard.forget(request)
 
     def forget_box(self, box) -> None:
         self.tabs.forget_box(box)
@@ -188,6 +196,14 @@ class Controller:
 
     def export_images(self, comp: Comparison) -> dict[str, Any]:
         return self.exporter.images(comp)
+
+    # -- the Leaderboard tab -----------------------------------------------------------------------------------
+    def show_leaderboard(self, task=None, model=None, query_mode=None, budget_mode=None, metric=None):
+        return self.leaderboard.show(task, model, query_mode, budget_mode, metric)
+
+    def export_leaderboard(self, task=None, model=None, query_mode=None, budget_mode=None, metric=None,
+                           formats=None, request: gr.Request = None):
+        return self.leaderboard.export(task, model, query_mode, budget_mode, metric, formats, request)
 
     # -- drawing -----------------------------------------------------------------------------------------------
     def head(self, method: str, comp: Comparison | None) -> str:

@@ -419,6 +419,17 @@ def check_switch(field: str, value: Any) -> bool:
     return value
 
 
+def check_choice(field: str, value: Any, choices: Iterable[str], default: str | None = None) -> str | None:
+    """One of a fixed list of names (None: `default`); anything else is refused with the list."""
+    allowed = list(choices)
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in allowed:
+        listed = ", ".join(allowed) if allowed else "nothing (no stored values)"
+        raise refuse(f"{field} must be one of: {listed}; got {_short(value)}")
+    return value
+
+
 def check_sampling(do_sample: Any, temperature: Any, top_p: Any, seed: Any) -> tuple[bool, float, float, int]:
     """Sampling settings of a request; None takes the default."""
     do_sample = False if do_sample is None else do_sample

@@ -45,6 +45,14 @@ def method_name(method: str, *, query_aware: bool, held: bool = False) -> str:
     return method + ("_equal_memory" if held else "") + ("_query_aware" if query_aware else "")
 
 
+def split_method_name(name: str) -> tuple[str, bool, bool]:
+    """The inverse of `method_name`: 'snapkv_equal_memory_query_aware' -> ('snapkv', True, True), as
+    (method, query_aware, held)."""
+    query_aware = name.endswith("_query_aware")
+    base = name[: -len("_query_aware")] if query_aware else name
+    held = base.endswith("_equal_memory")
+    return (base[: -len("_equal_memory")] if held else base), query_aware, held
+
 
 def compression_ratio(budget: float | None, kv_share: float | None = None) -> float:
     """The removed share of the cache: 1 - r for a budgeted method, 1 - the measured KV share otherwise."""
