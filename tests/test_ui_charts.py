@@ -301,3 +301,19 @@ def test_quality_figure_labels_coinciding_points_once():
     texts = {t.name: t.text[0] for t in fig.data}
     assert texts == {"Local": "Local · SnapKV", "SnapKV": "", "H2O": "H2O"}
     assert [t.x[0] for t in fig.data] == [0.30, 0.31, 0.30]  # every marker still drawn where it is
+
+
+def test_a_method_still_in_its_own_prefill_says_so():
+    """After the shared prefill, a method that runs a prefill of its own joins later: its panel says it is in its
+    prefill (before the shared prefill every panel is waiting)."""
+    from prefixkv_core.report.record import ComparisonRecord
+    from ui.panels import header_html
+    from ui.runstate import Comparison
+
+    comp = Comparison(ComparisonRecord(["full", "fastv"], {"full": "Full", "fastv": "FastV"}, "What is this?", 0.3,
+                                       {"max_new_tokens": 4}, {}, roles=role_methods()))
+    assert "waiting" in header_html(comp.tracks["fastv"], "prompt only", comp)
+    comp.record.apply(PrefillInfo(10, 4, 2, _importance(2, 10), np.arange(10) < 4, (2, 2), 0, 0.1))
+    comp.record.apply(_ev("full", "Full", [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=400, stage="none"))
+    assert "in its own prefill" in header_html(comp.tracks["fastv"], "prompt only", comp)
+    assert "in its own prefill" not in header_html(comp.tracks["full"], "none", comp)

@@ -11,8 +11,8 @@ from .charts import MB
 from .runstate import Comparison, Track
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-STATUS_TEXT = {"waiting": "waiting", "streaming": "streaming…", "done": "done", "stopped": "stopped",
-               "error": "error"}
+STATUS_TEXT = {"waiting": "waiting", "prefilling": "in its own prefill…", "streaming": "streaming…", "done": "done",
+               "stopped": "stopped", "error": "error"}
 
 
 def clean(text: str) -> str:
@@ -83,6 +83,8 @@ def header_html(track: Track, summary: str, comparison: Comparison | None, uses_
     name = html.escape(track.label)
     turn = track.turn
     status = turn.status if turn is not None and comparison is not None else "waiting"
+    if status == "waiting" and comparison is not None and comparison.prefill is not None and not comparison.finished:
+        status = "prefilling"  # the shared prefill is done: this method's own runs between the others' steps
     badges = [_badge(STATUS_TEXT.get(status, status), f"state-{status}")]
     ev = track.last if comparison is not None else None
     if ev is not None:

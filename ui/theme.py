@@ -70,6 +70,7 @@ def css() -> str:
 .badge.rouge {{ background: #f2fbf4; border-color: #cdebd5; }}
 .badge.alone {{ background: #fdf3ea; border-color: #f3d6bb; }}
 .badge.state-streaming {{ background: #fff8e6; border-color: #ffe2a8; }}
+.badge.state-prefilling {{ background: #eef4ff; border-color: #c5d7fb; }}
 .badge.state-done {{ background: #eefaf0; border-color: #c7eccf; }}
 .badge.state-error {{ background: #fdecec; border-color: #f5c2c2; color: #a40000; }}
 .badge.state-stopped {{ background: #f3f0ff; border-color: #d9d0ff; }}

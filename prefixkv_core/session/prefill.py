@@ -94,7 +94,7 @@ class Prefiller:
         prefill; else one is shared (the last state to share it takes its cache, the others a copy). Returns the
         charts' analysis; None without `analysis` (a method timed alone again)."""
         sharing = [s for s in states if not s.policy.own_prefill()]
-        shared = None if alone else self._prefill([s.policy for s in sharing])
+        shared = self._prefill([s.policy for s in sharing]) if sharing and not alone else None
         analysed = shared  # the prefill whose column sums the importance charts show
         curves: dict[str, np.ndarray] = {}
         for state in states:

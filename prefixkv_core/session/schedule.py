@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Iterator, Protocol
 
+from ..errors import EngineError
 from ..report.events import MethodEvent, PrefillInfo
 from .method_state import MethodState
 from .stepping import RowStepper
@@ -20,11 +21,31 @@ class Session(Protocol):
     stepper: RowStepper
     timing: list[MethodState]  # copies being decoded alone (their caches count in the session's memory)
 
-    def prefill_first_turn(self, alone: bool) -> PrefillInfo: ...
+    def prefill_first_turn(self, alone: bool, states: list[MethodState] | None = None) -> PrefillInfo: ...
 
-    def prefill_alone_again(self, twin: MethodState) -> None: ...
+    def prefill_more(self, states: list[MethodState], alone: bool) -> None: ...
 
     def event(self, state: MethodState, kind: str, **how) -> MethodEvent: ...
+
+
+class OwnPrefills:
+    """The methods with a prefill of their own, waiting to join a running first turn (`RowStepper.decode`'s
+    `joining`): each is prefilled when the decode asks, between two steps of the others."""
+
+    def __init__(self, session: Session, states: list[MethodState]):
+        self.session = session
+        self.waiting = list(states)
+
+    def next(self) -> MethodState:
+        state = self.waiting.pop(0)
+        self.session.prefill_more([state], alone=False)
+        return state
+
+    def stop(self) -> list[MethodState]:
+        stopped, self.waiting = self.waiting, []
+        for state in stopped:  # never prefilled: it has no cache to follow up on
+            state.fail(EngineError("stopped before its own prefill ran; run Compare again to see it"))
+        return stopped
 
 
 def _cancelled(cancel: threading.Event | None) -> bool:
@@ -32,17 +53,22 @@ def _cancelled(cancel: threading.Event | None) -> bool:
 
 
 class OneBatch:
-    """Every method is a row of one batched forward per step; a method's own time is its policy's."""
+    """Every method is a row of one batched forward per step; a method's own time is its policy's. The methods that
+    share the prefill stream first; a method with a prefill of its own (prefill token reduction) is prefilled
+    between their steps, one at a time, and joins the batch when it is ready."""
 
     alone = False  # the events say the rows were decoded on their own
 
     def first_turn(self, session: Session, cancel: threading.Event | None) -> Events:
-        yield session.prefill_first_turn(alone=False)
         states = list(session.states.values())
-        session.stepper.form_batch(states)
-        for state in states:
+        sharing = [s for s in states if not s.policy.own_prefill()]
+        later = OwnPrefills(session, [s for s in states if s.policy.own_prefill()] if sharing else [])
+        yield session.prefill_first_turn(alone=False, states=sharing or states)
+        first = sharing or states
+        session.stepper.form_batch(first)
+        for state in first:
             yield session.event(state, "start")
-        yield from session.stepper.decode(states, session.event, cancel)
+        yield from session.stepper.decode(first, session.event, cancel, joining=later)
 
     def next_turn(self, session: Session, live: list[MethodState], new_ids: list[int],
                   cancel: threading.Event | None) -> Iterator[MethodEvent]:
@@ -64,7 +90,7 @@ class BatchThenEachAlone(OneBatch):
                 continue
             twin = MethodState(name, done.policy)
             session.timing = [twin]
-            session.prefill_alone_again(twin)
+            session.prefill_more([twin], alone=True)
             yield session.event(twin, "start", alone=True)
             yield from session.stepper.decode([twin], session.event, cancel, alone=True)
             session.timing = []

@@ -151,21 +151,23 @@ class Session:
                 self.stepper.reset()
 
     # -- what the schedules call ---------------------------------------------------------------------------
-    def prefill_first_turn(self, alone: bool) -> PrefillInfo:
-        """Encode the first turn's prompt, prefill and compress every method's cache (one shared prefill, or
-        each its own when `alone`) and sample each first token."""
+    def prefill_first_turn(self, alone: bool, states: list[MethodState] | None = None) -> PrefillInfo:
+        """Encode the first turn's prompt, prefill and compress the caches of `states` (default: every method; one
+        shared prefill, or each its own when `alone`) and sample each first token."""
         loaded = self.engine.loaded
         self.encoded = encode_prompt(loaded, self.image, self.prompt, chat_template=self.chat_template,
                                      query_agnostic=self.query_agnostic,
                                      max_new_tokens=self.generation.max_new_tokens)
-        analysis = self._prefiller().run(list(self.states.values()), alone=alone)
+        chosen = list(self.states.values()) if states is None else states
+        analysis = self._prefiller().run(chosen, alone=alone)
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
         return self.prefill
 
-    def prefill_alone_again(self, twin: MethodState) -> None:
-        """A copy of a method, prefilled and compressed on its own, to be decoded and timed alone."""
-        self._prefiller().run([twin], alone=True, analysis=False)
+    def prefill_more(self, states: list[MethodState], alone: bool) -> None:
+        """After the first turn's prefill: more of its states (a method with a prefill of its own that joins the
+        running batch, or a copy to be timed alone), prefilled and compressed, each first token sampled."""
+        self._prefiller().run(states, alone=alone, analysis=False)
 
     def event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
         return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)

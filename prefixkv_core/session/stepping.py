@@ -3,7 +3,7 @@ cache after it, and the decode loop that samples one token per row per step and 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -15,6 +15,19 @@ from .method_state import MethodState
 
 # (state, kind, **how) -> the event that reports it (the session knows the turn and the bytes per token)
 EventMaker = Callable[..., MethodEvent]
+
+
+class Joining(Protocol):
+    """Rows that join a running decode once they are ready (the methods with a prefill of their own, prefilled one
+    at a time between the others' steps)."""
+
+    waiting: list[MethodState]
+
+    def next(self) -> MethodState:
+        """Make the next waiting row ready (its cache prefilled and compressed, its first token sampled)."""
+
+    def stop(self) -> list[MethodState]:
+        """Cancelled: the rows still waiting, each failed with a message that says it never started."""
 
 
 class RowStepper:
@@ -119,36 +132,58 @@ class RowStepper:
 
     # -- the decode loop ---------------------------------------------------------------------------------------
     def decode(self, states: list[MethodState], event: EventMaker, cancel: threading.Event | None,
-               alone: bool = False) -> Iterator[MethodEvent]:
+               alone: bool = False, joining: Joining | None = None) -> Iterator[MethodEvent]:
         """Every active state decodes one token per step, all in one batch; one event per state per step.
-        `alone`: the events say the states were decoded on their own."""
-        for state in states:
-            if state.error is None and self.is_done(state):
-                state.finished = True
-        for state in states:
-            if state.error is None:
-                yield event(state, "done" if state.finished else "token", delta=state.text, alone=alone)
+        `alone`: the events say the states were decoded on their own. `joining`: rows that join after a step, one
+        at a time, as each becomes ready (so the others stream meanwhile)."""
+        rows = list(states)
+        yield from self._first_tokens(rows, event, alone)
         while True:
-            active = [s for s in states if not s.finished and s.error is None]
-            if not active:
-                return
+            active = [s for s in rows if not s.finished and s.error is None]
+            waiting = joining is not None and bool(joining.waiting)
             if cancel is not None and cancel.is_set():
                 for s in active:
                     s.finished = True
                     yield event(s, "cancelled", alone=alone)
+                for s in joining.stop() if waiting else []:
+                    yield event(s, "cancelled", alone=alone)
                 return
-            logits, forward_s, policy_s = self.advance(active, [[s.pending] for s in active],
-                                                       step=len(active[0].turn_ids))
-            greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
-            for r, state in enumerate(active):
-                if state.error is not None:
-                    yield event(state, "error", alone=alone)
-                    continue
-                own_s = policy_s.get(state.name, 0.0)
-                delta = self._take(state, greedy[r] if greedy is not None else self.sample(state, logits[r]),
-                                   forward_s + own_s)
-                yield event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
-                            policy_s=own_s, batch_size=len(active), alone=alone)
+            if not active and not waiting:
+                return
+            if active:
+                yield from self._step(active, event, alone)
+            if waiting:  # one more row joins, after this step's tokens went out
+                joined = joining.next()
+                rows.append(joined)
+                yield from self._first_tokens([joined], event, alone, start=True)
+                self.form_batch([s for s in rows if not s.finished and s.error is None])
+
+    def _first_tokens(self, states: list[MethodState], event: EventMaker, alone: bool,
+                      start: bool = False) -> Iterator[MethodEvent]:
+        """The states' first answer tokens (sampled after their input), as events; `start`: a state joining a
+        running decode says so first."""
+        for state in states:
+            if start:
+                yield event(state, "error" if state.error is not None else "start", alone=alone)
+            if state.error is None and self.is_done(state):
+                state.finished = True
+            if state.error is None:
+                yield event(state, "done" if state.finished else "token", delta=state.text, alone=alone)
+
+    def _step(self, active: list[MethodState], event: EventMaker, alone: bool) -> Iterator[MethodEvent]:
+        """One batched step of the active states and its events."""
+        logits, forward_s, policy_s = self.advance(active, [[s.pending] for s in active],
+                                                   step=len(active[0].turn_ids))
+        greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
+        for r, state in enumerate(active):
+            if state.error is not None:
+                yield event(state, "error", alone=alone)
+                continue
+            own_s = policy_s.get(state.name, 0.0)
+            delta = self._take(state, greedy[r] if greedy is not None else self.sample(state, logits[r]),
+                               forward_s + own_s)
+            yield event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
+                        policy_s=own_s, batch_size=len(active), alone=alone)
 
     def _take(self, state: MethodState, token: int, seconds: float) -> str:
         """Append a decoded token to the state's answer; returns the new text."""
