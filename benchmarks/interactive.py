@@ -10,6 +10,10 @@ Measured side by side in one process, repeats interleaved (the machines are shar
 4b. the hardware's batching ceiling: a plain cached greedy loop in transformers (DynamicCache, the model's own
    attention, no engine) decodes the same prompt at batch B (B = the number of methods) and at batch 1; the
    ceiling is the ratio of their tokens/s, and the runner's efficiency is the throughput ratio (1.) over it;
+4c. the user's wait for a first token, timed from the request: Full alone's; in the comparison, the last of the
+   methods that share the prefill (they stream first) and the last of those with a prefill of their own (each
+   prefilled between two steps of the others and joining the batch when ready), each over Full alone's; and the
+   whole comparison over Full alone's whole run;
 5. with --time-alone, what each method costs on its own: in the batched run its own policy time per token
    (the forward is shared and reported once), and decoded alone (the session's batched=False: each method
    from its own prefill) its TTFT, tokens/s, ms per token and speed-up over Full (tokens/s ratio), with a
@@ -47,33 +51,57 @@ from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, fo
 from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
-from prefixkv_core.policies import role_method  # noqa: E402
+from prefixkv_core.policies import make_policy, role_method  # noqa: E402
 
 
 def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
-    """One comparison through the public API. Decode time runs from the first decode step to the last event;
-    every method decodes exactly `new_tokens` (end of text ignored) so the counts are comparable."""
+    """One comparison through the public API. Decode time runs from the first decode step to the last event, less
+    the own prefills run between steps (a method with a prefill of its own joins the batch when it is ready);
+    every method decodes exactly `new_tokens` (end of text ignored) so the counts are comparable. Each method's
+    first token is timed from the request, as a user waits for it."""
     device = engine.loaded.device
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = now(device)
     session = engine.new_session(image, prompt, methods, budget, settings)
     decode_start = None
-    errors = {}
+    errors, first_token = {}, {}
     for ev in session.run():
         kind = getattr(ev, "kind", None)
         if kind == "start" and decode_start is None:
             decode_start = now(device)
+        if kind in ("token", "done") and ev.method not in first_token:
+            first_token[ev.method] = now(device) - t0
         if kind == "error":
             errors[ev.method] = ev.error
     t_end = now(device)
-    steps = sum(len(s.turn_ids) - 1 for s in session.states.values() if s.error is None)
-    decode_s = t_end - decode_start
+    live = [s for s in session.states.values() if s.error is None]
+    steps = sum(len(s.turn_ids) - 1 for s in live)
+    states = list(session.states.values())
+    # with methods that share the prefill streaming, the others' own prefills ran inside the decode window
+    joined = any(not st.policy.own_prefill() for st in states)
+    decode_s = t_end - decode_start - sum(st.ttft_s or 0.0 for st in live if joined and st.policy.own_prefill())
     record = session.record.to_dict()
     return {"total_s": t_end - t0, "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
             "decode_tokens": steps, "decode_tokens_per_s": steps / decode_s if decode_s > 0 else None,
             "prompt_tokens": session.prefill.prompt_tokens, "errors": errors, "batch": record["timing"]["batch"],
+            "first_token_s": first_token,
             "methods": {m: {"policy_ms_per_token": r["policy_ms_per_token"], "compress_ms": r["compress_ms"],
                             "text": r["text"]} for m, r in record["methods"].items()}}
+
+
+def first_token_waits(together: list[dict], alone: list[dict], methods: list[str], reference: str) -> dict:
+    """The user's wait for a first token, over the repeats (medians): Full alone's, and in the comparison the
+    latest of the methods that share the prefill and of those with a prefill of their own, with their ratios."""
+    own = {m for m in methods if make_policy(m, 0.5).own_prefill()}
+    full = statistics.median(a["first_token_s"][reference] for a in alone)
+    out = {"full_alone_s": full}
+    for name, group in (("sharing", [m for m in methods if m not in own]), ("own_prefill", sorted(own))):
+        waits = [max(t["first_token_s"][m] for m in group if m in t["first_token_s"]) for t in together
+                 if any(m in t["first_token_s"] for m in group)]
+        if waits:
+            out[f"{name}_s"] = statistics.median(waits)
+            out[f"{name}_over_full"] = out[f"{name}_s"] / full
+    return out
 
 
 def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
@@ -207,6 +235,8 @@ def main(argv=None) -> int:
               "batch_forward_ms_per_step": med_of(t["batch"]["forward_ms_per_step"] for t in together if t["batch"]),
               "time_alone": args.time_alone, "per_method": per_method,
               "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain}}
+    report["first_token"] = first_token_waits(together, alone, methods, reference)
+    report["whole_over_full_alone"] = report["comparison_wall_s"] / med(alone, "total_s")
     report["throughput_ratio"] = report["together_tokens_per_s"] / report["full_alone_tokens_per_s"]
     report["runner_over_generate"] = report["full_alone_tokens_per_s"] / report["generate_tokens_per_s"]
     # each repeat's efficiency from that repeat's own runner and plain-loop ratios (taken minutes apart at most)
@@ -235,6 +265,14 @@ def main(argv=None) -> int:
           f"({100 * low:.0f}-{100 * high:.0f} % over the repeats) |")
     print(f"| whole comparison, request to last token | {report['comparison_wall_s']:.1f} s "
           f"(prefill {report['comparison_prefill_s']:.2f} s) |")
+    waits = report["first_token"]
+    print(f"| first token, Full alone | {waits['full_alone_s']:.2f} s |")
+    for name, words in (("sharing", "the methods that share the prefill"), ("own_prefill", "the methods with a "
+                                                                                           "prefill of their own")):
+        if f"{name}_s" in waits:
+            print(f"| first token, the last of {words} | {waits[f'{name}_s']:.2f} s "
+                  f"({waits[f'{name}_over_full']:.2f}x Full alone's) |")
+    print(f"| whole comparison / Full alone's whole run | {report['whole_over_full_alone']:.2f}x |")
     if sequential:
         print(f"| the same methods one after another | {report['sequential_wall_s']:.1f} s |")
     print(f"| plain model.generate decode tok/s | {report['generate_tokens_per_s']:.1f} |")

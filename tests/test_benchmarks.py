@@ -380,3 +380,21 @@ def test_interactive_time_alone_reports_each_methods_own_cost(tmp_path, capsys):
         low, high = r["alone_speedup_range"]
         assert low <= r["alone_speedup_vs_full"] <= high
     assert report["sequential_wall_s"] == report["runs"]["each_alone"][0]["total_s"]
+
+
+def test_interactive_reports_the_first_token_waits(tmp_path, capsys):
+    """benchmarks/interactive.py times each method's first token from the request: Full alone's, the last of the
+    methods that share the prefill and the last of those with a prefill of their own (which join the batch
+    later, so theirs comes after the sharing methods')."""
+    from benchmarks import interactive
+
+    out = tmp_path / "interactive.json"
+    assert interactive.main(["--model", "tiny-llama", "--methods", "full,h2o,fastv,visionzip", "--new-tokens", "3",
+                             "--repeats", "1", "--no-sequential", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "first token, the last of the methods that share the prefill" in printed
+    waits = json.loads(out.read_text())["first_token"]
+    assert 0 < waits["full_alone_s"] and 0 < waits["sharing_s"] < waits["own_prefill_s"]
+    assert waits["sharing_over_full"] == pytest.approx(waits["sharing_s"] / waits["full_alone_s"])
+    firsts = json.loads(out.read_text())["runs"]["together"][0]["first_token_s"]
+    assert set(firsts) == {"full", "h2o", "fastv", "visionzip"}
