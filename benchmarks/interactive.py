@@ -55,34 +55,36 @@ from prefixkv_core.policies import make_policy, role_method  # noqa: E402
 
 
 def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
-    """One comparison through the public API. Decode time runs from the first decode step to the last event, less
-    the own prefills run between steps (a method with a prefill of its own joins the batch when it is ready);
-    every method decodes exactly `new_tokens` (end of text ignored) so the counts are comparable. Each method's
-    first token is timed from the request, as a user waits for it."""
+    """One comparison through the public API. Decode throughput is the runner's with the whole batch formed: from
+    the end of the first step that every method took part in (a method with a prefill of its own joins the batch
+    once it is ready) to the last event, over the tokens decoded in that time; every method decodes exactly `new_tokens` (end of text ignored)
+    so the counts are comparable. Each method's first token is timed from the request, as a user waits for it."""
     device = engine.loaded.device
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = now(device)
     session = engine.new_session(image, prompt, methods, budget, settings)
-    decode_start = None
+    full_batch_start, tokens_since, skip, whole = None, 0, 0, False
     errors, first_token = {}, {}
     for ev in session.run():
         kind = getattr(ev, "kind", None)
-        if kind == "start" and decode_start is None:
-            decode_start = now(device)
-        if kind in ("token", "done") and ev.method not in first_token:
-            first_token[ev.method] = now(device) - t0
+        if kind == "start":  # the batch is whole once the last method started and a first step ran with it
+            full_batch_start, tokens_since, whole = None, 0, False
+        elif kind in ("token", "done"):
+            if ev.method not in first_token:
+                first_token[ev.method] = now(device) - t0
+            elif not whole:  # the first step with every row: the window opens when its tokens come out
+                full_batch_start, skip, whole = now(device), ev.batch_size - 1, True
+            elif skip:  # the rest of that step's tokens, decoded before the window opened
+                skip -= 1
+            else:
+                tokens_since += 1
         if kind == "error":
             errors[ev.method] = ev.error
     t_end = now(device)
-    live = [s for s in session.states.values() if s.error is None]
-    steps = sum(len(s.turn_ids) - 1 for s in live)
-    states = list(session.states.values())
-    # with methods that share the prefill streaming, the others' own prefills ran inside the decode window
-    joined = any(not st.policy.own_prefill() for st in states)
-    decode_s = t_end - decode_start - sum(st.ttft_s or 0.0 for st in live if joined and st.policy.own_prefill())
+    decode_s = t_end - full_batch_start
     record = session.record.to_dict()
     return {"total_s": t_end - t0, "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
-            "decode_tokens": steps, "decode_tokens_per_s": steps / decode_s if decode_s > 0 else None,
+            "decode_tokens": tokens_since, "decode_tokens_per_s": tokens_since / decode_s if decode_s > 0 else None,
             "prompt_tokens": session.prefill.prompt_tokens, "errors": errors, "batch": record["timing"]["batch"],
             "first_token_s": first_token,
             "methods": {m: {"policy_ms_per_token": r["policy_ms_per_token"], "compress_ms": r["compress_ms"],
