@@ -1,7 +1,6 @@
 """The chunked statistics path against a naive full attention matrix (GQA, offsets, several chunks)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from prefixkv_core.kv.attention import (StatRequest, _attention_with_stats, _decode_with_statistic, _sdpa_output,
                                        post_vision_queries)

@@ -3,7 +3,6 @@ the knobs built on them (PrefixKV's scorer / window / sink_in_curves / min_keep 
 each against a small naive reference on synthetic tensors."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -9,7 +9,6 @@ a subprocess and are skipped without it. PREFIXKV_EVAL_PYTHON names another inte
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -1,6 +1,4 @@
 """Policies and Lorenz/bisection on synthetic tensors, against small naive reference functions."""
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -267,6 +265,9 @@ def test_zipvl_quantised_layer_dequantises_within_bound():
     err = (k_hat - keys).abs()
     span = keys.amax(2, keepdim=True) - keys.amin(2, keepdim=True)
     assert bool((err <= span / 3 / 2 + 1e-2).all())  # 2-bit: half a step of (max - min) / 3 per channel
+    v_hat = layer.full_values()[:, :, torch.argsort(order)]
+    v_span = values.amax(-1, keepdim=True) - values.amin(-1, keepdim=True)
+    assert bool(((v_hat - values).abs() <= v_span / 3 / 2 + 1e-2).all())  # values: per token, the same bound
     assert layer.nbytes() < 0.35 * (keys.numel() * 4 * 2)
 
 
@@ -440,8 +441,6 @@ def test_named_bad_knobs_are_refused_with_their_range():
 
 
 def _synthetic_prefill(n=40, n_layers=3, h=2, seed=0):
-    from prefixkv_core.policies.base import PrefillView
-
     cache = TrackedCache(n_layers)
     stats = {}
     g = torch.Generator().manual_seed(seed)
