@@ -11,7 +11,6 @@ import math
 import os
 import platform
 import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Iterable, Sequence
 
 from prefixkv_core.policies import REGISTRY
 from prefixkv_core.policies import parse_knobs as parse_knob_items
+from prefixkv_core.report.provenance import git_commit  # noqa: F401 - the benchmarks record it
 from prefixkv_core.report.record import BUDGET_MODE_TITLES, mode_title as run_title  # noqa: F401 - used by the scripts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,17 +46,6 @@ QUERY_NOTES = {
 
 
 # -- run facts ---------------------------------------------------------------------------------------------
-
-def git_commit(root: Path = REPO_ROOT) -> str:
-    """Short commit hash, with '+dirty' when tracked files differ from it; 'unknown' outside git."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
 
 
 def cpu_name() -> str:

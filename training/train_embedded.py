@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from prefixkv_core.method_args import add_device_arg
+from prefixkv_core.report.provenance import git_commit
 from prefixkv_core.models import EMBEDDED_VISION_DIR, load_model
 from scenes import SHAPES, SPLITS, all_qa
 from scenes.phrasings import casual_qa
@@ -296,13 +296,6 @@ def train_stage(args) -> None:
     save(step, final=True)
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
-    except Exception:  # noqa: BLE001 - informational only
-        return "unknown"
-
-
 def export(args) -> None:
     """Write assets/embedded_vision/vision.safetensors (fp16) + info.json from a stage's weights."""
     from safetensors.torch import load_file, save_file
@@ -357,7 +350,7 @@ def export(args) -> None:
             "file": lora_dest.name, "kind": "LoRA (peft), merged into the language model at load", "rank": rank,
             "parameters": sum(v.numel() for v in lora.values())}
     info["training"] = hist
-    info["script_commit"] = git_commit()
+    info["script_commit"] = git_commit(short=False)
     if args.eval_json:  # the measured held-out numbers go into info.json and the app banner
         ev = json.loads(Path(args.eval_json).read_text())
         acc, counts = ev.get("accuracy") or {}, ev.get("n") or {}

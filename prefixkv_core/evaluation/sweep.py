@@ -16,13 +16,13 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ..method_args import MethodArgError, add_method_args, add_model_args, method_args
+from ..report.provenance import git_commit
 from .agreement import agreement
 from .leaderboard_rows import leaderboard_rows, task_scores
 from .model_args import EvalSettings
@@ -70,19 +70,6 @@ def run_sweep(lm, tasks: list[str], include_path: str | None, limit: float | Non
             "kv_share": lm.bank.kv_share(), "seconds": round(time.perf_counter() - started, 1)}
 
 
-def commit() -> str | None:
-    """The checkout's commit (with '+changes' when the tree differs from it), for the results' provenance."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+changes" if dirty else "")) or None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -107,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m prefixkv_core.evaluation.sweep " + shlex.join(sys.argv[1:] if argv is None else argv)
     payload = {"model": args.model, "model_args": margs, "tasks": args.tasks, "limit": args.limit,
-               "command": command, "commit": commit(),
+               "command": command, "commit": git_commit(),
                "world_size": int(os.environ.get("WORLD_SIZE", "1")), **result}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
     score_csv, agree_csv = leaderboard_rows(payload)
