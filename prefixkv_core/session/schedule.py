@@ -61,10 +61,10 @@ class OneBatch:
 
     def first_turn(self, session: Session, cancel: threading.Event | None) -> Events:
         states = list(session.states.values())
-        sharing = [s for s in states if not s.policy.own_prefill()]
-        later = OwnPrefills(session, [s for s in states if s.policy.own_prefill()] if sharing else [])
-        yield session.prefill_first_turn(alone=False, states=sharing or states)
-        first = sharing or states
+        # the methods that share the prefill go first (when none does, every method prefills before any streams)
+        first = [s for s in states if not s.policy.own_prefill()] or states
+        later = OwnPrefills(session, [s for s in states if s not in first])
+        yield session.prefill_first_turn(alone=False, states=first)
         session.stepper.form_batch(first)
         for state in first:
             yield session.event(state, "start")
