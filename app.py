@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--memory-limit-mb", type=_megabytes_or_auto, default=_env("PREFIXKV_MEMORY_LIMIT_MB", "auto"),
                    help="refuse new runs while the process uses more; 'auto' (default): 90%% of the machine's or "
                         "container's memory; 'off'")
+    g.add_argument("--max-batch-users", type=_positive(int), default=_env("PREFIXKV_MAX_BATCH_USERS", "4"),
+                   help="users whose runs go at once, their methods decoded together in one batch; more wait in "
+                        "the queue (default 4)")
     g.add_argument("--queue-size", type=_positive(int), default=_env("PREFIXKV_QUEUE_SIZE", "64"),
                    help="requests that may wait for the model (default 64)")
     return p.parse_args(argv)
@@ -106,7 +109,7 @@ def build_limits(args: argparse.Namespace, loaded):
     return Limits(max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
                   max_run_tokens=args.max_run_tokens, max_image_bytes=int(args.max_image_mb * MB),
                   max_image_pixels=int(args.max_image_megapixels * 1e6), max_sessions=args.max_sessions,
-                  idle_s=args.session_idle_minutes * 60,
+                  idle_s=args.session_idle_minutes * 60, max_batch_users=args.max_batch_users,
                   cache_limit_bytes=ceiling(args.cache_limit_mb, lambda: default_cache_limit(loaded)),
                   memory_limit_bytes=ceiling(args.memory_limit_mb, default_memory_limit))
 
@@ -142,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = build_limits(args, loaded)
     log.info("limits: prompt %d characters / %d tokens, conversation %d tokens, image %s, %d conversations "
-             "holding caches (idle %.0f min), cache limit %s, memory limit %s", limits.max_prompt_chars,
-             limits.max_prompt_tokens, limits.max_run_tokens, limits.image_limit_text, limits.max_sessions,
-             limits.idle_s / 60, _mb(limits.cache_limit_bytes), _mb(limits.memory_limit_bytes))
+             "holding caches (idle %.0f min), cache limit %s, memory limit %s, %d users decoded at once",
+             limits.max_prompt_chars, limits.max_prompt_tokens, limits.max_run_tokens, limits.image_limit_text,
+             limits.max_sessions, limits.idle_s / 60, _mb(limits.cache_limit_bytes), _mb(limits.memory_limit_bytes),
+             limits.max_batch_users)
     demo = build_app(Engine(loaded), methods=methods, max_new_tokens_limit=args.max_new_tokens_limit, limits=limits,
                      queue_size=args.queue_size)
     demo.launch(**launch_kwargs(args.host, args.port, limits=limits))

@@ -25,8 +25,9 @@ from prefixkv_core import METHODS, Engine
 from prefixkv_core.limits import IMAGE_REFUSED, MB, LimitError, Limits
 
 SECRET_RGB = (255, 0, 255)  # no tiny-model overlay or test image is pure magenta
+# one run at a time: the queue's behaviour (a second user waits, Stop cancels it) is tested with this server
 LIMITS = Limits(max_image_bytes=300_000, max_image_pixels=250_000, max_prompt_tokens=256, max_run_tokens=1024,
-                max_sessions=3, idle_s=600, cache_limit_bytes=None, memory_limit_bytes=None)
+                max_sessions=3, idle_s=600, cache_limit_bytes=None, memory_limit_bytes=None, max_batch_users=1)
 REFUSED = f"image: {IMAGE_REFUSED}"
 
 

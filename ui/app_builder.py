@@ -116,8 +116,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
               title: str = TITLE, limits: Limits | None = None, queue_size: int = QUEUE_SIZE,
               leaderboard: LeaderboardStore | None = None) -> gr.Blocks:
     """Blocks for one loaded model. `methods` are the methods offered (registry order), all selected unless
-    `default_methods` says otherwise. The queue runs one engine request at a time; at most `queue_size`
-    wait in line. `leaderboard`: the stored results the Leaderboard tab shows (default: the repository's
+    `default_methods` says otherwise. Up to `limits.max_batch_users` engine requests run at once (their
+    methods decoded in one batch); at most `queue_size` more wait in line. `leaderboard`: the stored results the Leaderboard tab shows (default: the repository's
     `benchmarks/leaderboard/`, read once here)."""
     engine = engine_or_factory if isinstance(engine_or_factory, Engine) else engine_or_factory()
     limits = limits or server_limits(engine.loaded)
@@ -300,7 +300,8 @@ def _wire_events(page: SimpleNamespace, ctl: Controller) -> None:
                              ("query_agnostic", p.query_agnostic), ("time_alone", p.time_alone),
                              *p.knob_widgets.items()]:
         guard_input(component, field)
-    engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="minimal",
+    engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=ctl.limits.max_batch_users,
+                        show_progress="minimal",
                         show_progress_on=[p.status])
 
     p.method_box.change(ctl.visibility, [p.method_box], p.cols, queue=False, api_visibility="private")

@@ -105,7 +105,7 @@ class Controller:
         self.turns = Turns(engine, self.registry, self.streamer, methods=self.catalog.methods,
                            knob_specs=knob_specs, max_new_tokens=self.limit, limits=limits,
                            image_roots=self.image_roots)
-        self.tabs = TabLifecycle(self.registry, self.exports, self.renderer, engine_busy=engine.lock.locked,
+        self.tabs = TabLifecycle(self.registry, self.exports, self.renderer, engine_busy=self._no_place_left,
                                  queue_waiting=self._queue_waiting)
         self.views = ViewControls(self.renderer, overlay, self.num_layers)
         self.exporter = Exporter(self.renderer, self.exports)
@@ -149,6 +149,10 @@ class Controller:
     def visibility(self, methods) -> list[Any]:
         chosen = set(methods or [])
         return [gr.update(visible=m in chosen) for m in self.methods]
+
+    def _no_place_left(self) -> bool:
+        """As many runs going as the server decodes at once (a new one waits in the queue)."""
+        return self.registry.running() >= self.limits.max_batch_users
 
     def _queue_waiting(self, session_hash: str | None) -> int:
         return queue_probe.waiting(self.blocks, session_hash, ENGINE_QUEUE)

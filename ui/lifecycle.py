@@ -28,7 +28,7 @@ def stopped_while_queued(box: SessionBox) -> bool:
 
 class TabLifecycle:
     """Needs the session registry and the export store (what a tab holds, dropped when it goes), the renderer
-    (Clear draws the empty page), `engine_busy()` (is a run using the model now?) and `queue_waiting(session)`
+    (Clear draws the empty page), `engine_busy()` (are as many runs going as may go at once?) and `queue_waiting(session)`
     (how many requests of that Gradio session wait for the model)."""
 
     def __init__(self, registry: SessionRegistry, exports: ExportStore, renderer: Renderer, *,
@@ -44,8 +44,8 @@ class TabLifecycle:
         box = box if isinstance(box, SessionBox) else SessionBox()
         box.pending = True
         box.stop_requested = False
-        return ("Queued: another run is using the model; this one starts when it finishes." if self.engine_busy()
-                else "Starting…"), box
+        return ("Queued: as many users' runs as the server decodes at once are going; this one starts when one of "
+                "them ends." if self.engine_busy() else "Starting…"), box
 
     def stop(self, box, request: gr.Request = None):
         if not isinstance(box, SessionBox):

@@ -8,7 +8,8 @@ answers and charts stay, a follow-up then asks to run Compare again) when
 * the client disconnects, Clear is pressed, or the owner starts a new comparison;
 * it has not been used for `idle_s` seconds;
 * more than `max_sessions` comparisons hold caches (least recently used first);
-* a new run would push the caches of all comparisons over `cache_limit_bytes`, or the process's resident
+* a new run would push the caches of all comparisons over `cache_limit_bytes` (a run going counts what it may
+  still reach: several users' runs go at once), or the process's resident
   memory is over `memory_limit_bytes` (idle ones are dropped first; if that is not enough the new run is
   refused with a message instead of exhausting the machine).
 
@@ -74,7 +75,9 @@ class SessionRegistry:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._releasing: dict[int, Any] = {}  # id -> session, dropped on the background thread soon
         self._reasons: OrderedDict[str, str] = OrderedDict()  # owner -> why its caches went (bounded)
+        self._reserved: dict[str, int] = {}  # owner -> the cache bytes its run going may reach
         self._lock = threading.Lock()
+        self._admitting = threading.Lock()  # one admission at a time: two runs never share the same room
         self._jobs: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self.released_count = 0
@@ -92,6 +95,11 @@ class SessionRegistry:
         with self._lock:
             sessions = [e.session for e in self._entries.values()] + list(self._releasing.values())
         return sum(_cache_bytes(s) for s in sessions)
+
+    def running(self) -> int:
+        """Comparisons whose run is going now."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.busy)
 
     def owners(self) -> list[str]:
         with self._lock:
@@ -117,7 +125,14 @@ class SessionRegistry:
 
         A new comparison replaces the owner's previous one, whose caches go first; a follow-up
         (`keep_own`) keeps them, so they count towards the need. Runs in the request handler just before
-        the engine starts (runs are serialised), so drops made here happen at once, on this thread."""
+        the engine starts, one admission at a time, so drops made here happen at once, on this thread; the
+        room stays reserved until the run ends (`end`)."""
+        with self._admitting:
+            self._reserve(owner, need_bytes, keep_own)
+            with self._lock:
+                self._reserved[owner] = need_bytes
+
+    def _reserve(self, owner: str, need_bytes: int, keep_own: bool) -> None:
         self.sweep()
         with self._lock:
             own = self._entries.get(owner)
@@ -166,7 +181,9 @@ class SessionRegistry:
         self._mark(owner, busy=True)
 
     def end(self, owner: str) -> None:
-        """`owner`'s run ended: most recently used from now."""
+        """`owner`'s run ended: most recently used from now; its caches count as they are."""
+        with self._lock:
+            self._reserved.pop(owner, None)
         self._mark(owner, busy=False)
 
     def _mark(self, owner: str, busy: bool) -> None:
@@ -184,6 +201,7 @@ class SessionRegistry:
             return False
         with self._lock:
             entry = self._entries.pop(owner, None)
+            self._reserved.pop(owner, None)
             if entry is not None and reason:
                 self._remember(owner, reason)
         if entry is None:
@@ -220,9 +238,13 @@ class SessionRegistry:
         self._jobs.put(None)
 
     def _held_by_others(self, owner: str) -> int:
+        """Cache bytes of the other comparisons: what they hold, or what a run going may still reach."""
         with self._lock:
-            sessions = [e.session for o, e in self._entries.items() if o != owner] + list(self._releasing.values())
-        return sum(_cache_bytes(s) for s in sessions)
+            others = [(e.session, self._reserved.get(o, 0) if e.busy else 0) for o, e in self._entries.items()
+                      if o != owner]
+            others += [(s, 0) for s in self._releasing.values()]
+            admitted = sum(need for o, need in self._reserved.items() if o != owner and o not in self._entries)
+        return admitted + sum(max(_cache_bytes(s), need) for s, need in others)
 
     def _drop_lru(self, exclude: str, reason: str, wait: bool = True) -> bool:
         with self._lock:

@@ -24,6 +24,7 @@ overlay's map).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -41,16 +42,22 @@ from .generation import GenerationSettings
 from .image_input import MAX_IMAGE_SIDE, load_image
 from .method_state import MethodState
 from .session import Session
+from .step_pool import StepPool
 
 __all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE"]
 
 
 class Engine:
-    """Holds a loaded model. Runs are serialised: one session generates at a time on one model."""
+    """Holds a loaded model. Sessions may run at once (one thread each): their prefills take turns on the model,
+    and their decode steps are batched together (`step_pool.py`)."""
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one model call at a time: a prefill, or a batched step
+        self.pool = StepPool(loaded, self.lock)
+        self._users = 0  # turns running now, which need our attention function on the model
+        self._users_lock = threading.Lock()
+        self._attention: Any = None  # the attention function's context while any turn runs
         tok = loaded.processor.tokenizer
         eos = set()
         for source in (getattr(loaded.model.generation_config, "eos_token_id", None), tok.eos_token_id):
@@ -131,9 +138,27 @@ class Engine:
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the prompt is empty: type a question or instruction")
         session = Session(self, self.load_image(image), prompt, {}, Budget(1.0), GenerationSettings(max_new_tokens=1))
-        with self.lock, tracked_attention_enabled(self.loaded.model):
+        with self.model_in_use():
             session.turn = 0
             return session.prefill_first_turn(alone=False)
+
+    @contextlib.contextmanager
+    def model_in_use(self):
+        """Our attention function registered on the model while any turn runs (turns of several sessions overlap:
+        the first to start registers it, the last to end restores the model's own)."""
+        with self._users_lock:
+            if self._users == 0:
+                self._attention = tracked_attention_enabled(self.loaded.model)
+                self._attention.__enter__()
+            self._users += 1
+        try:
+            yield self.loaded.model
+        finally:
+            with self._users_lock:
+                self._users -= 1
+                if self._users == 0:
+                    attention, self._attention = self._attention, None
+                    attention.__exit__(None, None, None)
 
     # -- model calls ---------------------------------------------------------------------------------------
     def forward(self, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe,

@@ -105,7 +105,7 @@ class BatchThenEachAlone(OneBatch):
             session.timing = [twin, *copies]
             if session.states[twin.name].error is not None or _cancelled(cancel):
                 continue
-            session.stepper.feed_turn([twin], new_ids)
+            session.stepper.feed_turn([twin], new_ids, alone=True)
             yield session.event(twin, "error" if twin.error is not None else "start", alone=True)
             yield from session.stepper.decode([twin], session.event, cancel, alone=True)
         session.timing = []
@@ -127,7 +127,7 @@ class EachAlone:
     def next_turn(self, session: Session, live: list[MethodState], new_ids: list[int],
                   cancel: threading.Event | None) -> Iterator[MethodEvent]:
         for state in live:
-            session.stepper.feed_turn([state], new_ids)
+            session.stepper.feed_turn([state], new_ids, alone=True)
             yield session.event(state, "error" if state.error is not None else "start", alone=True)
             yield from session.stepper.decode([state], session.event, cancel, alone=True)
 

@@ -13,7 +13,6 @@ from typing import Any, Iterator, Protocol
 from PIL import Image
 
 from ..errors import EngineError
-from ..kv.attention import tracked_attention_enabled
 from ..models import ImageLayout, encode, format_followup
 from ..policies import Budget, Policy, role_methods
 from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
@@ -23,6 +22,7 @@ from .kept_image import kept_image_map
 from .method_state import MethodState
 from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info
 from .schedule import schedule_for
+from .step_pool import StepPool
 from .stepping import RowStepper
 from .teacher_forcing import answer_nll
 
@@ -31,8 +31,11 @@ class ModelHolder(Protocol):
     """What a session needs of the engine that made it (`engine.Engine`)."""
 
     loaded: Any  # the LoadedModel
-    lock: threading.Lock  # one turn at a time on one model
+    lock: threading.Lock  # one model call at a time (a prefill, or a batched step)
+    pool: StepPool  # the decode steps of every session decoding now, batched together
     eos_ids: set[int]
+
+    def model_in_use(self) -> contextlib.AbstractContextManager: ...
 
 
 class Session:
@@ -68,7 +71,8 @@ class Session:
         self.encoded: EncodedPrompt | None = None  # the first turn's prompt, once encoded
         self.released = False
         loaded = engine.loaded
-        self.stepper = RowStepper(loaded, generation, engine.eos_ids)
+        self.stepper = RowStepper(loaded, generation, engine.eos_ids, engine.lock, engine.pool)
+        self._turn_lock = threading.Lock()  # one turn of this conversation at a time
         # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
         self.record = ComparisonRecord(
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
@@ -146,36 +150,41 @@ class Session:
             self.turn = 0
             self.prefill_first_turn(alone=False)
             try:
-                return answer_nll(self.stepper, list(self.states.values()), answer_ids)
+                with self.engine.lock:
+                    return answer_nll(self.stepper, list(self.states.values()), answer_ids)
             finally:
                 self.stepper.reset()
 
     # -- what the schedules call ---------------------------------------------------------------------------
     def prefill_first_turn(self, alone: bool, states: list[MethodState] | None = None) -> PrefillInfo:
         """Encode the first turn's prompt, prefill and compress the caches of `states` (default: every method; one
-        shared prefill, or each its own when `alone`) and sample each first token."""
+        shared prefill, or each its own when `alone`) and sample each first token. Holds the model meanwhile."""
         loaded = self.engine.loaded
         self.encoded = encode_prompt(loaded, self.image, self.prompt, chat_template=self.chat_template,
                                      query_agnostic=self.query_agnostic,
                                      max_new_tokens=self.generation.max_new_tokens)
         chosen = list(self.states.values()) if states is None else states
-        analysis = self._prefiller().run(chosen, alone=alone)
+        with self.engine.lock:
+            analysis = self._prefiller().run(chosen, alone=alone)
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
         return self.prefill
 
     def prefill_more(self, states: list[MethodState], alone: bool) -> None:
         """After the first turn's prefill: more of its states (a method with a prefill of its own that joins the
-        running batch, or a copy to be timed alone), prefilled and compressed, each first token sampled."""
-        self._prefiller().run(states, alone=alone, analysis=False)
+        running batch, or a copy to be timed alone), prefilled and compressed, each first token sampled. Holds the
+        model meanwhile."""
+        with self.engine.lock:
+            self._prefiller().run(states, alone=alone, analysis=False)
 
     def event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
         return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
 
     # -- memory and results ---------------------------------------------------------------------------------
     def release(self) -> None:
-        """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again."""
-        with self.engine.lock:
+        """Drop every method's cache (answers and figures stay readable). A follow-up then says to run again.
+        Waits for this conversation's turn, if one runs."""
+        with self._turn_lock:
             for state in self.states.values():
                 state.cache = None
             self.image = None
@@ -206,8 +215,10 @@ class Session:
 
     @contextlib.contextmanager
     def _model_turn(self):
-        """The model, held for one turn: the engine's lock and our attention function."""
-        with self.engine.lock, tracked_attention_enabled(self.engine.loaded.model):
+        """One turn of this conversation, with our attention function on the model. The model itself is held for
+        each prefill and each step only: other conversations' turns prefill between this one's steps and decode in
+        the same batched forwards (`step_pool.py`)."""
+        with self._turn_lock, self.engine.model_in_use():
             if self.released:  # released while waiting for the model
                 raise EngineError("this comparison's caches were released to free memory; run Compare again")
             yield

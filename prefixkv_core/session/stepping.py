@@ -2,6 +2,7 @@
 cache after it, and the decode loop that samples one token per row per step and reports it."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Iterator, Protocol
 
@@ -12,6 +13,7 @@ from ..models import LoadedModel
 from ..report.events import MethodEvent
 from .generation import GenerationSettings, answer_text, next_token
 from .method_state import MethodState
+from .step_pool import StepPool, advance_rows, form_rows
 
 # (state, kind, **how) -> the event that reports it (the session knows the turn and the bytes per token)
 EventMaker = Callable[..., MethodEvent]
@@ -34,10 +36,14 @@ class RowStepper:
     """Feeds rows (each a method's conversation) through the model, one batched forward per step. Holds the padded
     step tensors and shared stores the rows use within one turn (`reset` drops them)."""
 
-    def __init__(self, loaded: LoadedModel, generation: GenerationSettings, eos_ids: set[int]):
+    def __init__(self, loaded: LoadedModel, generation: GenerationSettings, eos_ids: set[int],
+                 model_lock: threading.Lock | None = None, pool: StepPool | None = None):
         self.loaded = loaded
         self.generation = generation
         self.eos_ids = eos_ids
+        self.model_lock = model_lock if model_lock is not None else threading.Lock()  # one model call at a time
+        self.pool = pool  # batches the decode steps with other turns' (None: this turn's rows only)
+        self._member: int | None = None  # this turn's membership of the pool while it decodes
         self.buffers: runner.StepBuffers | None = None
 
     def reset(self) -> None:
@@ -49,47 +55,37 @@ class RowStepper:
     # -- one step --------------------------------------------------------------------------------------------
     def advance(self, states: list[MethodState], chunks: list[list[int]], step: int
                 ) -> tuple[torch.Tensor, float, dict[str, float]]:
-        """Feed chunks[r] to states[r] in one batched forward, then let each policy compress its own cache.
-        Returns (logits [B, V], forward seconds, method -> policy seconds). A failing forward fails every row in
-        it; a failing policy fails its own method only."""
-        device = self.loaded.device
-        t0 = runner.now(device)
-        try:
-            if self.buffers is None:
-                self.buffers = runner.StepBuffers()
-            out = runner.forward_rows(self.loaded.model, [s.cache for s in states], chunks,
-                                      [s.true_len for s in states],
-                                      [s.policy.decode_needs_attention() for s in states], device, self.buffers)
-        except Exception as exc:
-            for state in states:
-                state.fail(exc)
-            return torch.zeros(len(states), 1), 0.0, {}
-        forward_s = runner.now(device) - t0
-        rows = []
-        for r, (state, chunk) in enumerate(zip(states, chunks)):
-            state.true_len += len(chunk)
-            rows.append(runner.DecodeRow(state.policy, state.policy_state, state.cache, state.true_len,
-                                         state.prompt_len, step, out.attention[r], state.reduced_by))
-        policy_s = {}
-        for state, (seconds, error) in zip(states, runner.compress_decode_rows(rows, device)):
-            if error is not None:  # one method failing must not stop the others
-                state.fail(error)
-            policy_s[state.name] = seconds
-        return out.logits, forward_s, policy_s
+        """Feed chunks[r] to states[r] in one batched forward of these rows only (the caller holds the model), then
+        let each policy compress its own cache. Returns (logits [B, V], forward seconds, method -> policy
+        seconds). A failing forward fails every row in it; a failing policy fails its own method only."""
+        if self.buffers is None:
+            self.buffers = runner.StepBuffers()
+        done = advance_rows(self.loaded, self.buffers, states, chunks, [step] * len(states))
+        return done.logits, done.forward_s, {s.name: t for s, t in zip(states, done.policy_s)}
+
+    def advance_shared(self, states: list[MethodState], chunks: list[list[int]], step: int, alone: bool = False
+                       ) -> tuple[torch.Tensor, float, dict[str, float]]:
+        """`advance`, in the step pool's batch with the rows of every other turn decoding now (other users'
+        comparisons); `alone` (or without a pool): these rows only, the model held for the step."""
+        if alone or self.pool is None:
+            with self.model_lock:
+                return self.advance(states, chunks, step)
+        done = self.pool.advance(states, chunks, [step] * len(states), member=self._member)
+        return done.logits, done.forward_s, {s.name: t for s, t in zip(states, done.policy_s)}
 
     def form_batch(self, states: list[MethodState]) -> None:
         """The methods about to decode together move into the batch's shared stores before the first step."""
+        if self.pool is not None:  # the pool forms its batch whenever its rows change
+            return
         active = [s for s in states if s.error is None and s.cache is not None and not s.finished
                   and not self.is_done(s)]
         if len(active) < 2:
             return
         if self.buffers is None:
             self.buffers = runner.StepBuffers()
-        try:
-            runner.form_batch([s.cache for s in active], [s.policy.decode_needs_attention() for s in active],
-                              self.buffers)
-        except Exception:  # noqa: BLE001 - the first step meets the same problem and fails its rows with it
-            self.buffers = None
+        with self.model_lock:
+            if not form_rows(active, self.buffers):
+                self.buffers = None
 
     # -- a turn's input ----------------------------------------------------------------------------------------
     def feed_question(self, question: list[int], states: list[MethodState]) -> None:
@@ -108,13 +104,14 @@ class RowStepper:
                 state.compress_s = (state.compress_s or 0.0) + policy_s.get(state.name, 0.0)
                 state.first_logits = logits[r]
 
-    def feed_turn(self, states: list[MethodState], new_ids: list[int]) -> None:
-        """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache."""
+    def feed_turn(self, states: list[MethodState], new_ids: list[int], alone: bool = False) -> None:
+        """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache (in the
+        pool's batch unless `alone`)."""
         if not states:
             return
         t0 = runner.now(self.loaded.device)
         chunks = [s.carry_over(self.eos_ids) + new_ids for s in states]
-        logits, _, policy_s = self.advance(states, chunks, step=0)
+        logits, _, policy_s = self.advance_shared(states, chunks, step=0, alone=alone)
         elapsed = runner.now(self.loaded.device) - t0
         for r, state in enumerate(states):
             if state.error is not None:
@@ -136,7 +133,18 @@ class RowStepper:
         """Every active state decodes one token per step, all in one batch; one event per state per step.
         `alone`: the events say the states were decoded on their own. `joining`: rows that join after a step, one
         at a time, as each becomes ready (so the others stream meanwhile)."""
-        rows = list(states)
+        if alone or self.pool is None:
+            yield from self._decode(list(states), event, cancel, alone, joining)
+            return
+        with self.pool.member() as member:  # other turns' rows share these steps
+            self._member = member
+            try:
+                yield from self._decode(list(states), event, cancel, alone, joining)
+            finally:
+                self._member = None
+
+    def _decode(self, rows: list[MethodState], event: EventMaker, cancel: threading.Event | None, alone: bool,
+                joining: Joining | None) -> Iterator[MethodEvent]:
         yield from self._first_tokens(rows, event, alone)
         while True:
             active = [s for s in rows if not s.finished and s.error is None]
@@ -153,10 +161,17 @@ class RowStepper:
             if active:
                 yield from self._step(active, event, alone)
             if waiting:  # one more row joins, after this step's tokens went out
-                joined = joining.next()
+                with self._away():
+                    joined = joining.next()
                 rows.append(joined)
                 yield from self._first_tokens([joined], event, alone, start=True)
                 self.form_batch([s for s in rows if not s.finished and s.error is None])
+
+    def _away(self):
+        """While this turn prefills a joining row, the pool's other turns step without waiting for it."""
+        if self.pool is None or self._member is None:
+            return contextlib.nullcontext()
+        return self.pool.away(self._member)
 
     def _first_tokens(self, states: list[MethodState], event: EventMaker, alone: bool,
                       start: bool = False) -> Iterator[MethodEvent]:
@@ -172,8 +187,8 @@ class RowStepper:
 
     def _step(self, active: list[MethodState], event: EventMaker, alone: bool) -> Iterator[MethodEvent]:
         """One batched step of the active states and its events."""
-        logits, forward_s, policy_s = self.advance(active, [[s.pending] for s in active],
-                                                   step=len(active[0].turn_ids))
+        logits, forward_s, policy_s = self.advance_shared(active, [[s.pending] for s in active],
+                                                          step=len(active[0].turn_ids), alone=alone)
         greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
         for r, state in enumerate(active):
             if state.error is not None:

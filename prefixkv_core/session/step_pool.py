@@ -1,0 +1,232 @@
+"""Several conversations decoded in one batch: the rows of every turn that decodes now (each a method of some
+user's comparison) go through the model in one batched forward per step, as the methods of one comparison do.
+
+Each turn runs on its own thread (the app runs every request on one) and asks the pool for its steps
+(`advance`). The first turn to ask waits, briefly, for the other decoding turns to ask too, then runs one
+forward for all of them (the model lock held for that step only) and hands each turn its rows' logits. A turn
+that starts while others decode prefills between two of their steps (the prefill takes the model lock) and
+joins at the next one; a turn that ends or is cancelled simply stops asking, and its rows leave the batch.
+
+Why a short wait and not a strict barrier: a turn may be slow to ask again (its consumer busy, its own prefill
+running for a method that joins later); the others then step without it after `gather_s`, and it joins the
+step after. Which rows share a forward never changes an answer: every row attends to its own entries only.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..decoding import runner
+from ..models import LoadedModel
+from .method_state import MethodState
+
+GATHER_S = 0.05  # how long a step waits for decoding turns that have not asked yet
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [rows, V]
+    forward_s: float  # the shared forward's seconds
+    policy_s: list[float]  # each row's own policy seconds
+
+
+@dataclass
+class _Request:
+    member: int | None
+    states: list[MethodState]
+    chunks: list[list[int]]
+    steps: list[int]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: StepResult | None = None
+    error: BaseException | None = None
+
+
+def advance_rows(loaded: LoadedModel, buffers: runner.StepBuffers, states: list[MethodState],
+                 chunks: list[list[int]], steps: list[int]) -> StepResult:
+    """Feed chunks[r] to states[r] in one batched forward, then let each policy compress its own cache (the caller
+    holds the model). A failing forward fails every row in it; a failing policy fails its own row only."""
+    device = loaded.device
+    t0 = runner.now(device)
+    try:
+        out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
+                                  [s.policy.decode_needs_attention() for s in states], device, buffers)
+    except Exception as exc:
+        for state in states:
+            state.fail(exc)
+        return StepResult(torch.zeros(len(states), 1), 0.0, [0.0] * len(states))
+    forward_s = runner.now(device) - t0
+    rows = []
+    for r, (state, chunk) in enumerate(zip(states, chunks)):
+        state.true_len += len(chunk)
+        rows.append(runner.DecodeRow(state.policy, state.policy_state, state.cache, state.true_len,
+                                     state.prompt_len, steps[r], out.attention[r], state.reduced_by))
+    policy_s = []
+    for state, (seconds, error) in zip(states, runner.compress_decode_rows(rows, device)):
+        if error is not None:  # one method failing must not stop the others
+            state.fail(error)
+        policy_s.append(seconds)
+    return StepResult(out.logits, forward_s, policy_s)
+
+
+def form_rows(states: list[MethodState], buffers: runner.StepBuffers) -> bool:
+    """Move the rows about to decode together into `buffers`' shared stores; False when that failed (the first
+    step then meets the same problem and fails its rows with it)."""
+    if len(states) < 2:
+        return True
+    try:
+        runner.form_batch([s.cache for s in states], [s.policy.decode_needs_attention() for s in states], buffers)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return False
+    return True
+
+
+class StepPool:
+    """The steps of every turn decoding on one model, batched together (see the module docstring). `model_lock`
+    is the engine's: held for each step, as prefills hold it."""
+
+    def __init__(self, loaded: LoadedModel, model_lock: threading.Lock, gather_s: float = GATHER_S):
+        self.loaded = loaded
+        self.model_lock = model_lock
+        self.gather_s = gather_s
+        self._cond = threading.Condition()
+        self._members: dict[int, bool] = {}  # decoding turns -> whether one is expected to ask (not in a prefill)
+        self._rows_of: dict[int, dict[int, MethodState]] = {}  # member -> the rows it fed (by id)
+        self._pending: list[_Request] = []
+        self._stepping = False
+        self._next_id = 0
+        self._buffers: runner.StepBuffers | None = None
+        self._formed: list[int] = []  # ids of the caches the shared stores were formed for, in order
+        self.steps = 0  # batched forwards run (for tests and benchmarks)
+        self.largest_batch = 0  # the most rows one of them held
+        self.shared_steps = 0  # those that held the rows of more than one turn
+        self.waited_out = 0  # steps that started without a decoding turn that was slow to ask
+
+    # -- who decodes -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def member(self) -> Iterator[int]:
+        """A turn's decode loop: its steps are waited for until it leaves. On leaving, the rows it fed take their
+        entries out of the shared stores (so those can go when nobody decodes)."""
+        with self._cond:
+            member = self._next_id
+            self._next_id += 1
+            self._members[member] = True
+            self._rows_of[member] = {}
+        try:
+            yield member
+        finally:
+            with self._cond:
+                self._members.pop(member, None)
+                fed = self._rows_of.pop(member, {})
+                self._cond.notify_all()
+            self._take_out(list(fed.values()))
+
+    @contextlib.contextmanager
+    def away(self, member: int) -> Iterator[None]:
+        """The member does something else with the model (a prefill): the others step without waiting for it."""
+        with self._cond:
+            self._members[member] = False
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                if member in self._members:
+                    self._members[member] = True
+
+    def decoding(self) -> int:
+        """Turns decoding now."""
+        with self._cond:
+            return len(self._members)
+
+    def nbytes(self) -> int:
+        """Bytes of the shared stores and padded tensors the batched steps keep now."""
+        buffers = self._buffers
+        return buffers.nbytes() if buffers is not None else 0
+
+    # -- a step ------------------------------------------------------------------------------------------------
+    def advance(self, states: list[MethodState], chunks: list[list[int]], steps: list[int],
+                member: int | None = None) -> StepResult:
+        """Feed chunks[r] to states[r] in a batched forward shared with the other turns' rows asking now; returns
+        these rows' logits and times."""
+        request = _Request(member, list(states), [list(c) for c in chunks], list(steps))
+        with self._cond:
+            self._pending.append(request)
+            if member in self._rows_of:
+                self._rows_of[member].update((id(s), s) for s in states)
+            self._cond.notify_all()
+            deadline = time.monotonic() + self.gather_s
+            while not request.done.is_set():
+                if not self._stepping and request in self._pending:
+                    everyone = self._all_asked()
+                    if everyone or time.monotonic() >= deadline:
+                        self.waited_out += not everyone
+                        batch, self._pending, self._stepping = self._pending, [], True
+                        break
+                was_stepping = self._stepping
+                self._cond.wait(max(0.001, deadline - time.monotonic()) if not was_stepping else None)
+                if was_stepping and not self._stepping:  # a step just ended: give its rows time to ask again
+                    deadline = max(deadline, time.monotonic() + self.gather_s)
+            else:
+                return self._outcome(request)
+        try:  # this thread leads the step for everyone who asked
+            self._run(batch)
+        finally:
+            with self._cond:
+                self._stepping = False
+                self._cond.notify_all()
+        return self._outcome(request)
+
+    def _all_asked(self) -> bool:
+        asking = {r.member for r in self._pending}
+        return all(m in asking for m, expected in self._members.items() if expected)
+
+    def _run(self, batch: list[_Request]) -> None:
+        states = [s for r in batch for s in r.states]
+        chunks = [c for r in batch for c in r.chunks]
+        steps = [k for r in batch for k in r.steps]
+        try:
+            with self.model_lock, torch.inference_mode():
+                if self._buffers is None:
+                    self._buffers = runner.StepBuffers()
+                ids = [id(s.cache) for s in states]
+                if ids != self._formed:  # rows joined or left: the shared stores are formed anew
+                    self._formed = ids if form_rows(states, self._buffers) else []
+                result = advance_rows(self.loaded, self._buffers, states, chunks, steps)
+                self.steps += 1
+                self.largest_batch = max(self.largest_batch, len(states))
+                self.shared_steps += len({id(r.states[0]) if r.member is None else r.member for r in batch}) > 1
+        except BaseException as exc:  # noqa: BLE001 - handed to every turn of the step
+            for r in batch:
+                r.error = exc
+                r.done.set()
+            return
+        start = 0
+        for r in batch:
+            n = len(r.states)
+            r.result = StepResult(result.logits[start:start + n], result.forward_s, result.policy_s[start:start + n])
+            start += n
+            r.done.set()
+
+    @staticmethod
+    def _outcome(request: _Request) -> StepResult:
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _take_out(self, states: list[MethodState]) -> None:
+        """A member left: its rows keep their entries in stores of their own; with nobody left, the shared stores
+        go."""
+        with self.model_lock:
+            for state in states:
+                if state.cache is not None:
+                    for layer in state.cache.layers:
+                        layer.own_storage()
+            with self._cond:
+                self._formed = []
+                if not self._members and not self._pending:
+                    self._buffers = None
