@@ -141,14 +141,20 @@ def test_methods_leave_the_batch_when_they_finish(tiny_llama, noise_image):
             session.states["local"].error = "stopped by the test"
             session.states["local"].finished = True
             break
-    rest = list(events)
+    rest, keys = [], None
+    for ev in events:
+        rest.append(ev)
+        if keys is None and ev.kind == "token" and ev.step > 3:
+            # the smaller batch got stores of its own, every layer's stacked in one tensor per field
+            keys = [layer._stores["keys"] for layer in session.states["h2o"].cache.layers]
     assert all(ev.batch_size == 2 for ev in rest if ev.kind == "token" and ev.step > 3)
+    assert keys[0].stack is not None and all(k.stack is keys[0].stack and len(k.lengths) == 2 for k in keys)
+    # once the turn ended, its rows keep their entries in stores of their own and the batch's stores are gone
+    assert all(layer._stores["keys"].stack is None for layer in session.states["h2o"].cache.layers)
+    assert engine.pool.nbytes() == 0
     alone = engine.new_session(noise_image, PROMPT, ["h2o"], 0.3, GenerationSettings(6))
     list(alone.run())
     assert session.states["h2o"].turn_ids == alone.states["h2o"].turn_ids
-    # the smaller batch got stores of its own, every layer's stacked in one tensor per field
-    keys = [layer._stores["keys"] for layer in session.states["h2o"].cache.layers]
-    assert keys[0].stack is not None and all(k.stack is keys[0].stack and len(k.lengths) == 2 for k in keys)
 
 
 def test_reused_step_buffers_give_the_same_step(tiny_qwen2, noise_image):

@@ -96,6 +96,7 @@ class StepPool:
         self._cond = threading.Condition()
         self._members: dict[int, bool] = {}  # decoding turns -> whether one is expected to ask (not in a prefill)
         self._rows_of: dict[int, dict[int, MethodState]] = {}  # member -> the rows it fed (by id)
+        self._leaving: list[MethodState] = []  # rows of members that left, still in the shared stores
         self._pending: list[_Request] = []
         self._stepping = False
         self._next_id = 0
@@ -200,6 +201,7 @@ class StepPool:
                 self.steps += 1
                 self.largest_batch = max(self.largest_batch, len(states))
                 self.shared_steps += len({id(r.states[0]) if r.member is None else r.member for r in batch}) > 1
+                self._settle()  # rows that left while the step ran
         except BaseException as exc:  # noqa: BLE001 - handed to every turn of the step
             for r in batch:
                 r.error = exc
@@ -219,14 +221,29 @@ class StepPool:
         return request.result
 
     def _take_out(self, states: list[MethodState]) -> None:
-        """A member left: its rows keep their entries in stores of their own; with nobody left, the shared stores
-        go."""
-        with self.model_lock:
-            for state in states:
-                if state.cache is not None:
-                    for layer in state.cache.layers:
-                        layer.own_storage()
-            with self._cond:
+        """A member left: its rows take their entries into stores of their own, and with nobody left the shared
+        stores go. Done now if the model is free, else by the step running now, once it ends (never waited for:
+        a turn may leave from inside a step, when the garbage collector closes an abandoned one)."""
+        with self._cond:
+            self._leaving.extend(states)
+        if self.model_lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self.model_lock.release()
+
+    def _settle(self) -> None:
+        """With the model held: the rows that left own their entries; no member left, no shared stores."""
+        with self._cond:
+            leaving, self._leaving = self._leaving, []
+            if leaving:
                 self._formed = []
+            idle = not self._members and not self._pending
+        for state in leaving:
+            if state.cache is not None:
+                for layer in state.cache.layers:
+                    layer.own_storage()
+        if idle:
+            with self._cond:
                 if not self._members and not self._pending:
                     self._buffers = None

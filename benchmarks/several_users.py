@@ -1,0 +1,173 @@
+"""Several users at once: what the last of N users who send a comparison at the same moment waits, against one
+user alone, when their turns share the model (each user's run on its own thread, as the app runs them: their
+prefills take turns between steps, and their methods' rows decode together in one batched forward per step).
+
+Measured side by side in one process, repeats interleaved (the machines are shared and noisy):
+
+1. one user alone: request to last token (median over the repeats);
+2. N users at once, each with another image and prompt: request to the last user's last token, and each user's own
+   wait; the goal is the last user's wait within 1.6x of one user alone;
+3. for reference, the same N requests one after another (what a server that runs one request at a time gives
+   its last user);
+4. whether every answer equals the same request alone (greedy, end of text ignored), how many batched steps held
+   rows of several users, and the most rows one step held;
+5. what bounds the last user's wait: the prefills are not batched (each user's runs between steps, one after
+   another: N of them take N times one user's prefill), and the decode of N·M rows at once is only as much
+   faster than N decodes of M rows as the hardware's batching allows (the ceiling: a plain cached greedy loop in
+   transformers, no engine, at batch N·M over batch M, in tokens/s).
+
+    python benchmarks/several_users.py --model embedded --users 4 --methods full,snapkv,h2o,prefixkv
+    python benchmarks/several_users.py --random-weights llava-interleave --threads 2 --users 4 --new-tokens 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
+from benchmarks.interactive import load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
+from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
+from prefixkv_core.decoding.runner import now  # noqa: E402
+from prefixkv_core.method_args import add_model_args  # noqa: E402
+from prefixkv_core.models import RANDOM_FAMILIES, encode, format_prompt  # noqa: E402
+
+PROMPTS = ["Describe the image in detail.", "What objects are in the picture?", "Which colours do you see?",
+           "Where is the largest shape?", "How many things are there?", "Is anything on the left?",
+           "What stands in the middle?", "Name the smallest object."]
+
+
+def user_requests(n: int) -> list[tuple]:
+    """N different requests: another scene image and another prompt for each user."""
+    images = sorted((REPO_ROOT / "assets/images").glob("scene-*.png"))
+    return [(Engine.load_image(str(images[i % len(images)])), PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+
+
+def run_user(engine: Engine, request: tuple, methods: list[str], budget: float, new_tokens: int, t0: float,
+             out: dict) -> None:
+    """One user's comparison, timed from `t0` (the moment every user sent theirs)."""
+    image, prompt = request
+    session = engine.new_session(image, prompt, methods, budget,
+                                 GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True))
+    for _ in session.run():
+        pass
+    out["wall_s"] = now(engine.loaded.device) - t0
+    out["prefill_s"] = session.prefill.prefill_s
+    out["texts"] = {m: r["text"] for m, r in session.results().items()}
+
+
+def at_once(engine: Engine, requests: list[tuple], methods: list[str], budget: float, new_tokens: int) -> dict:
+    """Every request sent at the same moment, each on its own thread."""
+    pool = engine.pool
+    shared_before = pool.shared_steps
+    pool.largest_batch = 0
+    outs = [{} for _ in requests]
+    t0 = now(engine.loaded.device)
+    threads = [threading.Thread(target=run_user, args=(engine, r, methods, budget, new_tokens, t0, o))
+               for r, o in zip(requests, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"last_s": max(o["wall_s"] for o in outs), "each_s": [o["wall_s"] for o in outs],
+            "texts": [o["texts"] for o in outs], "shared_steps": pool.shared_steps - shared_before,
+            "largest_batch": pool.largest_batch}
+
+
+def one_after_another(engine: Engine, requests: list[tuple], methods: list[str], budget: float,
+                      new_tokens: int) -> dict:
+    outs = [{} for _ in requests]
+    t0 = now(engine.loaded.device)
+    for r, o in zip(requests, outs):
+        run_user(engine, r, methods, budget, new_tokens, t0, o)
+    return {"last_s": outs[-1]["wall_s"], "each_s": [o["wall_s"] for o in outs], "texts": [o["texts"] for o in outs],
+            "prefill_s": [o["prefill_s"] for o in outs]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
+                    help="instead of --model: random weights in a family's released shape (llava-interleave: the "
+                         "Space default), with a stand-in tokenizer")
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--methods", default="full,snapkv,h2o,prefixkv")
+    ap.add_argument("--budget", type=float, default=0.3)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; medians are reported")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--json", default=None, help="write every number here")
+    args = ap.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    loaded = load_benchmark_model(args)
+    engine = Engine(loaded)
+    methods = resolve_methods(args.methods)
+    requests = user_requests(args.users)
+    at_once(engine, requests[:2], methods, args.budget, 2)  # warm-up
+
+    image, prompt = requests[0]
+    inputs = encode(loaded, image, format_prompt(loaded, prompt, with_image=True))
+    alone, together, serial, ceilings = [], [], [], []
+    for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
+        alone.append(one_after_another(engine, requests[:1], methods, args.budget, args.new_tokens))
+        together.append(at_once(engine, requests, methods, args.budget, args.new_tokens))
+        serial.append(one_after_another(engine, requests, methods, args.budget, args.new_tokens))
+        rows = len(methods)
+        ceilings.append(plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, rows * args.users)
+                        / plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, rows))
+
+    alone_s = statistics.median(a["last_s"] for a in alone)
+    last_s = statistics.median(t["last_s"] for t in together)
+    serial_s = statistics.median(s["last_s"] for s in serial)
+    same = all(t["texts"] == s["texts"] for t, s in zip(together, serial))
+    prefill_s = statistics.median(a["prefill_s"][0] for a in alone)
+    ratios = [t["last_s"] / a["last_s"] for t, a in zip(together, alone)]
+    report = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "users": args.users,
+              "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "one_user_s": alone_s, "last_of_n_at_once_s": last_s,
+              "last_over_one": last_s / alone_s, "last_over_one_range": [min(ratios), max(ratios)],
+              "one_after_another_last_s": serial_s, "one_after_another_over_one": serial_s / alone_s,
+              "same_answers_as_alone": same, "shared_steps": [t["shared_steps"] for t in together],
+              "largest_batch": max(t["largest_batch"] for t in together),
+              "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
+              "ceiling": statistics.median(ceilings),
+              "runs": {"alone": alone, "together": together, "one_after_another": serial}}
+
+    print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {report['threads']} threads), commit "
+          f"{report['commit']}, {report['date']}")
+    print(f"{args.users} users at once, each comparing {len(methods)} methods ({', '.join(methods)}), budget "
+          f"{args.budget}, {args.new_tokens} new tokens each, median of {args.repeats}")
+    print("| measure | value |\n|---|---|")
+    print(f"| one user alone, request to last token | {alone_s:.2f} s |")
+    low, high = report["last_over_one_range"]
+    print(f"| **{args.users} users at once: the last one's wait** (goal <= 1.6x) | **{last_s:.2f} s = "
+          f"{report['last_over_one']:.2f}x** ({low:.2f}-{high:.2f}x over the repeats) |")
+    print(f"| the same requests one after another: the last one's wait | {serial_s:.2f} s = "
+          f"{report['one_after_another_over_one']:.2f}x |")
+    print(f"| every answer equal to the same request alone | {'yes' if same else 'NO'} |")
+    print(f"| batched steps holding several users' rows (per repeat) | {report['shared_steps']} |")
+    print(f"| most rows in one step | {report['largest_batch']} |")
+    print(f"| one user's prefill; {args.users} prefills one after another (not batched) | {prefill_s:.2f} s; "
+          f"{report['prefills_over_one']:.2f}x one user's wait |")
+    print(f"| ceiling: plain transformers decode tok/s at batch {len(methods) * args.users} / batch {len(methods)} "
+          f"(x{args.users} would be free batching) | {report['ceiling']:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
