@@ -376,3 +376,30 @@ def test_exporter_refuses_before_a_run_without_touching_the_store():
     exports = _FakeExports()  # has no new_folder: a refused export must not ask for one
     with pytest.raises(gr.Error, match="nothing to export"):
         Exporter(_FakeRenderer(), exports).export(["html"], SessionBox())
+
+
+def test_a_click_is_queued_only_when_every_batch_place_is_taken(ctl):
+    """Up to `max_batch_users` runs go at once (decoded in one batch); the next click says it waits."""
+    from ui.runstate import SessionBox
+
+    places = ctl.limits.max_batch_users
+    assert places > 1 and ctl.prepare(SessionBox())[0] == "Starting…"
+    owners = [f"running-{i}" for i in range(places)]
+    try:
+        for i, owner in enumerate(owners):
+            ctl.registry.add(owner, _IdleSession())  # added as running
+            queued = ctl.prepare(SessionBox())[0].startswith("Queued")
+            assert queued == (i + 1 == places), i
+    finally:
+        for owner in owners:
+            ctl.registry.release_owner(owner)
+
+
+class _IdleSession:
+    released = False
+
+    def cache_bytes(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        self.released = True

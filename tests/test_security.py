@@ -550,6 +550,25 @@ def test_registry_frees_room_least_recently_used_first_and_never_a_running_one()
     registry.close()
 
 
+def test_registry_counts_what_runs_going_at_once_may_still_reach():
+    """Several users' runs go at once: each admitted run keeps its room until it ends, so two runs admitted
+    together never share the same room."""
+    from ui.sessions import SessionRegistry
+
+    registry = SessionRegistry(Limits(max_sessions=4, cache_limit_bytes=1000, memory_limit_bytes=None))
+    registry.reserve("a", 600)  # admitted, its caches not built yet
+    with pytest.raises(LimitError, match="KV-cache limit"):
+        registry.reserve("b", 600)  # 600 reserved by a's run + 600 > 1000
+    registry.add("a", FakeSession(100))  # a's run has built 100 so far: it still counts its 600
+    with pytest.raises(LimitError, match="KV-cache limit"):
+        registry.reserve("b", 600)
+    assert registry.running() == 1
+    registry.end("a")  # a's run ended with 100 held: room for b now
+    registry.reserve("b", 600)
+    assert registry.running() == 0  # b is admitted, not yet added
+    registry.close()
+
+
 def test_registry_keeps_at_most_max_sessions_and_releases_on_disconnect():
     from ui.sessions import SessionRegistry
 
