@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
               "largest_batch": max(t["largest_batch"] for t in together),
               "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
               "ceiling": statistics.median(ceilings),
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "runs": {"alone": alone, "together": together, "one_after_another": serial}}
 
     print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {report['threads']} threads), commit "
@@ -164,6 +166,7 @@ def main(argv=None) -> int:
           f"{report['prefills_over_one']:.2f}x one user's wait |")
     print(f"| ceiling: plain transformers decode tok/s at batch {len(methods) * args.users} / batch {len(methods)} "
           f"(x{args.users} would be free batching) | {report['ceiling']:.2f}x |")
+    print(f"| the process's peak resident memory (model included) | {report['peak_rss_bytes'] / 2**30:.2f} GiB |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0 if same else 1

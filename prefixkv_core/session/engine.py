@@ -42,19 +42,21 @@ from .generation import GenerationSettings
 from .image_input import MAX_IMAGE_SIDE, load_image
 from .method_state import MethodState
 from .session import Session
+from .model_worker import ModelWorker
 from .step_pool import StepPool
 
 __all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE"]
 
 
 class Engine:
-    """Holds a loaded model. Sessions may run at once (one thread each): their prefills take turns on the model,
-    and their decode steps are batched together (`step_pool.py`)."""
+    """Holds a loaded model. Sessions may run at once (one thread each): their prefills and steps run on the
+    model's own thread (`model_worker.py`), and their decode steps are batched together (`step_pool.py`)."""
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
-        self.lock = threading.Lock()  # one model call at a time: a prefill, or a batched step
-        self.pool = StepPool(loaded, self.lock)
+        self.lock = threading.Lock()  # held while the model runs a call (a prefill, or a batched step)
+        self.worker = ModelWorker(self.lock)  # the one thread the model's calls run on
+        self.pool = StepPool(loaded, self.worker)
         self._users = 0  # turns running now, which need our attention function on the model
         self._users_lock = threading.Lock()
         self._attention: Any = None  # the attention function's context while any turn runs

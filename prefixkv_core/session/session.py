@@ -22,6 +22,7 @@ from .kept_image import kept_image_map
 from .method_state import MethodState
 from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info
 from .schedule import schedule_for
+from .model_worker import ModelWorker
 from .step_pool import StepPool
 from .stepping import RowStepper
 from .teacher_forcing import answer_nll
@@ -31,7 +32,7 @@ class ModelHolder(Protocol):
     """What a session needs of the engine that made it (`engine.Engine`)."""
 
     loaded: Any  # the LoadedModel
-    lock: threading.Lock  # one model call at a time (a prefill, or a batched step)
+    worker: ModelWorker  # the model's thread: every prefill and step runs there
     pool: StepPool  # the decode steps of every session decoding now, batched together
     eos_ids: set[int]
 
@@ -71,7 +72,7 @@ class Session:
         self.encoded: EncodedPrompt | None = None  # the first turn's prompt, once encoded
         self.released = False
         loaded = engine.loaded
-        self.stepper = RowStepper(loaded, generation, engine.eos_ids, engine.lock, engine.pool)
+        self.stepper = RowStepper(loaded, generation, engine.eos_ids, engine.worker, engine.pool)
         self._turn_lock = threading.Lock()  # one turn of this conversation at a time
         # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
         self.record = ComparisonRecord(
@@ -150,32 +151,29 @@ class Session:
             self.turn = 0
             self.prefill_first_turn(alone=False)
             try:
-                with self.engine.lock:
-                    return answer_nll(self.stepper, list(self.states.values()), answer_ids)
+                return self.stepper.on_model(lambda: answer_nll(self.stepper, list(self.states.values()), answer_ids))
             finally:
                 self.stepper.reset()
 
     # -- what the schedules call ---------------------------------------------------------------------------
     def prefill_first_turn(self, alone: bool, states: list[MethodState] | None = None) -> PrefillInfo:
         """Encode the first turn's prompt, prefill and compress the caches of `states` (default: every method; one
-        shared prefill, or each its own when `alone`) and sample each first token. Holds the model meanwhile."""
+        shared prefill, or each its own when `alone`) and sample each first token, on the model's thread."""
         loaded = self.engine.loaded
         self.encoded = encode_prompt(loaded, self.image, self.prompt, chat_template=self.chat_template,
                                      query_agnostic=self.query_agnostic,
                                      max_new_tokens=self.generation.max_new_tokens)
         chosen = list(self.states.values()) if states is None else states
-        with self.engine.lock:
-            analysis = self._prefiller().run(chosen, alone=alone)
+        analysis = self.stepper.on_model(lambda: self._prefiller().run(chosen, alone=alone))
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
         return self.prefill
 
     def prefill_more(self, states: list[MethodState], alone: bool) -> None:
         """After the first turn's prefill: more of its states (a method with a prefill of its own that joins the
-        running batch, or a copy to be timed alone), prefilled and compressed, each first token sampled. Holds the
-        model meanwhile."""
-        with self.engine.lock:
-            self._prefiller().run(states, alone=alone, analysis=False)
+        running batch, or a copy to be timed alone), prefilled and compressed, each first token sampled, on the
+        model's thread."""
+        self.stepper.on_model(lambda: self._prefiller().run(states, alone=alone, analysis=False))
 
     def event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
         return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
@@ -217,7 +215,7 @@ class Session:
     def _model_turn(self):
         """One turn of this conversation, with our attention function on the model. The model itself is held for
         each prefill and each step only: other conversations' turns prefill between this one's steps and decode in
-        the same batched forwards (`step_pool.py`)."""
+        the same batched forwards (`step_pool.py`), all on the model's thread (`model_worker.py`)."""
         with self._turn_lock, self.engine.model_in_use():
             if self.released:  # released while waiting for the model
                 raise EngineError("this comparison's caches were released to free memory; run Compare again")

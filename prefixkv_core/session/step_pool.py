@@ -3,8 +3,8 @@ user's comparison) go through the model in one batched forward per step, as the 
 
 Each turn runs on its own thread (the app runs every request on one) and asks the pool for its steps
 (`advance`). The first turn to ask waits, briefly, for the other decoding turns to ask too, then runs one
-forward for all of them (the model lock held for that step only) and hands each turn its rows' logits. A turn
-that starts while others decode prefills between two of their steps (the prefill takes the model lock) and
+forward for all of them (a job on the model's thread, `model_worker.py`, ahead of any waiting prefill) and hands
+each turn its rows' logits. A turn that starts while others decode prefills between two of their steps and
 joins at the next one; a turn that ends or is cancelled simply stops asking, and its rows leave the batch.
 
 Why a short wait and not a strict barrier: a turn may be slow to ask again (its consumer busy, its own prefill
@@ -24,6 +24,7 @@ import torch
 from ..decoding import runner
 from ..models import LoadedModel
 from .method_state import MethodState
+from .model_worker import STEP, ModelWorker
 
 GATHER_S = 0.05  # how long a step waits for decoding turns that have not asked yet
 
@@ -86,12 +87,12 @@ def form_rows(states: list[MethodState], buffers: runner.StepBuffers) -> bool:
 
 
 class StepPool:
-    """The steps of every turn decoding on one model, batched together (see the module docstring). `model_lock`
-    is the engine's: held for each step, as prefills hold it."""
+    """The steps of every turn decoding on one model, batched together (see the module docstring). Each step runs
+    on the engine's `worker`, as the prefills do."""
 
-    def __init__(self, loaded: LoadedModel, model_lock: threading.Lock, gather_s: float = GATHER_S):
+    def __init__(self, loaded: LoadedModel, worker: ModelWorker, gather_s: float = GATHER_S):
         self.loaded = loaded
-        self.model_lock = model_lock
+        self.worker = worker
         self.gather_s = gather_s
         self._cond = threading.Condition()
         self._members: dict[int, bool] = {}  # decoding turns -> whether one is expected to ask (not in a prefill)
@@ -180,6 +181,9 @@ class StepPool:
             with self._cond:
                 self._stepping = False
                 self._cond.notify_all()
+                idle = not self._members and not self._pending and self._buffers is not None
+            if idle:  # a step nobody decodes after (a follow-up's input): its stores go
+                self.worker.post(self._settle)
         return self._outcome(request)
 
     def _all_asked(self) -> bool:
@@ -187,21 +191,8 @@ class StepPool:
         return all(m in asking for m, expected in self._members.items() if expected)
 
     def _run(self, batch: list[_Request]) -> None:
-        states = [s for r in batch for s in r.states]
-        chunks = [c for r in batch for c in r.chunks]
-        steps = [k for r in batch for k in r.steps]
         try:
-            with self.model_lock, torch.inference_mode():
-                if self._buffers is None:
-                    self._buffers = runner.StepBuffers()
-                ids = [id(s.cache) for s in states]
-                if ids != self._formed:  # rows joined or left: the shared stores are formed anew
-                    self._formed = ids if form_rows(states, self._buffers) else []
-                result = advance_rows(self.loaded, self._buffers, states, chunks, steps)
-                self.steps += 1
-                self.largest_batch = max(self.largest_batch, len(states))
-                self.shared_steps += len({id(r.states[0]) if r.member is None else r.member for r in batch}) > 1
-                self._settle()  # rows that left while the step ran
+            result = self.worker.call(lambda: self._step(batch), STEP)
         except BaseException as exc:  # noqa: BLE001 - handed to every turn of the step
             for r in batch:
                 r.error = exc
@@ -214,6 +205,23 @@ class StepPool:
             start += n
             r.done.set()
 
+    @torch.inference_mode()
+    def _step(self, batch: list[_Request]) -> StepResult:
+        """On the model's thread: one batched forward of every request's rows."""
+        states = [s for r in batch for s in r.states]
+        if self._buffers is None:
+            self._buffers = runner.StepBuffers()
+        ids = [id(s.cache) for s in states]
+        if ids != self._formed:  # rows joined or left: the shared stores are formed anew
+            self._formed = ids if form_rows(states, self._buffers) else []
+        result = advance_rows(self.loaded, self._buffers, states, [c for r in batch for c in r.chunks],
+                              [k for r in batch for k in r.steps])
+        self.steps += 1
+        self.largest_batch = max(self.largest_batch, len(states))
+        self.shared_steps += len({id(r.states[0]) if r.member is None else r.member for r in batch}) > 1
+        self._settle()  # rows that left while the step ran
+        return result
+
     @staticmethod
     def _outcome(request: _Request) -> StepResult:
         if request.error is not None:
@@ -222,18 +230,13 @@ class StepPool:
 
     def _take_out(self, states: list[MethodState]) -> None:
         """A member left: its rows take their entries into stores of their own, and with nobody left the shared
-        stores go. Done now if the model is free, else by the step running now, once it ends (never waited for:
-        a turn may leave from inside a step, when the garbage collector closes an abandoned one)."""
+        stores go; on the model's thread, after the steps and prefills waiting (nobody waits for it)."""
         with self._cond:
             self._leaving.extend(states)
-        if self.model_lock.acquire(blocking=False):
-            try:
-                self._settle()
-            finally:
-                self.model_lock.release()
+        self.worker.post(self._settle)
 
     def _settle(self) -> None:
-        """With the model held: the rows that left own their entries; no member left, no shared stores."""
+        """On the model's thread: the rows that left own their entries; no member left, no shared stores."""
         with self._cond:
             leaving, self._leaving = self._leaving, []
             if leaving:
@@ -245,5 +248,5 @@ class StepPool:
                     layer.own_storage()
         if idle:
             with self._cond:
-                if not self._members and not self._pending:
+                if not self._members and not self._pending and not self._stepping:
                     self._buffers = None

@@ -13,6 +13,7 @@ from ..models import LoadedModel
 from ..report.events import MethodEvent
 from .generation import GenerationSettings, answer_text, next_token
 from .method_state import MethodState
+from .model_worker import PREFILL, STEP, ModelWorker
 from .step_pool import StepPool, advance_rows, form_rows
 
 # (state, kind, **how) -> the event that reports it (the session knows the turn and the bytes per token)
@@ -37,11 +38,11 @@ class RowStepper:
     step tensors and shared stores the rows use within one turn (`reset` drops them)."""
 
     def __init__(self, loaded: LoadedModel, generation: GenerationSettings, eos_ids: set[int],
-                 model_lock: threading.Lock | None = None, pool: StepPool | None = None):
+                 worker: ModelWorker | None = None, pool: StepPool | None = None):
         self.loaded = loaded
         self.generation = generation
         self.eos_ids = eos_ids
-        self.model_lock = model_lock if model_lock is not None else threading.Lock()  # one model call at a time
+        self.worker = worker  # the model's thread (None: this thread calls the model itself)
         self.pool = pool  # batches the decode steps with other turns' (None: this turn's rows only)
         self._member: int | None = None  # this turn's membership of the pool while it decodes
         self.buffers: runner.StepBuffers | None = None
@@ -63,13 +64,16 @@ class RowStepper:
         done = advance_rows(self.loaded, self.buffers, states, chunks, [step] * len(states))
         return done.logits, done.forward_s, {s.name: t for s, t in zip(states, done.policy_s)}
 
+    def on_model(self, fn, priority: int = PREFILL):
+        """fn() where the model runs: on the model's thread (`model_worker.py`), or here without one."""
+        return fn() if self.worker is None else self.worker.call(fn, priority)
+
     def advance_shared(self, states: list[MethodState], chunks: list[list[int]], step: int, alone: bool = False
                        ) -> tuple[torch.Tensor, float, dict[str, float]]:
         """`advance`, in the step pool's batch with the rows of every other turn decoding now (other users'
-        comparisons); `alone` (or without a pool): these rows only, the model held for the step."""
+        comparisons); `alone` (or without a pool): these rows only, a step of their own on the model's thread."""
         if alone or self.pool is None:
-            with self.model_lock:
-                return self.advance(states, chunks, step)
+            return self.on_model(lambda: self.advance(states, chunks, step), STEP)
         done = self.pool.advance(states, chunks, [step] * len(states), member=self._member)
         return done.logits, done.forward_s, {s.name: t for s, t in zip(states, done.policy_s)}
 
@@ -83,9 +87,8 @@ class RowStepper:
             return
         if self.buffers is None:
             self.buffers = runner.StepBuffers()
-        with self.model_lock:
-            if not form_rows(active, self.buffers):
-                self.buffers = None
+        if not self.on_model(lambda: form_rows(active, self.buffers), STEP):
+            self.buffers = None
 
     # -- a turn's input ----------------------------------------------------------------------------------------
     def feed_question(self, question: list[int], states: list[MethodState]) -> None:

@@ -1,0 +1,86 @@
+"""The one thread that runs the model: every prefill and every batched step of every session is a job on it.
+
+Why one thread, when each session already runs on its own: the model is used by one call at a time anyway, and a
+process whose large tensors are allocated and freed on many threads keeps a heap (an allocator arena) per thread,
+each as large as the biggest call it saw, so memory grows with the number of users. Jobs also get an order: a step
+of the sessions decoding now goes before a waiting prefill, so between two new users' prefills the users already
+decoding get a token.
+
+While a job runs the engine's lock is held (tests hold it to keep the model busy; `locked()` says a call runs).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+STEP, PREFILL, CHORE = 0, 1, 2  # job priorities: lower goes first
+IDLE_S = 30.0  # the thread ends after this long without a job (a new one starts it again)
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    wait: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class ModelWorker:
+    """Runs jobs on its thread, one at a time, steps first (see the module docstring)."""
+
+    def __init__(self, lock: threading.Lock, idle_s: float = IDLE_S):
+        self.lock = lock
+        self.idle_s = idle_s
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()  # first come first served within a priority
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+
+    def call(self, fn: Callable[[], Any], priority: int = PREFILL) -> Any:
+        """fn() on the model's thread; returns its result or raises its exception. On that thread already (a job
+        that needs another model call): runs it at once."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        job = _Job(fn, wait=True)
+        self._put(priority, job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """fn() on the model's thread after the waiting steps and prefills; nobody waits for it (errors logged)."""
+        self._put(CHORE, _Job(fn, wait=False))
+
+    def _put(self, priority: int, job: _Job) -> None:
+        with self._starting:
+            self._jobs.put((priority, next(self._order), job))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="prefixkv-model", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                _, _, job = self._jobs.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._starting:
+                    if self._jobs.empty():  # idle: end (a job put from now on starts a new thread)
+                        self._thread = None
+                        return
+                continue
+            with self.lock:
+                try:
+                    job.result = job.fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    job.error = exc
+                    if not job.wait:
+                        log.exception("a model job failed")
+            job.done.set()
