@@ -1,0 +1,65 @@
+"""The model's one thread: jobs run there one at a time with the engine's lock held, steps before waiting
+prefills, errors handed back to the caller, a job's own model calls run at once, and an idle thread ends."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
+    lock = threading.Lock()
+    worker = ModelWorker(lock)
+    threads, order = set(), []
+    gate = threading.Event()
+
+    def job(name):
+        def run():
+            assert lock.locked()
+            threads.add(threading.current_thread().name)
+            order.append(name)
+            return name
+        return run
+
+    # the first job holds the thread while the others queue up
+    first = threading.Thread(target=lambda: worker.call(lambda: gate.wait(10) and order.append("first"), PREFILL))
+    first.start()
+    assert _wait(lambda: lock.locked())
+    waiting = [threading.Thread(target=worker.call, args=(job(name), priority))
+               for name, priority in (("prefill-1", PREFILL), ("prefill-2", PREFILL), ("step", STEP))]
+    for t in waiting:
+        t.start()
+        time.sleep(0.05)  # queued in this order
+    worker.post(job("chore"))
+    gate.set()
+    for t in [first, *waiting]:
+        t.join(10)
+    assert _wait(lambda: len(order) == 5)
+    assert order == ["first", "step", "prefill-1", "prefill-2", "chore"]
+    assert threads == {"prefixkv-model"} and not lock.locked()
+
+
+def test_errors_reach_the_caller_and_a_job_may_call_the_model_again():
+    worker = ModelWorker(threading.Lock())
+    with pytest.raises(ValueError, match="bad input"):
+        worker.call(lambda: (_ for _ in ()).throw(ValueError("bad input")))
+    assert worker.call(lambda: worker.call(lambda: 41) + 1) == 42  # nested: runs at once, no self-wait
+    worker.post(lambda: 1 / 0)  # a failing chore is logged, the thread goes on
+    assert worker.call(lambda: "still here", CHORE) == "still here"
+
+
+def test_an_idle_thread_ends_and_the_next_job_starts_another():
+    worker = ModelWorker(threading.Lock(), idle_s=0.05)
+    assert worker.call(threading.current_thread) is not threading.current_thread()
+    assert _wait(lambda: worker._thread is None)
+    assert worker.call(lambda: 7) == 7
