@@ -10,7 +10,8 @@ from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core import models as M
-from prefixkv_core.decoding.vision_tokens import feature_layer, reduce_image
+from prefixkv_core.decoding.vision_tokens import reduce_image
+from prefixkv_core.decoding.vision_tower import feature_layer
 from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models.layout import crop_patches
 from prefixkv_core.policies import make_policy

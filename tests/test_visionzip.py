@@ -13,7 +13,8 @@ from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models.layout import crop_patches
 from prefixkv_core.policies import make_policy
 from prefixkv_core.testing import FAMILIES, build_tiny_family
-from prefixkv_core.decoding.vision_tokens import feature_layer, reduce_image
+from prefixkv_core.decoding.vision_tokens import reduce_image
+from prefixkv_core.decoding.vision_tower import feature_layer
 
 PROMPT = "describe the picture in detail"
 WIDE = (80, 48)

@@ -20,7 +20,8 @@ in one pass cost little more than one. A single row takes the plain path (no pad
 
 The prefills live here too: `prefill` is the one shared by the methods that compress its cache, `own_prefill`
 that of a method changing the prefill itself (a prefill token reduction: FastV's masked later layers,
-VisionZip's shorter prompt); its row then decodes in the same batch at its own true positions. So do the policy
+VisionZip's shorter prompt); its row then decodes in the same batch at its own true positions. In a comparison
+both read one pass of the vision tower (`vision_tower.TurnImage`), fed as input embeddings. So do the policy
 calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks run methods the same way.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from .step_buffers import StepBuffers
+from .vision_tower import TurnImage
 
 
 def sync(device: torch.device) -> None:
@@ -415,14 +417,19 @@ class Prefill:
 
 @torch.inference_mode()
 def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
-            policies: Sequence[Policy], num_layers: int, device: torch.device) -> Prefill:
+            policies: Sequence[Policy], num_layers: int, device: torch.device,
+            turn_image: TurnImage | None = None) -> Prefill:
     """One prefill (batch = prompts of equal length) recording every statistic the given policies asked for.
-    `vision_inputs`: the pixel values, or every image tensor the processor made (see `vision_kwargs`)."""
+    `vision_inputs`: the pixel values, or every image tensor the processor made (see `vision_kwargs`).
+    `turn_image`: the image already through the vision tower (or to be, by whichever prefill asks first): the
+    language model is fed its input embeddings instead of the pixel values."""
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True)] + [p.prefill_stats(n) for p in policies])
     cache = TrackedCache(num_layers)
     t0 = now(device)
-    logits, stats = forward_group(model, cache, ids, 0, request, is_image, vision_inputs)
+    embeds = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None
+    pixels = vision_inputs if embeds is None else None
+    logits, stats = forward_group(model, cache, ids, 0, request, is_image, pixels, inputs_embeds=embeds)
     seconds = now(device) - t0
     cache.add_scores({l: s["colsum"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds)
@@ -430,20 +437,27 @@ def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: Vis
 
 @torch.inference_mode()
 def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
-                num_layers: int, device: torch.device, image_token_id: int | None = None) -> Prefill:
+                num_layers: int, device: torch.device, image_token_id: int | None = None,
+                turn_image: TurnImage | None = None) -> Prefill:
     """The prefill of a method that changes the prefill itself (stage "prefill token reduction"), run for it
     alone: a vision-side reduction (`policy.vision_plan`, VisionZip) feeds the language model a shorter prompt,
     and key masks decided during the forward (`policy.prefill_key_masks`, FastV) keep later layers from
-    attending to dropped tokens. Records what the policy asked for; `reduction` says what was done."""
+    attending to dropped tokens. Records what the policy asked for; `reduction` says what was done.
+    `turn_image`: the image already through the vision tower (see `prefill`), read instead of a pass of its own."""
     from . import vision_tokens
 
     t0 = now(device)
     embeds, reduction = None, None
     if vision_inputs is not None and image_token_id is not None and bool(is_image.any()):
-        reduced = vision_tokens.reduce_image(model, policy, ids, is_image, vision_inputs, image_token_id)
+        if turn_image is None and vision_tokens.has_vision_plan(policy):  # its one pass also feeds an unreduced image
+            turn_image = TurnImage(model, vision_kwargs(vision_inputs), record=True)
+        reduced = vision_tokens.reduce_image(model, policy, ids, is_image, vision_inputs, image_token_id, turn_image)
         if reduced is not None:  # the language model sees the reduced image block instead
             ids, is_image, embeds, reduction = reduced.ids, reduced.is_image, reduced.inputs_embeds, reduced.record
-            vision_inputs = None
+    if embeds is None and turn_image is not None:  # the image as the model's own path encodes it, once a turn
+        embeds = turn_image.prompt_embeds(ids, is_image)
+    if embeds is not None:
+        vision_inputs = None
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
     probe = AttentionProbe(request, mask_rule=policy.prefill_key_masks(n, is_image, num_layers))

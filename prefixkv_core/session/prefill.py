@@ -4,7 +4,11 @@ answer token sampled.
 A method's prefill comes from one of three sources (`Prefiller.source`): the prefill SHARED by every method that
 compresses its cache (one model pass, which also gives the importance charts), the method's OWN prefill (prefill
 token reduction: FastV, VisionZip change the prefill itself), or, when the methods are run each ALONE, a prefill
-of its own that records only what its policy asks for (its time to first token is then all its own)."""
+of its own that records only what its policy asks for (its time to first token is then all its own).
+
+The shared prefill and the own prefills of one comparison read one pass of the vision tower (`share_image`: the
+prompt's `TurnImage`, run by whichever prefill asks first, dropped once every method is prefilled); a prefill run
+ALONE encodes the image itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,9 +19,11 @@ import torch
 from PIL import Image
 
 from ..decoding import runner
+from ..decoding.vision_tokens import has_vision_plan
+from ..decoding.vision_tower import TurnImage
 from ..errors import EngineError
 from ..models import ImageLayout, LoadedModel, encode, format_prompt, vision_inputs
-from ..policies import Budget
+from ..policies import Budget, Policy
 from ..report.events import PrefillInfo
 from .method_state import MethodState
 from .prompt_layout import image_token_layout, question_start
@@ -34,6 +40,7 @@ class EncodedPrompt:
     split: int  # the tokens compressed at once: N, or (query-agnostic) the tokens before the question
     image_offset: int | None
     image_layout: ImageLayout | None
+    shared_image: TurnImage | None = None  # the image through the tower once for every prefill (`share_image`)
 
     @property
     def n(self) -> int:
@@ -67,6 +74,14 @@ def encode_prompt(loaded: LoadedModel, image: Image.Image | None, prompt: str, *
                          image_token_layout(loaded, image, n_image))
 
 
+def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:
+    """From now on the prompt's prefills (not those run alone) read one pass of the vision tower, which records
+    the feature layer when one of `policies` may shrink the image in the tower. Nothing for a prompt without one."""
+    pixels = vision_inputs(prompt.inputs)
+    if prompt.n_image and pixels:
+        prompt.shared_image = TurnImage(loaded.model, pixels, record=any(has_vision_plan(p) for p in policies))
+
+
 @dataclass
 class Analysis:
     """The prefill whose statistics the charts show, and what the methods' allocations used."""
@@ -88,11 +103,13 @@ class Prefiller:
         self.budget = budget
         self.seed = seed
         self.bytes_per_token: float | None = None  # an uncompressed cache's, known after the first shared-kind prefill
+        self.image: TurnImage | None = None  # what this run's prefills read of the image (None: each its own pass)
 
     def run(self, states: list[MethodState], alone: bool, analysis: bool = True) -> Analysis | None:
         """Prefill and compress each state's cache and sample its first token. `alone`: each state gets its own
         prefill; else one is shared (the last state to share it takes its cache, the others a copy). Returns the
         charts' analysis; None without `analysis` (a method timed alone again)."""
+        self.image = None if alone else self.prompt.shared_image  # run alone: each prefill encodes the image itself
         sharing = [s for s in states if not s.policy.own_prefill()]
         shared = self._prefill([s.policy for s in sharing]) if sharing and not alone else None
         analysed = shared  # the prefill whose column sums the importance charts show
@@ -128,7 +145,7 @@ class Prefiller:
         if state.policy.own_prefill():
             prefilled = runner.own_prefill(self.loaded.model, state.policy, p.ids[:, :p.split],
                                            p.is_image[:, :p.split], vision_inputs(p.inputs), self.loaded.num_layers,
-                                           self.loaded.device, self.loaded.image_token_id)
+                                           self.loaded.device, self.loaded.image_token_id, self.image)
             state.cache = prefilled.cache
         elif shared is None:
             prefilled = self._prefill([state.policy])
@@ -143,7 +160,8 @@ class Prefiller:
         per token noted before any policy compresses it)."""
         p = self.prompt
         prefilled = runner.prefill(self.loaded.model, p.ids[:, :p.split], p.is_image[:, :p.split],
-                                   vision_inputs(p.inputs), policies, self.loaded.num_layers, self.loaded.device)
+                                   vision_inputs(p.inputs), policies, self.loaded.num_layers, self.loaded.device,
+                                   self.image)
         if self.bytes_per_token is None:  # the same for every prefill of this context: note it before compression
             self.bytes_per_token = prefilled.cache.nbytes() / p.split
         return prefilled

@@ -20,7 +20,7 @@ from ..report.record import ComparisonRecord
 from .generation import GenerationSettings
 from .kept_image import kept_image_map
 from .method_state import MethodState
-from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info
+from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info, share_image
 from .schedule import schedule_for
 from .model_worker import ModelWorker
 from .step_pool import StepPool
@@ -163,8 +163,11 @@ class Session:
         self.encoded = encode_prompt(loaded, self.image, self.prompt, chat_template=self.chat_template,
                                      query_agnostic=self.query_agnostic,
                                      max_new_tokens=self.generation.max_new_tokens)
+        if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
+            share_image(loaded, self.encoded, [s.policy for s in self.states.values()])
         chosen = list(self.states.values()) if states is None else states
         analysis = self.stepper.on_model(lambda: self._prefiller().run(chosen, alone=alone))
+        self._drop_image_once_prefilled()
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
         return self.prefill
@@ -174,6 +177,7 @@ class Session:
         running batch, or a copy to be timed alone), prefilled and compressed, each first token sampled, on the
         model's thread."""
         self.stepper.on_model(lambda: self._prefiller().run(states, alone=alone, analysis=False))
+        self._drop_image_once_prefilled()
 
     def event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
         return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
@@ -186,6 +190,7 @@ class Session:
             for state in self.states.values():
                 state.cache = None
             self.image = None
+            self._drop_shared_image()
             self.stepper.reset()
             self.timing = []
             self.released = True
@@ -194,7 +199,8 @@ class Session:
         """Bytes held by this session's caches right now, the batched step's padded tensors included while a
         turn runs (0 once released)."""
         held = sum(s.cache.stored_nbytes() for s in [*self.states.values(), *self.timing] if s.cache is not None)
-        return held + self.stepper.nbytes()
+        shared = self.encoded.shared_image if self.encoded is not None else None
+        return held + self.stepper.nbytes() + (shared.nbytes() if shared is not None else 0)
 
     def results(self) -> dict[str, dict[str, Any]]:
         """Per-method figures of the current turn, from the result record (see `record.to_dict()` for all)."""
@@ -208,6 +214,16 @@ class Session:
                               state.policy_state)
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _drop_image_once_prefilled(self) -> None:
+        """The first turn's shared pass of the vision tower is kept for the own prefills still to come (they run
+        between decode steps), and dropped once every method has its cache (or failed)."""
+        if all(s.cache is not None or s.error is not None for s in self.states.values()):
+            self._drop_shared_image()
+
+    def _drop_shared_image(self) -> None:
+        if self.encoded is not None:
+            self.encoded.shared_image = None
+
     def _prefiller(self) -> Prefiller:
         return Prefiller(self.engine.loaded, self.stepper, self.encoded, self.budget, self.generation.seed)
 
@@ -231,4 +247,5 @@ class Session:
             self.record.active = False
             self.stepper.reset()  # the padded step tensors live for one turn
             self.timing = []  # so do the copies timed alone
+            self._drop_shared_image()  # and the first turn's image features (a stopped turn leaves own prefills)
 

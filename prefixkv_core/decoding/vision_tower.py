@@ -1,0 +1,190 @@
+"""The vision tower's pass over a prompt's image, and the first turn's image encoded once for every prefill.
+
+`vision_features` runs the model's own image path once (`get_image_features`, a public method of every LLaVA
+family) and returns what a prefill reads of it: the image features the model scatters into the image tokens
+and, for a vision-side reduction (`vision_tokens`), the feature layer's hidden states, attention probabilities and
+keys. Those two are recorded through one public extension point: an attention function registered for the vision
+config (transformers' `AttentionInterface`) that records the feature layer's probabilities and keys, averaged over
+heads, while the tower's own implementation computes every output.
+
+`TurnImage`: in a comparison every prefill of the first turn reads the same image (the shared prefill and every
+own prefill: FastV, DART, VisionZip, Downsample), so the tower runs once, when the first prefill asks, and the
+language model is fed input embeddings built exactly as the model's forward builds them (the text's embeddings
+with the image features scattered into the image tokens)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+VISION_ATTN_NAME = "prefixkv_vision_probe"
+
+
+@dataclass
+class VisionFeatures:
+    """One pass of the vision tower over a prompt's images (every crop it encoded)."""
+
+    image: torch.Tensor  # [image tokens, H]: the model's own image features, in its image tokens' order
+    hidden: torch.Tensor | None = None  # [C, T, Hv]: the feature layer's hidden states, CLS included
+    attention: torch.Tensor | None = None  # [C, T, T] fp32: the feature layer's attention averaged over heads
+    keys: torch.Tensor | None = None  # [C, T, D] fp32: its keys averaged over heads
+
+    @property
+    def recorded(self) -> bool:
+        return self.attention is not None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.image, self.hidden, self.attention, self.keys)
+                   if t is not None)
+
+
+def feature_layer(config) -> tuple[int, int]:
+    """(index into the tower's hidden states, index of the encoder layer that produced them) of the single vision
+    feature layer; ValueError for towers that concatenate several layers."""
+    vfl = getattr(config, "vision_feature_layer", -1)
+    if not isinstance(vfl, int):
+        raise ValueError(f"a vision-side reduction needs one vision feature layer; this model concatenates {vfl}")
+    n = int(config.vision_config.num_hidden_layers)
+    hidden = vfl % (n + 1)  # hidden_states[0] is the embedding output, [i] the output of layer i - 1
+    if hidden == 0:
+        raise ValueError("the vision feature layer is the patch embedding: it has no attention to rank tokens by")
+    return vfl, hidden - 1
+
+
+def _probabilities(query, key, mask, scale) -> torch.Tensor:
+    """Softmax attention probabilities in fp32 for one crop ([1, H, T, D] each) under the tower's mask."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        mask = mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
+class _FeatureLayerProbe:
+    """The vision config's attention function during one capture: counts the calls (one per encoder layer) and,
+    at the feature layer, records the attention probabilities and keys, averaged over heads, in fp32 (one crop
+    at a time, so at most one crop's [heads, T, T] probabilities exist at once)."""
+
+    def __init__(self, layer: int, implementation: str):
+        self.layer, self.calls = layer, 0
+        self.delegate = ALL_ATTENTION_FUNCTIONS.get(implementation) if implementation != "eager" else None
+        self.attention: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        index, self.calls = self.calls, self.calls + 1
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        crops = range(query.shape[0])
+
+        def mask(c):
+            if attention_mask is None or attention_mask.shape[0] == 1:
+                return attention_mask
+            return attention_mask[c:c + 1]
+
+        if index == self.layer:
+            self.attention = torch.cat([_probabilities(query[c:c + 1], key[c:c + 1], mask(c), scale).mean(dim=1)
+                                        for c in crops])  # [C, T, T]
+            self.keys = key.float().mean(dim=1)  # [C, T, D]
+        if self.delegate is not None:
+            return self.delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        # eager towers: the same arithmetic as their own eager attention
+        out = torch.cat([torch.matmul(_probabilities(query[c:c + 1], key[c:c + 1], mask(c), scale).to(value.dtype),
+                                      value[c:c + 1]) for c in crops])
+        return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _vision_attention(model, probe: _FeatureLayerProbe):
+    cfg = model.config
+    previous = {"text_config": cfg.get_text_config()._attn_implementation or "sdpa",
+                "vision_config": cfg.vision_config._attn_implementation or "sdpa"}
+    AttentionInterface.register(VISION_ATTN_NAME, probe)
+    try:
+        model.set_attn_implementation({"text_config": previous["text_config"], "vision_config": VISION_ATTN_NAME})
+        yield probe
+    finally:
+        model.set_attn_implementation(previous)
+        AttentionInterface._global_mapping.pop(VISION_ATTN_NAME, None)
+
+
+def _vision_implementation(model) -> str:
+    return model.config.vision_config._attn_implementation or "sdpa"
+
+
+@torch.inference_mode()
+def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFeatures:
+    """The model's own image path once over every crop the tower encodes; with `record`, the feature layer's hidden
+    states, attention and keys too (ValueError when the tower has no single feature layer to record)."""
+    if not record:
+        out = model.get_image_features(**vision_inputs, return_dict=True)
+        return VisionFeatures(torch.cat(list(out.pooler_output)))
+    hidden_index, layer = feature_layer(model.config)
+    probe = _FeatureLayerProbe(layer, _vision_implementation(model))
+    with _vision_attention(model, probe):
+        out = model.get_image_features(**vision_inputs, return_dict=True)
+    if probe.attention is None or probe.calls != int(model.config.vision_config.num_hidden_layers):
+        raise RuntimeError("the vision tower's attention was not recorded at its feature layer")
+    # only the feature layer's hidden states are kept, not the tuple of every layer's
+    return VisionFeatures(torch.cat(list(out.pooler_output)), out.hidden_states[hidden_index], probe.attention,
+                          probe.keys)
+
+
+def prompt_embeds(model, ids: torch.Tensor, is_image: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """[B, N, H]: what the model's forward feeds its language model for `ids` and these image features: the
+    tokens' embeddings, the image features scattered into the image tokens (the same arithmetic as the forward's)."""
+    embeds = model.get_input_embeddings()(ids)
+    image = image.to(embeds.device, embeds.dtype)
+    if int(is_image.sum()) != image.shape[0]:
+        raise ValueError(f"image features and image tokens do not match: {image.shape[0]} features, "
+                         f"{int(is_image.sum())} tokens")
+    return embeds.masked_scatter(is_image.unsqueeze(-1).to(embeds.device), image)
+
+
+class TurnImage:
+    """The first turn's image through the vision tower once, for every prefill of a batched comparison (see the
+    module docstring). The tower runs when a prefill first asks (its time counts in that prefill's); with
+    `record`, that pass also records the feature layer for the vision-side reductions (only when the tower's own
+    attention computes its outputs, so the model's own features are exactly a plain pass's). Only what the
+    prefills read is kept, until the session drops it."""
+
+    def __init__(self, model, vision_inputs: dict, record: bool):
+        self.model, self.vision_inputs = model, dict(vision_inputs)
+        self.record = record and _vision_implementation(model) != "eager"
+        self.passes = 0  # tower passes run (one, or two when an eager tower had to record on its own)
+        self._features: VisionFeatures | None = None
+        self._recorded: VisionFeatures | None = None
+        self._embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, their prompt embeddings)
+
+    def features(self) -> VisionFeatures:
+        """The tower's pass (run on the first call); recorded when asked for and possible."""
+        if self._features is None:
+            try:
+                self._features = vision_features(self.model, self.vision_inputs, record=self.record)
+            except ValueError:  # no single feature layer: the reductions fail on their own (`recorded`)
+                self._features = vision_features(self.model, self.vision_inputs, record=False)
+            self.passes += 1
+        return self._features
+
+    def recorded(self) -> VisionFeatures:
+        """The pass with the feature layer recorded: the shared one when it recorded, else one of its own (kept)."""
+        if self.features().recorded:
+            return self._features
+        if self._recorded is None:
+            self._recorded = vision_features(self.model, self.vision_inputs, record=True)
+            self.passes += 1
+        return self._recorded
+
+    def prompt_embeds(self, ids: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+        """The language model's input embeddings for `ids` (made once for the turn's prompt, then reused)."""
+        if self._embeds is None or not torch.equal(self._embeds[0], ids):
+            self._embeds = (ids, prompt_embeds(self.model, ids, is_image, self.features().image))
+        return self._embeds[1]
+
+    def nbytes(self) -> int:
+        held = [f.nbytes() for f in (self._features, self._recorded) if f is not None]
+        if self._embeds is not None:
+            held.append(self._embeds[1].numel() * self._embeds[1].element_size())
+        return sum(held)
