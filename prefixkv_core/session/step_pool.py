@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from ..decoding import runner
+from ..limits import return_free_memory
 from ..models import LoadedModel
 from .method_state import MethodState
 from .model_worker import STEP, ModelWorker
@@ -214,6 +215,7 @@ class StepPool:
         ids = [id(s.cache) for s in states]
         if ids != self._formed:  # rows joined or left: the shared stores are formed anew
             self._formed = ids if form_rows(states, self._buffers) else []
+            return_free_memory()  # the stores the rows moved out of: give their pages back now
         result = advance_rows(self.loaded, self._buffers, states, [c for r in batch for c in r.chunks],
                               [k for r in batch for k in r.steps])
         self.steps += 1
@@ -246,6 +248,8 @@ class StepPool:
             if state.cache is not None:
                 for layer in state.cache.layers:
                     layer.own_storage()
+        if leaving:
+            return_free_memory()
         if idle:
             with self._cond:
                 if not self._members and not self._pending and not self._stepping:
