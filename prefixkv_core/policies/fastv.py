@@ -33,7 +33,7 @@ RANK_HELP = ("what ranks the image tokens at layer K-1. last_query: the last pro
              "prompt query and head (the paper's text); random: a seeded uniform draw (the reference code's control)")
 EMBEDDED_NOTE = ("on the embedded model, the last query's layer-1 attention picks against the objects (2.6 of 17 "
                  "object patches in its top 47, a random 47 hold 6): with half the image kept it answers 14 % at "
-                 "K = 2, 67 % at K = 4 and Full's 100 % from K = 8 (the layer knob; docs/methods.md, FastV on the "
+                 "K = 2, 67 % at K = 4 and 100 % from K = 8, Full 98 % (the layer knob; docs/methods.md, FastV on the "
                  "embedded model)")
 
 
