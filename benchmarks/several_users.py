@@ -41,6 +41,7 @@ from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
 from benchmarks.interactive import load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
+from prefixkv_core.limits import process_memory_bytes  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.models import RANDOM_FAMILIES, encode, format_prompt  # noqa: E402
 
@@ -96,6 +97,11 @@ def one_after_another(engine: Engine, requests: list[tuple], methods: list[str],
             "prefill_s": [o["prefill_s"] for o in outs]}
 
 
+def phase(name: str) -> None:
+    """Progress on stderr, with the resident memory so far."""
+    print(f"{name} done; resident {process_memory_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -124,8 +130,11 @@ def main(argv=None) -> int:
     alone, together, serial, ceilings = [], [], [], []
     for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
         alone.append(one_after_another(engine, requests[:1], methods, args.budget, args.new_tokens))
+        phase("one user alone")
         together.append(at_once(engine, requests, methods, args.budget, args.new_tokens))
+        phase(f"{args.users} users at once")
         serial.append(one_after_another(engine, requests, methods, args.budget, args.new_tokens))
+        phase("one after another")
         rows = len(methods)
         ceilings.append(plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, rows * args.users)
                         / plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, rows))

@@ -13,6 +13,7 @@ callers may use the same checks.
 from __future__ import annotations
 
 import base64
+import functools
 import binascii
 import io
 import math
@@ -184,12 +185,22 @@ def process_memory_bytes() -> int | None:
 def return_free_memory() -> None:
     """Hand memory freed by dropped caches back to the system (glibc keeps freed heap pages otherwise, so
     the process's resident size, which the memory ceiling reads, would not come down). No-op elsewhere."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """glibc, loaded once (each load makes objects only the garbage collector frees), or None."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - absent outside glibc
+        return libc
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def machine_memory_bytes() -> int | None:

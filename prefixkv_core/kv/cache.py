@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -136,17 +137,24 @@ class StoreStack:
 
     def __init__(self, data: torch.Tensor, rows: int):
         self.data, self.rows = data, rows
-        self.stores: list[EntryStore] = []
+        # the layers' stores, weakly: a store keeps its stack (`EntryStore.stack`), not the other way round, so a
+        # batch's stacked tensors go with their last store at once instead of waiting for the garbage collector
+        self._stores: list[weakref.ref] = []
+
+    @property
+    def stores(self) -> list[EntryStore]:
+        return [store for store in (ref() for ref in self._stores) if store is not None]
 
     def add(self, store: EntryStore) -> int:
         """Take `store` (a view of the next layer's rows of `data`); returns where its rows start."""
-        self.stores.append(store)
-        return (len(self.stores) - 1) * self.rows
+        self._stores.append(weakref.ref(store))
+        return (len(self._stores) - 1) * self.rows
 
     def grow(self, needed: int) -> None:
         """Room for `needed` entries in every row of every layer (by at least half the capacity)."""
-        self.data = data = _grown(self.data, needed, max(max(store.lengths) for store in self.stores))
-        for store in self.stores:
+        stores = self.stores
+        self.data = data = _grown(self.data, needed, max(max(store.lengths) for store in stores))
+        for store in stores:
             store.data = data.narrow(0, store.stack_row, self.rows)
             store._views = {}
 
