@@ -398,3 +398,20 @@ def test_interactive_reports_the_first_token_waits(tmp_path, capsys):
     assert waits["sharing_over_full"] == pytest.approx(waits["sharing_s"] / waits["full_alone_s"])
     firsts = json.loads(out.read_text())["runs"]["together"][0]["first_token_s"]
     assert set(firsts) == {"full", "h2o", "fastv", "visionzip"}
+
+
+def test_several_users_reports_the_last_users_wait_and_checks_every_answer(tmp_path, capsys):
+    """benchmarks/several_users.py: N users at once against one alone and one after another, every answer equal to
+    the same request alone (the exit code says so), what bounds the wait, and the peak memory."""
+    from benchmarks import several_users
+
+    out = tmp_path / "users.json"
+    assert several_users.main(["--model", "tiny-llama", "--users", "3", "--methods", "full,h2o", "--new-tokens", "3",
+                               "--repeats", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 users at once: the last one's wait" in printed
+    report = json.loads(out.read_text())
+    assert report["same_answers_as_alone"] and report["largest_batch"] <= 3 * 2
+    assert report["last_over_one"] == pytest.approx(report["last_of_n_at_once_s"] / report["one_user_s"])
+    assert report["peak_rss_bytes"] > 0 and report["ceiling"] > 0
+    assert len(report["runs"]["together"][0]["each_s"]) == 3
