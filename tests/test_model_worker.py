@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker
+from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelLock, ModelWorker
 
 
 def _wait(predicate, timeout: float = 10.0) -> bool:
@@ -18,7 +18,7 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
-    lock = threading.Lock()
+    lock = ModelLock()
     worker = ModelWorker(lock)
     threads, order = set(), []
     gate = threading.Event()
@@ -50,7 +50,7 @@ def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
 
 
 def test_errors_reach_the_caller_and_a_job_may_call_the_model_again():
-    worker = ModelWorker(threading.Lock())
+    worker = ModelWorker(ModelLock())
     with pytest.raises(ValueError, match="bad input"):
         worker.call(lambda: (_ for _ in ()).throw(ValueError("bad input")))
     assert worker.call(lambda: worker.call(lambda: 41) + 1) == 42  # nested: runs at once, no self-wait
@@ -59,7 +59,22 @@ def test_errors_reach_the_caller_and_a_job_may_call_the_model_again():
 
 
 def test_an_idle_thread_ends_and_the_next_job_starts_another():
-    worker = ModelWorker(threading.Lock(), idle_s=0.05)
+    worker = ModelWorker(ModelLock(), idle_s=0.05)
     assert worker.call(threading.current_thread) is not threading.current_thread()
     assert _wait(lambda: worker._thread is None)
     assert worker.call(lambda: 7) == 7
+
+
+def test_a_caller_holding_the_engines_lock_runs_its_calls_itself():
+    """Whoever holds the lock (to keep others off the model while it drives the engine's parts) is not made to wait
+    for itself; others still wait for it."""
+    lock = ModelLock()
+    worker = ModelWorker(lock)
+    with lock:
+        assert worker.call(threading.current_thread) is threading.current_thread()
+        other = threading.Thread(target=worker.call, args=(lambda: None,))
+        other.start()
+        other.join(0.2)
+        assert other.is_alive()  # the model's thread waits for the lock
+    other.join(10)
+    assert not other.is_alive() and not lock.locked()

@@ -42,7 +42,7 @@ from .generation import GenerationSettings
 from .image_input import MAX_IMAGE_SIDE, load_image
 from .method_state import MethodState
 from .session import Session
-from .model_worker import ModelWorker
+from .model_worker import ModelLock, ModelWorker
 from .step_pool import StepPool
 
 __all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE"]
@@ -54,7 +54,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
-        self.lock = threading.Lock()  # held while the model runs a call (a prefill, or a batched step)
+        self.lock = ModelLock()  # held while the model runs a call (a prefill, or a batched step)
         self.worker = ModelWorker(self.lock)  # the one thread the model's calls run on
         self.pool = StepPool(loaded, self.worker)
         self._users = 0  # turns running now, which need our attention function on the model

@@ -23,6 +23,39 @@ STEP, PREFILL, CHORE = 0, 1, 2  # job priorities: lower goes first
 IDLE_S = 30.0  # the thread ends after this long without a job (a new one starts it again)
 
 
+class ModelLock:
+    """The engine's lock: held while the model runs a call. It knows the thread that holds it, so that a caller
+    who holds it already (to keep others off the model while it drives the engine's parts itself) runs its calls
+    at once instead of waiting for itself."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._owner = threading.get_ident()
+        return got
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> "ModelLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @dataclass
 class _Job:
     fn: Callable[[], Any]
@@ -35,7 +68,7 @@ class _Job:
 class ModelWorker:
     """Runs jobs on its thread, one at a time, steps first (see the module docstring)."""
 
-    def __init__(self, lock: threading.Lock, idle_s: float = IDLE_S):
+    def __init__(self, lock: ModelLock, idle_s: float = IDLE_S):
         self.lock = lock
         self.idle_s = idle_s
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
@@ -45,8 +78,8 @@ class ModelWorker:
 
     def call(self, fn: Callable[[], Any], priority: int = PREFILL) -> Any:
         """fn() on the model's thread; returns its result or raises its exception. On that thread already (a job
-        that needs another model call): runs it at once."""
-        if threading.current_thread() is self._thread:
+        that needs another model call), or holding the engine's lock: runs it at once, here."""
+        if threading.current_thread() is self._thread or self.lock.held_here():
             return fn()
         job = _Job(fn, wait=True)
         self._put(priority, job)
