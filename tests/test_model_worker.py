@@ -78,3 +78,18 @@ def test_a_caller_holding_the_engines_lock_runs_its_calls_itself():
         assert other.is_alive()  # the model's thread waits for the lock
     other.join(10)
     assert not other.is_alive() and not lock.locked()
+
+
+def test_stop_lets_the_running_job_finish_and_a_later_call_starts_again():
+    worker = ModelWorker(ModelLock())
+    gate, ran = threading.Event(), []
+    running = threading.Thread(target=worker.call, args=(lambda: gate.wait(10) and ran.append("long"),))
+    running.start()
+    assert _wait(lambda: worker.lock.locked())
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    gate.set()
+    stopper.join(10)
+    running.join(10)
+    assert ran == ["long"] and worker._thread is None
+    assert worker.call(lambda: "again") == "again"

@@ -10,16 +10,18 @@ While a job runs the engine's lock is held (tests hold it to keep the model busy
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-STEP, PREFILL, CHORE = 0, 1, 2  # job priorities: lower goes first
+STOP, STEP, PREFILL, CHORE = -1, 0, 1, 2  # job priorities: lower goes first
 IDLE_S = 30.0  # the thread ends after this long without a job (a new one starts it again)
 
 
@@ -92,23 +94,46 @@ class ModelWorker:
         """fn() on the model's thread after the waiting steps and prefills; nobody waits for it (errors logged)."""
         self._put(CHORE, _Job(fn, wait=False))
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the thread after the job it runs; the jobs still waiting are dropped (a caller waiting for one gets an
+        error). A later call starts the thread again."""
+        with self._starting:
+            thread = self._thread
+            if thread is None:
+                return
+            while not self._jobs.empty():
+                _, _, job = self._jobs.get_nowait()
+                job.error = RuntimeError("the model's thread stopped before this call ran")
+                job.done.set()
+            self._jobs.put((STOP, next(self._order), _Job(None, wait=False)))
+        thread.join(timeout)
+
     def _put(self, priority: int, job: _Job) -> None:
         with self._starting:
             self._jobs.put((priority, next(self._order), job))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="prefixkv-model", daemon=True)
-                self._thread.start()
+                self._start()
+
+    def _start(self) -> None:
+        """(With `_starting` held.)"""
+        self._thread = threading.Thread(target=self._loop, name="prefixkv-model", daemon=True)
+        self._thread.start()
+        _RUNNING.add(self)
 
     def _loop(self) -> None:
         while True:
             try:
                 _, _, job = self._jobs.get(timeout=self.idle_s)
             except queue.Empty:
+                job = None
+            if job is None or job.fn is None:  # idle, or stopped
                 with self._starting:
-                    if self._jobs.empty():  # idle: end (a job put from now on starts a new thread)
-                        self._thread = None
-                        return
-                continue
+                    if job is None and not self._jobs.empty():
+                        continue
+                    self._thread = None
+                    if not self._jobs.empty():  # put while this thread was stopping: a new one takes them
+                        self._start()
+                    return
             with self.lock:
                 try:
                     job.result = job.fn()
@@ -117,3 +142,14 @@ class ModelWorker:
                     if not job.wait:
                         log.exception("a model job failed")
             job.done.set()
+
+
+_RUNNING: "weakref.WeakSet[ModelWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    """At exit, let each model thread finish the job it runs: a thread cut off inside the model's native code while
+    the interpreter shuts down aborts the process."""
+    for worker in list(_RUNNING):
+        worker.stop()
