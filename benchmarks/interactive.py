@@ -149,6 +149,13 @@ def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> fl
     return batch * (new_tokens - 1) / elapsed
 
 
+def add_random_weights_arg(ap: argparse.ArgumentParser) -> None:
+    """--random-weights: a family's released shape with random weights, read by `load_benchmark_model`."""
+    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
+                    help="instead of --model: random weights in a family's released shape (llava-interleave: the "
+                         "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
+
+
 def load_benchmark_model(args):
     if args.random_weights is None:
         return load_model(args.model, device=args.device, dtype=args.dtype)
@@ -162,9 +169,7 @@ def load_benchmark_model(args):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
-                    help="instead of --model: random weights in a family's released shape (llava-interleave: the "
-                         "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
+    add_random_weights_arg(ap)
     ap.add_argument("--image", default=str(REPO_ROOT / "assets/images/scene-0.png"))
     ap.add_argument("--prompt", default="Describe the image in detail.")
     ap.add_argument("--methods", default="all")

@@ -38,12 +38,12 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
-from benchmarks.interactive import load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
+from benchmarks.interactive import add_random_weights_arg, load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
 from prefixkv_core.limits import process_memory_bytes  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
-from prefixkv_core.models import RANDOM_FAMILIES, encode, format_prompt  # noqa: E402
+from prefixkv_core.models import encode, format_prompt  # noqa: E402
 
 PROMPTS = ["Describe the image in detail.", "What objects are in the picture?", "Which colours do you see?",
            "Where is the largest shape?", "How many things are there?", "Is anything on the left?",
@@ -105,9 +105,7 @@ def phase(name: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
-                    help="instead of --model: random weights in a family's released shape (llava-interleave: the "
-                         "Space default), with a stand-in tokenizer")
+    add_random_weights_arg(ap)
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--methods", default="full,snapkv,h2o,prefixkv")
     ap.add_argument("--budget", type=float, default=0.3)
