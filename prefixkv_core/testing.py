@@ -5,8 +5,11 @@ second."""
 from __future__ import annotations
 
 import os
+import time
 
+import numpy as np
 import torch
+from PIL import Image
 
 from .models import FAMILIES, TINY_VARIANTS, LoadedModel, describe_model
 from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenizer, save_tiny_family,
@@ -14,7 +17,11 @@ from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenize
 
 __all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
            "FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
-           "kept_entry_masks", "synthetic_prompt_cache", "synthetic_extra_stats"]
+           "kept_entry_masks", "synthetic_prompt_cache", "synthetic_extra_stats", "WIDE_PICTURE_SIZE",
+           "wide_noise_picture", "wait_until"]
+
+# Not square, so that anyres pads and unpads it and CLIP centre-crops it.
+WIDE_PICTURE_SIZE = (80, 48)
 
 
 def build_tiny_model(variant: str = "llama", seed: int = 0) -> LoadedModel:
@@ -47,6 +54,23 @@ def build_tiny_family(family: str, seed: int = 0) -> LoadedModel:
     model, processor = tiny_family_parts(family, seed)
     return describe_model(model, processor, name=f"tiny-{family}", slug=f"tiny-{family}",
                           device=torch.device("cpu"), dtype=torch.float32, vision_trained=False, notes=[TINY_NOTE])
+
+
+def wide_noise_picture(seed: int = 1) -> Image.Image:
+    """A noise image of `WIDE_PICTURE_SIZE` (width, height): the picture of the every-family tests."""
+    width, height = WIDE_PICTURE_SIZE
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8"))
+
+
+def wait_until(predicate, timeout: float = 30.0, every: float = 0.01) -> bool:
+    """Polls `predicate` until it holds or `timeout` seconds pass; its last value (tests of threads and servers)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(every)
+    return bool(predicate())
 
 
 def kept_entry_masks(compressed, prompt_len: int) -> dict:

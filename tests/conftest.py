@@ -31,10 +31,50 @@ def tiny(request, tiny_llama, tiny_qwen2):
     return tiny_llama if request.param == "llama" else tiny_qwen2
 
 
+@pytest.fixture(scope="module")
+def family_models():
+    """family -> a tiny random model of that LLaVA family, built in memory."""
+    from prefixkv_core.testing import FAMILIES, build_tiny_family
+
+    return {family: build_tiny_family(family) for family in FAMILIES}
+
+
+def _families():
+    from prefixkv_core.testing import FAMILIES
+
+    return FAMILIES
+
+
+@pytest.fixture(params=_families())
+def lm(request, family_models):
+    """Each LLaVA family's tiny model in turn (1.5, Interleave, NeXT with anyres, OneVision)."""
+    return family_models[request.param]
+
+
+@pytest.fixture(scope="module")
+def picture():
+    """A wide noise image (`testing.WIDE_PICTURE_SIZE`) for the every-family tests."""
+    from prefixkv_core.testing import wide_noise_picture
+
+    return wide_noise_picture()
+
+
 @pytest.fixture(scope="session")
 def noise_image():
     rng = np.random.RandomState(0)
     return Image.fromarray((rng.rand(48, 64, 3) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="session")
+def api_client():
+    """Opens a `gradio_client.Client` on an app's URL. Its HTTP timeout is patient (60 s, not httpx's 5 s): a busy
+    two-core machine can take longer than 5 s to answer the first request."""
+    from gradio_client import Client
+
+    def open_client(url: str) -> Client:
+        return Client(url, verbose=False, download_files=False, httpx_kwargs={"timeout": 60})
+
+    return open_client
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,10 @@ def image_file(tmp_path, noise_image):
     return str(path)
 
 
-def _client(url):
-    from gradio_client import Client
-
-    return Client(url, verbose=False, download_files=False)
-
-
-def test_compare_streams_results_for_several_methods(url, image_file):
+def test_compare_streams_results_for_several_methods(url, image_file, api_client):
     from gradio_client import handle_file
 
-    client = _client(url)
+    client = api_client(url)
     api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/compare"]
     names = [p["parameter_name"] for p in api["parameters"]]
     assert names[:5] == ["image", "prompt", "methods", "budget", "max_new_tokens"]
@@ -69,10 +63,10 @@ def test_compare_streams_results_for_several_methods(url, image_file):
     assert all(len(r["answers"]) == 2 for r in follow[-1]["methods"].values())
 
 
-def test_bad_input_gives_messages_and_the_app_keeps_serving(url, tmp_path):
+def test_bad_input_gives_messages_and_the_app_keeps_serving(url, tmp_path, api_client):
     from gradio_client import handle_file
 
-    client = _client(url)
+    client = api_client(url)
     bad = tmp_path / "not-an-image.png"
     bad.write_text("hello")
     cases = [((None, "   ", ["full"], 0.3, 4), "prompt is empty"),
@@ -89,8 +83,8 @@ def test_bad_input_gives_messages_and_the_app_keeps_serving(url, tmp_path):
     assert {r["status"] for r in out[-1]["methods"].values()} == {"done"}
 
 
-def test_two_users_are_served_one_after_the_other(url):
-    a, b = _client(url), _client(url)
+def test_two_users_are_served_one_after_the_other(url, api_client):
+    a, b = api_client(url), api_client(url)
     job_a = a.submit(None, "first user", ["full", "snapkv"], 0.3, 24, api_name="/compare")
     job_b = b.submit(None, "second user", ["full", "snapkv"], 0.3, 4, api_name="/compare")
     results = {}

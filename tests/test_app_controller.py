@@ -1,12 +1,12 @@
 """The app's event handlers called directly (no server): errors in one method, stop, a closed stream,
 follow-ups, the overlay / Lorenz / export handlers."""
-import time
 
 import gradio as gr
 import pytest
 
 from prefixkv_core import METHODS, Engine
 from prefixkv_core.policies import role_methods
+from prefixkv_core.testing import wait_until
 
 ALL = list(METHODS)
 
@@ -28,11 +28,8 @@ def _run(ctl, box, image, methods, max_new=6, prompt="Describe the picture.", **
     return outs, box.run
 
 
-def _wait_unlocked(engine, timeout=10.0):
-    end = time.monotonic() + timeout
-    while engine.lock.locked() and time.monotonic() < end:
-        time.sleep(0.02)
-    return not engine.lock.locked()
+def _wait_unlocked(engine) -> bool:
+    return wait_until(lambda: not engine.lock.locked(), timeout=10)
 
 
 def test_compare_fills_every_output(ctl, noise_image):

@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core import models as M
@@ -16,26 +15,9 @@ from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models.layout import crop_patches
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.downsample import pool_bins
-from prefixkv_core.testing import FAMILIES, build_tiny_family
+from prefixkv_core.testing import WIDE_PICTURE_SIZE
 
 PROMPT = "describe the picture in detail"
-WIDE = (80, 48)
-
-
-@pytest.fixture(scope="module")
-def family_models():
-    return {family: build_tiny_family(family) for family in FAMILIES}
-
-
-@pytest.fixture(params=FAMILIES)
-def lm(request, family_models):
-    return family_models[request.param]
-
-
-@pytest.fixture(scope="module")
-def picture():
-    rng = np.random.RandomState(1)
-    return Image.fromarray((rng.rand(WIDE[1], WIDE[0], 3) * 255).astype("uint8"))
 
 
 def _inputs(lm, picture):
@@ -78,7 +60,7 @@ def test_the_language_model_gets_the_naive_pooled_grid(lm, picture):
     policy = make_policy("downsample", 0.5, budget_of="image")
     with tracked_attention_enabled(lm.model):
         reduced = reduce_image(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.image_token_id)
-    patches = crop_patches(lm.model.config, *WIDE)
+    patches = crop_patches(lm.model.config, *WIDE_PICTURE_SIZE)
     crops, n_img = len(patches.tokens), int(is_image.sum())
     out = max(1, round(math.sqrt(round(0.5 * n_img) / crops)))
     pooled, side, _ = _naive_pooled(lm, inputs, crops, out)

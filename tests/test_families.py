@@ -20,12 +20,12 @@ from prefixkv_core.policies.zipvl import probe_queries
 from prefixkv_core.testing import FAMILIES, kept_entry_masks, save_tiny_family
 
 PROMPT = "describe the picture in detail"
-WIDE = (80, 48)  # not square: anyres pads and unpads it, CLIP centre-crops it
 
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
-    """family -> (checkpoint directory, LoadedModel loaded from it)."""
+    """family -> (checkpoint directory, LoadedModel loaded from it): here each family's tiny model goes through
+    `save_pretrained` and `load_model`, unlike the in-memory models of the shared fixture this replaces."""
     out = {}
     for family in FAMILIES:
         path = save_tiny_family(tmp_path_factory.mktemp(family), family)
@@ -41,12 +41,6 @@ def family(request):
 @pytest.fixture
 def lm(family, family_models):
     return family_models[family][1]
-
-
-@pytest.fixture(scope="module")
-def picture():
-    rng = np.random.RandomState(1)
-    return Image.fromarray((rng.rand(WIDE[1], WIDE[0], 3) * 255).astype("uint8"))
 
 
 # -- loading and structure ---------------------------------------------------------------------------------------

@@ -146,10 +146,8 @@ def test_a_store_of_its_own_and_an_empty_one(tiny_llama, tmp_path):
 
 # -- the API ---------------------------------------------------------------------------------------------------
 
-def test_the_leaderboard_endpoints_through_gradio_client(tiny_llama, serve_app):
-    from gradio_client import Client
-
-    client = Client(serve_app(Engine(tiny_llama), max_new_tokens_limit=8), verbose=False, download_files=False)
+def test_the_leaderboard_endpoints_through_gradio_client(tiny_llama, serve_app, api_client):
+    client = api_client(serve_app(Engine(tiny_llama), max_new_tokens_limit=8))
     try:
         api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
         names = [p["parameter_name"] for p in api["/leaderboard"]["parameters"]]

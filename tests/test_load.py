@@ -17,19 +17,13 @@ import time
 
 import pytest
 
+from prefixkv_core.testing import wait_until
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 MB = 2**20
 
-
-def _wait(predicate, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _rss() -> int:
@@ -51,11 +45,11 @@ def churn(url: str, ctl, *, sessions: int, prompt: str, methods: list[str], max_
 
     steps, still_open = [], []
     for i in range(sessions):
-        client = Client(url, verbose=False, download_files=False)
+        client = Client(url, verbose=False, download_files=False, httpx_kwargs={"timeout": 60})
         abandon = abandon_every and (i + 1) % abandon_every == 0
         if abandon:
             job = client.submit(image, f"{prompt} ({i})", methods, 0.3, max_new * 8, api_name="/compare")
-            _wait(lambda: len(job.outputs()) >= 2 or job.done(), timeout=120)
+            wait_until(lambda: len(job.outputs()) >= 2 or job.done(), timeout=120)
         else:
             out = client.predict(image, f"{prompt} ({i})", methods, 0.3, max_new, api_name="/compare")
             assert out[-1]["finished"], out[0]
@@ -92,7 +86,7 @@ def test_many_sessions_in_a_row_keep_memory_bounded_and_answers_intact(loaded_se
     monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.2")  # disconnects noticed within a fraction of a second
     url, ctl, limits = loaded_server
     methods = ["full", "snapkv"]
-    steady = Client(url, verbose=False, download_files=False)
+    steady = Client(url, verbose=False, download_files=False, httpx_kwargs={"timeout": 60})
     question = (None, "What is the steady user asking?", methods, 0.3, 4)
     reference = _answers(steady.predict(*question, api_name="/compare"))
     rss_start = _rss()
@@ -124,9 +118,9 @@ def test_many_sessions_in_a_row_keep_memory_bounded_and_answers_intact(loaded_se
     assert all(held <= bound for _, held in seen)
 
     steady.close()
-    assert _wait(lambda: ctl.registry.count() == 0 and ctl.registry.held_bytes() == 0, timeout=20)
+    assert wait_until(lambda: ctl.registry.count() == 0 and ctl.registry.held_bytes() == 0, timeout=20)
     # a cancelled run stops at its next token, so the engine may be busy a moment after its session is gone
-    assert _wait(lambda: not ctl.engine.lock.locked(), timeout=20)
+    assert wait_until(lambda: not ctl.engine.lock.locked(), timeout=20)
     # 10 clients came and went: what stays is bounded (their gradio state, not model caches)
     assert _rss() - rss_start < 150 * MB
 

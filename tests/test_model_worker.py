@@ -8,13 +8,8 @@ import time
 import pytest
 
 from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelLock, ModelWorker
+from prefixkv_core.testing import wait_until
 
-
-def _wait(predicate, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < end:
-        time.sleep(0.005)
-    return predicate()
 
 
 def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
@@ -34,7 +29,7 @@ def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
     # the first job holds the thread while the others queue up
     first = threading.Thread(target=lambda: worker.call(lambda: gate.wait(10) and order.append("first"), PREFILL))
     first.start()
-    assert _wait(lambda: lock.locked())
+    assert wait_until(lambda: lock.locked(), timeout=10)
     waiting = [threading.Thread(target=worker.call, args=(job(name), priority))
                for name, priority in (("prefill-1", PREFILL), ("prefill-2", PREFILL), ("step", STEP))]
     for t in waiting:
@@ -44,7 +39,7 @@ def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
     gate.set()
     for t in [first, *waiting]:
         t.join(10)
-    assert _wait(lambda: len(order) == 5)
+    assert wait_until(lambda: len(order) == 5, timeout=10)
     assert order == ["first", "step", "prefill-1", "prefill-2", "chore"]
     assert threads == {"prefixkv-model"} and not lock.locked()
 
@@ -61,7 +56,7 @@ def test_errors_reach_the_caller_and_a_job_may_call_the_model_again():
 def test_an_idle_thread_ends_and_the_next_job_starts_another():
     worker = ModelWorker(ModelLock(), idle_s=0.05)
     assert worker.call(threading.current_thread) is not threading.current_thread()
-    assert _wait(lambda: worker._thread is None)
+    assert wait_until(lambda: worker._thread is None, timeout=10)
     assert worker.call(lambda: 7) == 7
 
 
@@ -85,7 +80,7 @@ def test_stop_lets_the_running_job_finish_and_a_later_call_starts_again():
     gate, ran = threading.Event(), []
     running = threading.Thread(target=worker.call, args=(lambda: gate.wait(10) and ran.append("long"),))
     running.start()
-    assert _wait(lambda: worker.lock.locked())
+    assert wait_until(lambda: worker.lock.locked(), timeout=10)
     stopper = threading.Thread(target=worker.stop)
     stopper.start()
     gate.set()

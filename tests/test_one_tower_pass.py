@@ -3,37 +3,17 @@ DART, VisionZip, Downsample) read the same image features, on every LLaVA family
 one it gives run alone (`batched=False`: each method's prefill encodes the image itself, as before)."""
 import contextlib
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core import models as M
 from prefixkv_core.decoding.vision_tower import TurnImage, prompt_embeds
-from prefixkv_core.testing import FAMILIES, build_tiny_family
 
 PROMPT = "describe the picture in detail"
-WIDE = (80, 48)  # not square: anyres pads and unpads it
 OWN = ["fastv", "dart", "visionzip", "downsample"]  # the methods with a prefill of their own
 METHODS = ["full", "snapkv", *OWN]
 SETTINGS = dict(max_new_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def family_models():
-    return {family: build_tiny_family(family) for family in FAMILIES}
-
-
-@pytest.fixture(params=FAMILIES)
-def lm(request, family_models):
-    return family_models[request.param]
-
-
-@pytest.fixture(scope="module")
-def picture():
-    rng = np.random.RandomState(1)
-    return Image.fromarray((rng.rand(WIDE[1], WIDE[0], 3) * 255).astype("uint8"))
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import METHODS
 from prefixkv_core.decoding.step_buffers import split_by_length
+from prefixkv_core.testing import wait_until
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 FOLLOW_UP = "and what colour is the largest one"
@@ -131,14 +132,6 @@ def test_events_report_the_batch(tiny_llama, noise_image):
     assert sizes == {3}
 
 
-def _wait(predicate, timeout: float = 30.0) -> bool:
-    import time
-
-    end = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < end:
-        time.sleep(0.01)
-    return predicate()
-
 
 def test_methods_leave_the_batch_when_they_finish(tiny_llama, noise_image):
     """A method that stops early (an error here) leaves the batch; the others finish with their own tokens."""
@@ -160,7 +153,8 @@ def test_methods_leave_the_batch_when_they_finish(tiny_llama, noise_image):
     assert keys[0].stack is not None and all(k.stack is keys[0].stack and len(k.lengths) == 2 for k in keys)
     # once the turn ended, its rows keep their entries in stores of their own and the batch's stores are gone
     layers = session.states["h2o"].cache.layers
-    assert _wait(lambda: engine.pool.nbytes() == 0 and all(layer._stores["keys"].stack is None for layer in layers))
+    assert wait_until(lambda: engine.pool.nbytes() == 0
+                      and all(layer._stores["keys"].stack is None for layer in layers))
     alone = engine.new_session(noise_image, PROMPT, ["h2o"], 0.3, GenerationSettings(6))
     list(alone.run())
     assert session.states["h2o"].turn_ids == alone.states["h2o"].turn_ids
@@ -198,7 +192,7 @@ def test_a_finished_session_frees_its_caches_without_the_garbage_collector(tiny_
         caches = [weakref.ref(s.cache) for s in session.states.values()]
         del session
         # the rows that left the batch are let go on the model's thread, just after the turn
-        assert _wait(lambda: all(ref() is None for ref in caches))
+        assert wait_until(lambda: all(ref() is None for ref in caches))
     finally:
         gc.enable()
 

@@ -4,7 +4,6 @@ rows, a cancelled user's rows leave at the next step, and nothing of the batch s
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.report.events import MethodEvent
+from prefixkv_core.testing import wait_until
 
 FIRST = ("describe the picture in detail and name every object you can see in it", ["full", "snapkv", "fastv"])
 SECOND = ("what colour is the sky", ["h2o", "full", "visionzip"])
@@ -44,14 +44,6 @@ def _alone(engine, image, request, n, follow_up=None):
     return first, _texts(session)
 
 
-def _wait(predicate, timeout=60.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
-
 
 def test_two_users_share_the_batched_steps_and_answer_as_alone(tiny_llama, noise_image, other_image):
     engine = Engine(tiny_llama)
@@ -68,7 +60,7 @@ def test_two_users_share_the_batched_steps_and_answer_as_alone(tiny_llama, noise
     # ... when B arrives: B prefills and joins A's batch
     b_done = threading.Thread(target=lambda: [None for _ in b.run()])
     b_done.start()
-    assert _wait(lambda: engine.pool.decoding() == 2)
+    assert wait_until(lambda: engine.pool.decoding() == 2, timeout=60)
     for _ in events_a:
         pass
     b_done.join(120)
@@ -81,7 +73,8 @@ def test_two_users_share_the_batched_steps_and_answer_as_alone(tiny_llama, noise
         pass
     assert _texts(a) == first_follow
     assert engine.pool.decoding() == 0
-    assert _wait(lambda: engine.pool.nbytes() == 0)  # nothing of the batch stays (let go on the model's thread)
+    # nothing of the batch stays (let go on the model's thread)
+    assert wait_until(lambda: engine.pool.nbytes() == 0, timeout=60)
 
 
 def test_a_cancelled_user_leaves_the_batch_and_the_other_is_unchanged(tiny_llama, noise_image, other_image):
@@ -99,7 +92,7 @@ def test_a_cancelled_user_leaves_the_batch_and_the_other_is_unchanged(tiny_llama
 
     thread_a = threading.Thread(target=run_a)
     thread_a.start()
-    assert _wait(lambda: engine.pool.decoding() == 1)
+    assert wait_until(lambda: engine.pool.decoding() == 1, timeout=60)
     b_events = b.run()
     for ev in b_events:  # B joined A's batch; then A's user presses Stop
         if isinstance(ev, MethodEvent) and ev.kind == "token":
@@ -111,7 +104,7 @@ def test_a_cancelled_user_leaves_the_batch_and_the_other_is_unchanged(tiny_llama
     assert not thread_a.is_alive()
     assert {ev.method for ev in a_events if ev.kind == "cancelled"} >= {"full", "snapkv"}
     assert _texts(b) == second_alone
-    assert engine.pool.decoding() == 0 and _wait(lambda: engine.pool.nbytes() == 0)
+    assert engine.pool.decoding() == 0 and wait_until(lambda: engine.pool.nbytes() == 0, timeout=60)
 
 
 def test_a_user_alone_never_waits_for_anyone(tiny_llama, noise_image):
@@ -124,9 +117,8 @@ def test_a_user_alone_never_waits_for_anyone(tiny_llama, noise_image):
 
 # -- through the app: several clients at once --------------------------------------------------------------
 
-def test_clients_at_once_are_decoded_together_and_answer_as_alone(tiny_llama, serve_app, one_torch_thread):
-    from gradio_client import Client
-
+def test_clients_at_once_are_decoded_together_and_answer_as_alone(tiny_llama, serve_app, api_client,
+                                                                   one_torch_thread):
     from prefixkv_core.limits import Limits
 
     url = serve_app(Engine(tiny_llama), max_new_tokens_limit=32,
@@ -134,13 +126,13 @@ def test_clients_at_once_are_decoded_together_and_answer_as_alone(tiny_llama, se
     ctl = serve_app.demos[-1].controller
     requests = [(None, f"user {i}: describe the picture", ["full", "snapkv", "h2o"][: 1 + i % 3], 0.3, 24)
                 for i in range(3)]
-    clients = [Client(url, verbose=False, download_files=False) for _ in requests]
+    clients = [api_client(url) for _ in requests]
     alone = [clients[0].predict(*r, api_name="/compare")[-1]["methods"] for r in requests]
     assert ctl.engine.pool.shared_steps == 0
     ctl.engine.lock.acquire()  # the runs wait for the model until two of them are going: they overlap
     try:
         jobs = [client.submit(*r, api_name="/compare") for client, r in zip(clients, requests)]
-        assert _wait(lambda: ctl.registry.running() == 2)
+        assert wait_until(lambda: ctl.registry.running() == 2, timeout=60)
     finally:
         ctl.engine.lock.release()
     together = [job.result(timeout=300)[-1]["methods"] for job in jobs]
@@ -149,6 +141,6 @@ def test_clients_at_once_are_decoded_together_and_answer_as_alone(tiny_llama, se
         assert {r["status"] for r in got.values()} == {"done"}
     # two users at most went at once (the third waited in the queue), and their rows shared steps
     assert ctl.engine.pool.shared_steps > 0 and ctl.engine.pool.largest_batch <= 2 + 3
-    assert _wait(lambda: ctl.registry.running() == 0 and ctl.engine.pool.decoding() == 0)
+    assert wait_until(lambda: ctl.registry.running() == 0 and ctl.engine.pool.decoding() == 0, timeout=60)
     for client in clients:
         client.close()

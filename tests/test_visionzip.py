@@ -5,35 +5,17 @@ the overlay places every fed token on the patches it stands for."""
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core import models as M
 from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models.layout import crop_patches
 from prefixkv_core.policies import make_policy
-from prefixkv_core.testing import FAMILIES, build_tiny_family
+from prefixkv_core.testing import WIDE_PICTURE_SIZE
 from prefixkv_core.decoding.vision_tokens import reduce_image
 from prefixkv_core.decoding.vision_tower import feature_layer
 
 PROMPT = "describe the picture in detail"
-WIDE = (80, 48)
-
-
-@pytest.fixture(scope="module")
-def family_models():
-    return {family: build_tiny_family(family) for family in FAMILIES}
-
-
-@pytest.fixture(params=FAMILIES)
-def lm(request, family_models):
-    return family_models[request.param]
-
-
-@pytest.fixture(scope="module")
-def picture():
-    rng = np.random.RandomState(1)
-    return Image.fromarray((rng.rand(WIDE[1], WIDE[0], 3) * 255).astype("uint8"))
 
 
 def _naive_tower(lm, inputs, crops):
@@ -91,7 +73,7 @@ def test_dominant_and_contextual_tokens_equal_the_naive_reference(lm, picture):
     policy = make_policy("visionzip", 0.5, budget_of="image", contextual=0.3)
     with tracked_attention_enabled(lm.model):
         reduced = reduce_image(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.image_token_id)
-    patches = crop_patches(lm.model.config, *WIDE)
+    patches = crop_patches(lm.model.config, *WIDE_PICTURE_SIZE)
     hidden, attention, keys = _naive_tower(lm, inputs, len(patches.tokens))
     side = lm.model.config.vision_config.image_size // lm.model.config.vision_config.patch_size
     has_cls = hidden.shape[1] == side * side + 1
@@ -146,8 +128,8 @@ def test_overlay_sources_place_every_fed_token(lm, picture):
     policy = make_policy("visionzip", 0.4, budget_of="image")
     with tracked_attention_enabled(lm.model):
         record = reduce_image(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.image_token_id).record
-    patches = crop_patches(lm.model.config, *WIDE)
-    layout = lm.image_layout(*WIDE)
+    patches = crop_patches(lm.model.config, *WIDE_PICTURE_SIZE)
+    layout = lm.image_layout(*WIDE_PICTURE_SIZE)
     assert layout.n_tokens == record.original_tokens
     covered = np.zeros(record.original_tokens, dtype=int)
     for kind, cells in zip(record.kinds, record.cells):
