@@ -17,7 +17,8 @@ prompt-only methods at r·N_t while decoding (the engine's "equal_memory" budget
 compresses the image before the question is fed: with the question in view, the KV-cache methods keep the
 one-word answers at every budget because the first answer token comes from the full prefill; asked after the
 image was compressed, they differ. Each budget then gets a line naming the methods whose accuracy is not above
-the control's (--control, Random by default). --checkpoint appends every scene and budget's answers to a JSON-lines
+the control's (--control, Random by default), and those above it by no more than chance gives (a one-sided paired
+sign test over the same questions, p >= 0.05). --checkpoint appends every scene and budget's answers to a JSON-lines
 file as they finish and skips those already there, so a long run can stop and resume.
 
 Image-token reductions (FastV, VisionZip) read the budget r as a share of the prompt's cache by default
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -180,13 +182,56 @@ def not_above_control(summary: dict, control: str) -> dict[float, tuple[float, l
     return out
 
 
-def control_lines(summary: dict, control: str | None) -> str:
+def sign_test_p(wins: int, losses: int) -> float:
+    """One-sided exact sign test: the chance of at least `wins` wins in `wins + losses` fair coin tosses (ties, the
+    questions both answer alike, carry no information and are left out)."""
+    n = wins + losses
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
+
+
+def paired_against_control(records: list[dict], control: str) -> dict[tuple[str, float], tuple[int, int]]:
+    """(method, budget) -> (questions it answers right and the control wrong, the other way round): the same
+    questions at the same budget, paired by scene and question."""
+    right: dict = defaultdict(dict)
+    for r in records:
+        right[(r["method"], r["budget"])][(r["seed"], r["question"])] = r["correct"]
+    out = {}
+    for (m, b), answers in right.items():
+        base = right.get((control, b))
+        if m == control or base is None or not uses_budget(m):
+            continue
+        shared = answers.keys() & base.keys()
+        out[(m, b)] = (sum(answers[q] and not base[q] for q in shared), sum(base[q] and not answers[q] for q in shared))
+    return out
+
+
+SIGNIFICANCE = 0.05  # a method above the control with a larger sign-test p is within what chance gives
+
+
+def control_lines(summary: dict, control: str | None, records: list[dict] | None = None) -> str:
+    """Per budget, the control's accuracy, the methods not above it and (with `records`) the methods above it by
+    less than chance explains: a one-sided paired sign test over the same questions, p >= SIGNIFICANCE."""
     if control is None:
         return ""
-    lines = [f"- r = {b:g}: {control} {acc:.1%}; not above it: {', '.join(ms) or 'none'}"
-             for b, (acc, ms) in not_above_control(summary, control).items()]
-    return (f"Methods that do not beat {control} (accuracy over all question types not above its own):\n\n"
-            + "\n".join(lines) + "\n") if lines else ""
+    paired = paired_against_control(records, control) if records else {}
+    lines = []
+    for b, (acc, ms) in not_above_control(summary, control).items():
+        line = f"- r = {b:g}: {control} {acc:.1%}; not above it: {', '.join(ms) or 'none'}"
+        if records:
+            unclear = []
+            for (m, mb), (wins, losses) in sorted(paired.items()):
+                p = sign_test_p(wins, losses)
+                if mb == b and m not in ms and p >= SIGNIFICANCE:
+                    unclear.append(f"{m} (+{wins}/-{losses}, p {p:.2f})")
+            line += f"; above it but not clearly (p >= {SIGNIFICANCE:g}): {', '.join(unclear) or 'none'}"
+        lines.append(line)
+    if not lines:
+        return ""
+    test = (" A method above it is clearly above it when a one-sided paired sign test over the questions both "
+            f"answered (+ right where {control} is wrong, - the other way round) gives p < {SIGNIFICANCE:g}."
+            if records else "")
+    return (f"Methods that do not beat {control} (accuracy over all question types not above its own).{test}\n\n"
+            + "\n".join(lines) + "\n")
 
 
 BLANK_GREY = (128, 128, 128)
@@ -380,7 +425,8 @@ def main(argv=None) -> int:
     md = markdown(summary)
     if len(budgets) > 1 or budgets != [1.0]:
         control = args.control if args.control in methods else None
-        md = ("All question types pooled:\n\n" + pivot(summary) + "\n" + control_lines(summary, control)
+        md = ("All question types pooled:\n\n" + pivot(summary) + "\n"
+              + control_lines(summary, control, res["records"])
               + "\nPer question type:\n\n" + md)
         print(figure(summary, out, budget_mode, args.query_agnostic), file=sys.stderr)
     if ctrl:

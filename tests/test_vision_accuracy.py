@@ -2,6 +2,8 @@
 ZipVL) asked once, the tables."""
 import json
 
+import pytest
+
 from benchmarks import vision_accuracy as va
 
 
@@ -91,3 +93,27 @@ def test_query_agnostic_run_resumes_from_its_checkpoint_and_names_who_does_not_b
         snap = whole["summary"][f"snapkv@{budget:g}"]["all"]["accuracy"]
         assert ("snapkv" in names) == (snap <= acc)
         assert "full" not in names  # no budget: not compared
+    assert "above it but not clearly (p >= 0.05)" in md
+
+
+def test_the_sign_test_against_brute_force():
+    import itertools
+
+    for wins, losses in [(0, 0), (3, 0), (5, 0), (4, 4), (7, 2), (2, 9), (12, 5)]:
+        n = wins + losses
+        tosses = list(itertools.product([0, 1], repeat=n))
+        brute = sum(sum(t) >= wins for t in tosses) / len(tosses)
+        assert va.sign_test_p(wins, losses) == pytest.approx(brute)
+    assert va.sign_test_p(5, 0) == pytest.approx(1 / 32)
+
+
+def test_methods_are_paired_with_the_control_on_the_same_questions():
+    def rec(method, budget, seed, question, correct):
+        return {"method": method, "budget": budget, "seed": seed, "question": question, "correct": correct}
+
+    records = [rec("random", 0.1, 1, "a", True), rec("random", 0.1, 1, "b", False), rec("random", 0.1, 2, "a", False),
+               rec("snapkv", 0.1, 1, "a", False), rec("snapkv", 0.1, 1, "b", True), rec("snapkv", 0.1, 2, "a", True),
+               rec("snapkv", 0.1, 3, "a", True),  # no control answer for this question: left out
+               rec("snapkv", 0.3, 1, "a", True),  # no control at this budget: left out
+               rec("full", 1.0, 1, "a", True)]  # no budget: never compared
+    assert va.paired_against_control(records, "random") == {("snapkv", 0.1): (2, 1)}
