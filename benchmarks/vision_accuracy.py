@@ -333,9 +333,11 @@ def pivot(summary: dict, qtype: str = "all") -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agnostic: bool = False) -> str:
-    """Accuracy vs budget per method (the reference, Full, and any other method without a budget as horizontal
-    lines); HTML always, PNG when Chromium is there."""
+def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agnostic: bool = False,
+           control: str | None = None) -> str:
+    """Accuracy vs budget per method in its registered colour (the reference, Full, and any other method without a
+    budget as horizontal lines; budget_of=image rows dashed; the control drawn thick); HTML always, PNG when
+    Chromium is there."""
     import plotly.graph_objects as go
 
     from benchmarks.common import save_figure
@@ -354,14 +356,20 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
                                      line=dict(dash="dot")))
             continue
         pts.sort()
-        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m))
+        base = m.removesuffix(IMAGE_SUFFIX)  # a budget_of=image row: the method's colour, dashed
+        colour = REGISTRY[base].colour if base in REGISTRY else None
+        line = dict(color=colour, dash="dash" if m.endswith(IMAGE_SUFFIX) else "solid",
+                    width=4 if m == control else 2)
+        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=m,
+                                 line=line))
     if full is not None:
         fig.add_hline(y=full, line_dash="dash", annotation_text=f"full cache {full:.0%}")
     mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
         ", query-agnostic" if query_agnostic else ", question in view")
     fig.update_layout(title=f"Scene QA accuracy vs KV budget (held-out test scenes) [{mode}]",
-                      xaxis_title="KV budget (share of the cache kept)",
-                      yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], width=900, height=480)
+                      xaxis_title="budget r (the share of the cache kept; dashed [image] rows: of the image tokens)",
+                      yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], yaxis_tickformat=".0%",
+                      width=1000, height=560)
     _, message = save_figure(fig, stem)
     return message
 
@@ -428,7 +436,7 @@ def main(argv=None) -> int:
         md = ("All question types pooled:\n\n" + pivot(summary) + "\n"
               + control_lines(summary, control, res["records"])
               + "\nPer question type:\n\n" + md)
-        print(figure(summary, out, budget_mode, args.query_agnostic), file=sys.stderr)
+        print(figure(summary, out, budget_mode, args.query_agnostic, control), file=sys.stderr)
     if ctrl:
         md += "\nControls (full cache):\n\n" + controls_markdown(ctrl)
     mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
