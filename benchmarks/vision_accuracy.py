@@ -222,7 +222,7 @@ def control_lines(summary: dict, control: str | None, records: list[dict] | None
             for (m, mb), (wins, losses) in sorted(paired.items()):
                 p = sign_test_p(wins, losses)
                 if mb == b and m not in ms and p >= SIGNIFICANCE:
-                    unclear.append(f"{m} (+{wins}/-{losses}, p {p:.2f})")
+                    unclear.append(f"{m} (+{wins}/-{losses}, p {p:.3f})")
             line += f"; above it but not clearly (p >= {SIGNIFICANCE:g}): {', '.join(unclear) or 'none'}"
         lines.append(line)
     if not lines:
