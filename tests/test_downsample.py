@@ -14,7 +14,7 @@ from prefixkv_core.decoding.vision_tower import feature_layer
 from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.models.layout import crop_patches
 from prefixkv_core.policies import make_policy
-from prefixkv_core.policies.downsample import pool_bins
+from prefixkv_core.policies.downsample import EMBEDDED_NOTE, pool_bins
 from prefixkv_core.testing import WIDE_PICTURE_SIZE
 
 PROMPT = "describe the picture in detail"
@@ -98,6 +98,7 @@ def test_a_shorter_prompt_at_contiguous_positions_batched_equals_alone(lm, pictu
     values = {f.key: f.value for f in facts}
     assert values["image_fed"] == fed and values["image_kept_share"] == pytest.approx(fed / n_img)  # the share kept
     assert any("grid pooling" in f.text() for f in facts)  # the panel says how it was reduced
+    assert EMBEDDED_NOTE not in state.policy_state.notes  # the embedded model's note only
     for layer in state.cache.layers:
         pos = layer.positions[0, 0]
         assert pos.tolist() == list(range(state.true_len))

@@ -37,3 +37,29 @@ def test_elastic_at_a_tenth_of_the_cache_does_not_degenerate(engine):
     scored = engine.new_session(IMAGE, PROMPT, ["full", "elastic"], 0.1).score_answer(REFERENCE)
     ppl = {m: math.exp(nll / n) for m, (nll, n) in scored.items()}
     assert ppl["elastic"] < 2 * ppl["full"], ppl
+
+
+def test_the_image_token_reductions_say_what_they_do_to_this_models_image(engine):
+    """FastV's and Downsample's panels carry a note on the embedded model, where its word-grid image makes them
+    fail for reasons of the model (docs/methods.md)."""
+    from prefixkv_core.policies import downsample, fastv
+
+    knobs = {"downsample": {"budget_of": "image"}, "fastv": {"budget_of": "image"}}
+    session = engine.new_session(IMAGE, "What colour is the circle?", ["fastv", "downsample"], 0.5,
+                                 GenerationSettings(max_new_tokens=1), knobs)
+    list(session.run())
+    assert fastv.EMBEDDED_NOTE in session.states["fastv"].policy_state.notes
+    assert downsample.EMBEDDED_NOTE in session.states["downsample"].policy_state.notes
+
+
+def test_pooling_the_word_grid_leaves_the_fill(engine):
+    """`benchmarks/downsample_words.py`: unpooled, every word the scene's grid spells is some image token's nearest
+    grid word; pooled to 8 x 8, the tokens are 64 and nearly all read as the fill."""
+    from benchmarks.downsample_words import measure
+    from scenes import split_seeds
+
+    res = measure(engine.loaded, split_seeds("test", 2), [12, 8])
+    assert res[12]["tokens_per_image"] == 144 and res[12]["scene_words_kept"] == 1.0
+    assert res[8]["tokens_per_image"] == 64 and res[8]["nearest_fill"] > res[12]["nearest_fill"]
+    assert res[8]["scene_words_kept"] < 0.5
+
