@@ -72,7 +72,7 @@ def run_user(engine: Engine, request: tuple, methods: list[str], budget: float, 
 def at_once(engine: Engine, requests: list[tuple], methods: list[str], budget: float, new_tokens: int) -> dict:
     """Every request sent at the same moment, each on its own thread."""
     pool = engine.pool
-    shared_before = pool.shared_steps
+    shared_before, formed_before, steps_before = pool.shared_steps, pool.formed, pool.steps
     pool.largest_batch = 0
     outs = [{} for _ in requests]
     t0 = now(engine.loaded.device)
@@ -84,6 +84,7 @@ def at_once(engine: Engine, requests: list[tuple], methods: list[str], budget: f
         t.join()
     return {"last_s": max(o["wall_s"] for o in outs), "each_s": [o["wall_s"] for o in outs],
             "texts": [o["texts"] for o in outs], "shared_steps": pool.shared_steps - shared_before,
+            "formed": pool.formed - formed_before, "steps": pool.steps - steps_before,
             "largest_batch": pool.largest_batch}
 
 
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
               "last_over_one": last_s / alone_s, "last_over_one_range": [min(ratios), max(ratios)],
               "one_after_another_last_s": serial_s, "one_after_another_over_one": serial_s / alone_s,
               "same_answers_as_alone": same, "shared_steps": [t["shared_steps"] for t in together],
+              "formed": [t["formed"] for t in together], "steps": [t["steps"] for t in together],
               "largest_batch": max(t["largest_batch"] for t in together),
               "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
               "ceiling": statistics.median(ceilings),
@@ -169,6 +171,8 @@ def main(argv=None) -> int:
     print(f"| every answer equal to the same request alone | {'yes' if same else 'NO'} |")
     print(f"| batched steps holding several users' rows (per repeat) | {report['shared_steps']} |")
     print(f"| most rows in one step | {report['largest_batch']} |")
+    print(f"| steps that formed the shared stores anew, of all batched steps (per repeat) | "
+          f"{', '.join(f'{f} of {n}' for f, n in zip(report['formed'], report['steps']))} |")
     print(f"| one user's prefill; {args.users} prefills one after another (not batched) | {prefill_s:.2f} s; "
           f"{report['prefills_over_one']:.2f}x one user's wait |")
     print(f"| ceiling: plain transformers decode tok/s at batch {len(methods) * args.users} / batch {len(methods)} "

@@ -45,7 +45,13 @@ def _alone(engine, image, request, n, follow_up=None):
 
 
 
-def test_two_users_share_the_batched_steps_and_answer_as_alone(tiny_llama, noise_image, other_image):
+def test_two_users_share_the_batched_steps_and_answer_as_alone(tiny_llama, noise_image, other_image, monkeypatch):
+    from prefixkv_core.session import step_pool
+
+    formed_for = []  # the rows (their caches) each time the shared stores were formed
+    real_form = step_pool.form_rows
+    monkeypatch.setattr(step_pool, "form_rows", lambda states, buffers: (
+        formed_for.append(frozenset(id(s.cache) for s in states)), real_form(states, buffers))[1])
     engine = Engine(tiny_llama)
     first_alone, first_follow = _alone(engine, noise_image, FIRST, 14, follow_up="and the colours?")
     second_alone, _ = _alone(engine, other_image, SECOND, 10)
@@ -66,6 +72,9 @@ def test_two_users_share_the_batched_steps_and_answer_as_alone(tiny_llama, noise
     b_done.join(120)
     assert not b_done.is_alive()
     assert engine.pool.shared_steps > 0  # some steps held rows of both users
+    # formed anew only when rows joined or left, never for the same rows asking in another order
+    assert engine.pool.formed == len(formed_for) < engine.pool.steps
+    assert all(x != y for x, y in zip(formed_for, formed_for[1:]))
     assert _texts(a) == first_alone
     assert _texts(b) == second_alone
     # the follow-up goes on from A's own caches, unchanged by B's rows

@@ -108,6 +108,7 @@ class StepPool:
         self.largest_batch = 0  # the most rows one of them held
         self.shared_steps = 0  # those that held the rows of more than one turn
         self.waited_out = 0  # steps that started without a decoding turn that was slow to ask
+        self.formed = 0  # steps that formed the shared stores anew (rows joined or left)
 
     # -- who decodes -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -192,6 +193,9 @@ class StepPool:
         return all(m in asking for m, expected in self._members.items() if expected)
 
     def _run(self, batch: list[_Request]) -> None:
+        # Requests arrive in whatever order their threads wake; in a fixed order (by member, then row) the same
+        # rows make the same batch, and the shared stores are formed anew only when rows join or leave.
+        batch.sort(key=lambda r: (-1 if r.member is None else r.member, id(r.states[0]) if r.states else 0))
         try:
             result = self.worker.call(lambda: self._step(batch), STEP)
         except BaseException as exc:  # noqa: BLE001 - handed to every turn of the step
@@ -215,6 +219,7 @@ class StepPool:
         ids = [id(s.cache) for s in states]
         if ids != self._formed:  # rows joined or left: the shared stores are formed anew
             self._formed = ids if form_rows(states, self._buffers) else []
+            self.formed += 1
             return_free_memory()  # the stores the rows moved out of: give their pages back now
         result = advance_rows(self.loaded, self._buffers, states, [c for r in batch for c in r.chunks],
                               [k for r in batch for k in r.steps])
