@@ -10,6 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
+from prefixkv_core.testing import FAMILIES
+
 
 @pytest.fixture(scope="session")
 def tiny_llama():
@@ -34,18 +36,12 @@ def tiny(request, tiny_llama, tiny_qwen2):
 @pytest.fixture(scope="module")
 def family_models():
     """family -> a tiny random model of that LLaVA family, built in memory."""
-    from prefixkv_core.testing import FAMILIES, build_tiny_family
+    from prefixkv_core.testing import build_tiny_family
 
     return {family: build_tiny_family(family) for family in FAMILIES}
 
 
-def _families():
-    from prefixkv_core.testing import FAMILIES
-
-    return FAMILIES
-
-
-@pytest.fixture(params=_families())
+@pytest.fixture(params=FAMILIES)
 def lm(request, family_models):
     """Each LLaVA family's tiny model in turn (1.5, Interleave, NeXT with anyres, OneVision)."""
     return family_models[request.param]

@@ -17,13 +17,10 @@ import time
 
 import pytest
 
-from prefixkv_core.testing import wait_until
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 MB = 2**20
-
 
 
 def _rss() -> int:
@@ -42,6 +39,8 @@ def churn(url: str, ctl, *, sessions: int, prompt: str, methods: list[str], max_
     connection once tokens stream. The others close when done, or (`keep_open`) stay connected until the
     end. Returns what was measured after each client."""
     from gradio_client import Client
+
+    from prefixkv_core.testing import wait_until
 
     steps, still_open = [], []
     for i in range(sessions):
@@ -82,6 +81,7 @@ def test_many_sessions_in_a_row_keep_memory_bounded_and_answers_intact(loaded_se
     from gradio_client import Client
 
     from prefixkv_core.limits import kv_bytes_per_token
+    from prefixkv_core.testing import wait_until
 
     monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.2")  # disconnects noticed within a fraction of a second
     url, ctl, limits = loaded_server

@@ -11,7 +11,6 @@ from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelLock, 
 from prefixkv_core.testing import wait_until
 
 
-
 def test_jobs_run_on_one_thread_with_the_lock_held_and_steps_go_first():
     lock = ModelLock()
     worker = ModelWorker(lock)
