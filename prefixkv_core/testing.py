@@ -85,6 +85,16 @@ def kept_entry_masks(compressed, prompt_len: int) -> dict:
     return masks
 
 
+def held_positions(prefilled, plans) -> list[list[int]]:
+    """Per layer, the true positions a prefilled cache holds (first row, first KV head) once `plans` are applied
+    (to a copy): what a method keeps, whether its prefill already left tokens behind or its plans drop them."""
+    from .policies.base import apply_plans
+
+    compressed = prefilled.clone()
+    apply_plans(compressed, plans)
+    return [layer.positions[0, 0].tolist() for layer in compressed.layers]
+
+
 def synthetic_prompt_cache(n: int = 40, n_layers: int = 3, h: int = 2, seed: int = 0, image: tuple[int, int] = (5, 25),
                            sink: float = 6.0, skew: float = 3.0):
     """(TrackedCache, prefill statistics) of an `n`-entry prompt whose entries image[0]:image[1] came from the

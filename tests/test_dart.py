@@ -15,7 +15,7 @@ from prefixkv_core.policies import PolicyError, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.dart import dart_keep, dart_row
 from prefixkv_core.policies.fastv import kept_image_tokens
-from prefixkv_core.testing import kept_entry_masks
+from prefixkv_core.testing import held_positions, kept_entry_masks
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 
@@ -109,8 +109,8 @@ def test_dropped_tokens_match_the_naive_reference_on_a_plain_forward(tiny, noise
     torch.testing.assert_close(own.stats[layer - 1]["keys"], keys.float())
     kept_image = _naive_dart(keys[0], hidden[0], is_image[0], keep, 4, 4, rule)
     expect = sorted(set(range(n)) - set(is_image[0].nonzero().flatten().tolist()) | set(kept_image))
-    for i, plan in enumerate(plans):
-        assert plan is None if i < layer else plan.keep[0, 0].tolist() == expect
+    assert [layer.length for layer in own.cache.layers] == [n] * layer + [len(expect)] * (tiny.num_layers - layer)
+    assert held_positions(own.cache, plans) == [list(range(n))] * layer + [expect] * (tiny.num_layers - layer)
     assert any(f.key == "pivots" and "4 image + 4 text" in f.value for f in policy.facts(state))
 
 
@@ -123,7 +123,7 @@ def test_own_prefill_equals_a_full_forward_masked_from_layer_k(tiny, noise_image
                                  tiny.device, tiny.image_token_id)
         plans, _ = policy.prefill(PrefillView(own.cache, runner.policy_stats(policy, own.stats, n), n, 0.4, 0))
         kept = torch.zeros(1, 1, n, dtype=torch.bool)
-        kept[0, 0, plans[layer].keep[0, 0]] = True
+        kept[0, 0, held_positions(own.cache, plans)[layer]] = True
         reference = TrackedCache(tiny.num_layers)
         logits, _ = runner.forward_group(tiny.model, reference, ids, 0, AttentionProbe(
             key_masks={i: kept for i in range(layer, tiny.num_layers)}), is_image, inputs["pixel_values"])

@@ -14,6 +14,7 @@ from prefixkv_core import GenerationSettings
 from prefixkv_core.decoding import runner
 from prefixkv_core import models as M
 from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.zipvl import probe_queries
@@ -181,14 +182,16 @@ def test_full_equals_generate_over_two_turns(lm, picture):
                                            ("prefixkv", 0.3), ("fastv", 0.8), ("random", 0.3),
                                            ("dart", 0.8), ("vlcache", 0.3)])
 def test_eviction_equals_masking(lm, picture, method, budget):
-    """A compressed cache gives the logits of its prefill's cache with the evicted entries masked (FastV: of its own
-    prefill, whose later layers never saw the dropped image tokens; DART likewise)."""
+    """A compressed cache gives the logits of its prefill's cache with the evicted entries masked. FastV and DART:
+    their own prefill, whose layers from K on never computed the dropped image tokens, gives the logits of a plain
+    forward with those tokens masked out of layers K and later, and so does the next token."""
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
+    is_image = ids == lm.image_token_id
     policy = make_policy(method, budget, **({"window": 8} if method == "adakv" else {}))
     with tracked_attention_enabled(lm.model):
-        shared = runner.prefill_for(lm.model, policy, ids, ids == lm.image_token_id, M.vision_inputs(inputs),
-                                    lm.num_layers, lm.device, lm.image_token_id)
+        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
+                                    lm.device, lm.image_token_id)
     n = shared.prompt_len
     compressed = shared.cache.clone()
     plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
@@ -196,10 +199,21 @@ def test_eviction_equals_masking(lm, picture, method, budget):
     apply_plans(compressed, plans)
     engine = Engine(lm)
     token = torch.tensor([[7]])
+    uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):
+        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
+        if drop is not None:  # the reference: every token through every layer, the dropped ones masked from K on
+            kept = torch.zeros(1, 1, n, dtype=torch.bool)
+            kept[0, 0, compressed.layers[-1].positions[0, 0]] = True
+            uncompressed = TrackedCache(lm.num_layers)
+            logits, _ = runner.forward_group(lm.model, uncompressed, ids, 0, AttentionProbe(
+                key_masks={i: kept for i in range(drop.layer, lm.num_layers)}), is_image, M.vision_inputs(inputs))
+            torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
+            assert [layer.length for layer in shared.cache.layers[drop.layer:]] == [int(kept.sum())] * (
+                lm.num_layers - drop.layer)
         evicted = engine.forward(compressed, token, n, AttentionProbe())
         masks = kept_entry_masks(compressed, n)
-        masked = engine.forward(shared.cache.clone(), token, n, AttentionProbe(key_masks=masks))
+        masked = engine.forward(uncompressed, token, n, AttentionProbe(key_masks=masks))
     assert min(layer.length for layer in compressed.layers) < n  # something was evicted
     torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
 

@@ -19,7 +19,7 @@ from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.base import Fact, ResolveContext
 from prefixkv_core.policies.fastv import EMBEDDED_NOTE, kept_image_tokens
 from prefixkv_core.models.embedded import EMBEDDED_SLUG
-from prefixkv_core.testing import kept_entry_masks
+from prefixkv_core.testing import held_positions, kept_entry_masks
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 
@@ -56,11 +56,9 @@ def test_dropped_tokens_are_the_least_attended_by_the_last_query(tiny, noise_ima
     image_positions = is_image[0].nonzero().flatten().tolist()
     ranked = sorted(image_positions, key=lambda j: -float(attention[j]))
     expect = sorted(set(range(n)) - set(image_positions) | set(ranked[:keep]))
-    for i, plan in enumerate(plans):
-        if i < layer:
-            assert plan is None  # layers 0 … K-1 keep every token
-        else:
-            assert plan.keep[0, 0].tolist() == expect
+    # layers 0 … K-1 keep every token; the later ones never computed the dropped ones
+    assert [layer.length for layer in own.cache.layers] == [n] * layer + [len(expect)] * (tiny.num_layers - layer)
+    assert held_positions(own.cache, plans) == [list(range(n))] * layer + [expect] * (tiny.num_layers - layer)
 
 
 def _eager_attention(lm, inputs, layer):
@@ -98,7 +96,7 @@ def test_other_rankings_keep_the_naive_top_image_tokens(tiny, noise_image, rank)
     image_positions = is_image[0].nonzero().flatten().tolist()
     ranked = sorted(image_positions, key=lambda j: -score[j])
     expect = sorted(set(range(n)) - set(image_positions) | set(ranked[:keep]))
-    assert [plans[i].keep[0, 0].tolist() for i in range(layer, tiny.num_layers)] == [expect] * (tiny.num_layers - layer)
+    assert held_positions(own.cache, plans)[layer:] == [expect] * (tiny.num_layers - layer)
     facts = {f.key: f.value for f in policy.facts(state)}
     assert facts["image_kept_share"] == pytest.approx(keep / n_img) and facts["rank"] == rank.replace("_", " ")
 
@@ -126,7 +124,7 @@ def test_own_prefill_equals_a_full_forward_masked_from_layer_k(tiny, noise_image
                                  tiny.device, tiny.image_token_id)
         plans, _ = policy.prefill(PrefillView(own.cache, runner.policy_stats(policy, own.stats, n), n, 0.4, 0))
         kept = torch.zeros(1, 1, n, dtype=torch.bool)
-        kept[0, 0, plans[layer].keep[0, 0]] = True
+        kept[0, 0, held_positions(own.cache, plans)[layer]] = True
         masks = {i: kept for i in range(layer, tiny.num_layers)}
         reference = TrackedCache(tiny.num_layers)
         logits, _ = runner.forward_group(tiny.model, reference, ids, 0, AttentionProbe(key_masks=dict(masks)),
@@ -202,3 +200,15 @@ def test_cli_lists_the_vlm_family_with_their_stages(capsys):
         assert f"stage: {stage};" in blocks[name], blocks[name]
     assert "--knob fastv.layer=2" in blocks["fastv"] and "--knob visionzip.budget_of=cache" in blocks["visionzip"]
     assert "--knob adakv.floor_alpha=0.2" in blocks["adakv"]
+
+
+def test_the_plan_keeps_the_kept_tokens_entries_whatever_the_layer_holds():
+    """From the entries' true positions: a layer that holds every token gets the kept ones' indices; a layer whose
+    prefill left the others behind already holds exactly those, and needs no plan."""
+    from prefixkv_core.policies.fastv import kept_tokens_plan
+
+    kept = torch.tensor([[True, False, True, True, False, True]])
+    plan = kept_tokens_plan(torch.arange(6)[None], kept)
+    assert plan.keep.tolist() == [[[0, 2, 3, 5]]]
+    assert kept_tokens_plan(torch.tensor([[0, 2, 3, 5]]), kept) is None
+    assert kept_tokens_plan(torch.tensor([[0, 1, 2, 5]]), kept).keep.tolist() == [[[0, 2, 3]]]

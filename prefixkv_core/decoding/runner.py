@@ -26,6 +26,7 @@ calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
@@ -39,6 +40,7 @@ from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from .step_buffers import StepBuffers
+from .token_drop import tokens_dropped
 from .vision_tower import TurnImage
 
 
@@ -441,8 +443,8 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
                 turn_image: TurnImage | None = None) -> Prefill:
     """The prefill of a method that changes the prefill itself (stage "prefill token reduction"), run for it
     alone: a vision-side reduction (`policy.vision_plan`, VisionZip) feeds the language model a shorter prompt,
-    and key masks decided during the forward (`policy.prefill_key_masks`, FastV) keep later layers from
-    attending to dropped tokens. Records what the policy asked for; `reduction` says what was done.
+    and a token drop decided during the forward (`policy.prefill_token_drop`, FastV) leaves tokens behind after
+    a layer (`token_drop`). Records what the policy asked for; `reduction` says what was done.
     `turn_image`: the image already through the vision tower (see `prefill`), read instead of a pass of its own."""
     from . import vision_tokens
 
@@ -460,9 +462,12 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
         vision_inputs = None
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
-    probe = AttentionProbe(request, mask_rule=policy.prefill_key_masks(n, is_image, num_layers))
+    probe = AttentionProbe(request)
     cache = TrackedCache(num_layers)
-    logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds)
+    drop = policy.prefill_token_drop(n, is_image, num_layers)
+    dropping = tokens_dropped(model, drop, cache, probe) if drop is not None else contextlib.nullcontext()
+    with dropping:
+        logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds)
     seconds = now(device) - t0
     cache.add_scores({l: s["colsum"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds, reduction)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,9 +92,6 @@ class AttentionProbe:
     # layer -> bool [B, 1 or Hkv, Tk], True = may attend. Used for batching/padding and by tests.
     key_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    # (layer, stats recorded so far) -> key mask or None, asked when `key_masks` has none for that layer: lets a
-    # later layer stop attending to tokens chosen from what earlier layers of the same forward recorded (FastV)
-    mask_rule: Callable[[int, dict[int, dict[str, torch.Tensor]]], torch.Tensor | None] | None = None
     # layer -> the batch's rows in groups, each kept in tensors of its own (a decode step of the runner whose rows
     # are split by length): (rows [G] ascending, keys [G, Hkv, T_g, D], values, key mask [G, 1|Hkv, T_g] or
     # None). Attention then reads each group where it lives instead of the keys and values it was handed.
@@ -106,12 +102,7 @@ class AttentionProbe:
     after_image: torch.Tensor | None = None
 
     def key_mask(self, layer: int) -> torch.Tensor | None:
-        mask = self.key_masks.get(layer)
-        if mask is None and self.mask_rule is not None:
-            mask = self.mask_rule(layer, self.stats)
-            if mask is not None:
-                self.key_masks[layer] = mask
-        return mask
+        return self.key_masks.get(layer)
 
     def reset(self, request: StatRequest | None = None) -> None:
         self.request = request or StatRequest()

@@ -12,7 +12,7 @@ run. How many entries each layer keeps and which ones are small pieces shared by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from .facts import Fact, facts_to_extras, note
 from .budget import Budget, check_budget
 from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
-__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "PrefillView", "DecodeView", "PolicyState",
+__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "TokenDrop", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "Budget", "check_budget",
            "budget_count", "protected_mask", "protected_positions", "plans_by_equal_count", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans", "apply_plans_together"]
@@ -81,6 +81,16 @@ class LayerPlan:
     merge: Merge | None = None
     quantise: Quantise | None = None
     empty_slots: bool = False  # `keep` holds EMPTY_SLOT entries (heads keeping different counts)
+
+
+@dataclass(frozen=True)
+class TokenDrop:
+    """Tokens an own prefill leaves behind after layer `layer` (FastV, DART): layers 0 … K-1 see every token; when
+    the forward reaches layer K, `choose(stats)` says from what layers 0 … K-1 recorded (layer -> statistics)
+    which tokens go on (bool [B, N], the same count in every row). Layers K and later compute those only."""
+
+    layer: int
+    choose: Callable[[dict[int, dict[str, torch.Tensor]]], torch.Tensor]
 
 
 @dataclass
@@ -210,10 +220,9 @@ class Policy:
         the shared batch."""
         return self.stage == "prefill token reduction"
 
-    def prefill_key_masks(self, prompt_len: int, is_image: torch.Tensor, num_layers: int):
-        """For an own prefill: a rule `(layer, stats so far) -> key mask [B, 1|Hkv, N] or None` that the attention
-        function asks before each layer, so later layers can stop attending to tokens chosen from what earlier
-        layers recorded (FastV). None: every layer sees every token."""
+    def prefill_token_drop(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> TokenDrop | None:
+        """For an own prefill: the tokens that leave the forward after some layer (`TokenDrop`), chosen from what
+        the earlier layers recorded (FastV). None: every layer sees every token."""
         return None
 
     def vision_plan(self, crops):

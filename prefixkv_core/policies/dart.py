@@ -8,7 +8,7 @@ few pivot tokens are picked (by default the image tokens and the text tokens aft
 K-1 have the largest L1 norm, 4 of each as in the reference's LLaVA-1.5 settings), and each pivot in turn keeps
 its share of the image tokens least cosine-similar to it, among those not yet kept, similarity measured on layer
 K-1's output hidden states through the model's final norm (as the reference does). The image pivots are kept; the
-text pivots only choose. Every other image token is masked out of layers K and later and leaves their caches.
+text pivots only choose. Every other image token leaves the forward: layers K and later never compute it.
 Text tokens all stay; generated tokens are all kept.
 
 Choices where the reference leaves room (see docs/methods.md): the image pivots count within the kept image

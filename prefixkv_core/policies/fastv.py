@@ -5,9 +5,9 @@ Vision-Language Models", ECCV 2024, https://arxiv.org/abs/2403.06764.
 
 A prefill token reduction: it changes the prefill itself, so it runs one of its own. Layers 0 … K-1 see every
 token. A score from layer K-1 ranks the image tokens (`rank`: by default the attention of its last query,
-averaged over heads, as the reference code ranks them); from layer K on the lowest-ranked ones are masked out
-of every later layer's attention (the runner asks `prefill_key_masks` during the forward) and, once the prompt
-is done, their entries leave those layers' caches. Text tokens all stay. The ranking is made once, on the
+averaged over heads, as the reference code ranks them); from layer K on the lowest-ranked ones leave the forward
+(`prefill_token_drop`: the runner asks for the choice when the forward reaches layer K, and layers K and later
+compute the kept tokens only, as in the paper), so those layers' caches never hold them. Text tokens all stay. The ranking is made once, on the
 prompt; generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
 whose later layers never see the dropped image tokens, the budget mapping and the plans.
 """
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from ..kv.attention import StatRequest
 from ..models.embedded import EMBEDDED_SLUG
-from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, knob
+from .base import Fact, LayerPlan, Policy, TokenDrop, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, knob
 
 BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
@@ -78,20 +76,14 @@ def fastv_keep(score: torch.Tensor, is_image: torch.Tensor, keep: int) -> torch.
     return kept
 
 
-class DropAfterLayer:
-    """The key-mask rule of a prefill that drops image tokens after layer K: nothing before layer K; from K on, the
-    tokens `choose(stats)` kept (bool [B, N]), decided once, at layer K, from what layers 0 … K-1 recorded."""
-
-    def __init__(self, layer: int, choose: Callable[[dict[int, dict[str, torch.Tensor]]], torch.Tensor]):
-        self.layer, self.choose = layer, choose
-        self.kept: torch.Tensor | None = None
-
-    def __call__(self, layer: int, stats: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor | None:
-        if layer < self.layer:
-            return None
-        if self.kept is None:
-            self.kept = self.choose(stats)
-        return self.kept[:, None, :]
+def kept_tokens_plan(positions: torch.Tensor, kept: torch.Tensor) -> LayerPlan | None:
+    """The plan that keeps a layer's entries of the tokens `kept` (bool [B, N]), from the entries' true positions
+    ([B, T], every head alike after a prompt): None when the layer holds those only (its prefill left the others
+    behind, `prefill_token_drop`), else their indices."""
+    entry_kept = kept.gather(1, positions.long())
+    if bool(entry_kept.all()):
+        return None
+    return LayerPlan(keep=torch.stack([row.nonzero().flatten() for row in entry_kept]).unsqueeze(1))
 
 
 @dataclass
@@ -128,11 +120,11 @@ class ImageDropPolicy(Policy):
         return kept_image_tokens(self.budget, prompt_len, int(is_image[0].sum()), num_layers, self.layer,
                                  self.budget_of)
 
-    def prefill_key_masks(self, prompt_len: int, is_image: torch.Tensor, num_layers: int):
+    def prefill_token_drop(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> TokenDrop | None:
         keep = self._keep(prompt_len, is_image, num_layers)
         if self.layer >= num_layers or keep >= int(is_image[0].sum()):
             return None
-        return DropAfterLayer(self.layer, lambda stats: self.choose(stats, is_image, keep))
+        return TokenDrop(self.layer, lambda stats: self.choose(stats, is_image, keep))
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n, num_layers = view.prompt_len, view.num_layers
@@ -152,9 +144,8 @@ class ImageDropPolicy(Policy):
             state.notes.append(f"dropping every image token after layer {self.layer} holds {reached:.0%} of the "
                                f"cache, not r = {self.budget:.0%}")
         kept = self.choose(view.stats, is_image, keep, state)  # the same count in every row of a batch
-        index = torch.stack([row.nonzero().flatten() for row in kept]).unsqueeze(1)
         for i in range(self.layer, num_layers):
-            plans[i] = LayerPlan(keep=index)
+            plans[i] = kept_tokens_plan(view.layer(i).positions[:, 0], kept)
         return Prefilled(plans, state)
 
     def facts(self, state: PolicyState) -> list[Fact]:

@@ -214,6 +214,8 @@ class StepPool:
     def _step(self, batch: list[_Request]) -> StepResult:
         """On the model's thread: one batched forward of every request's rows."""
         states = [s for r in batch for s in r.states]
+        with self._cond:  # a row that left and is fed again (its session's follow-up) stays where the steps read it
+            self._leaving = [s for s in self._leaving if all(s is not t for t in states)]
         if self._buffers is None:
             self._buffers = runner.StepBuffers()
         ids = [id(s.cache) for s in states]
@@ -246,8 +248,8 @@ class StepPool:
         """On the model's thread: the rows that left own their entries; no member left, no shared stores."""
         with self._cond:
             leaving, self._leaving = self._leaving, []
-            if leaving:
-                self._formed = []
+            if any(s.cache is not None and id(s.cache) in self._formed for s in leaving):
+                self._formed = []  # its entries move out of the shared stores: the next step forms them anew
             idle = not self._members and not self._pending
         for state in leaving:
             if state.cache is not None:

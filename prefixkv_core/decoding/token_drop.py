@@ -1,0 +1,87 @@
+"""Tokens leaving a forward after layer K (FastV's and DART's own prefill), for real: layers K and later compute
+only the tokens kept, as those methods' papers do, instead of computing every token and masking the dropped ones
+out of attention.
+
+The text model is left as it is. Forward pre-hooks (a public PyTorch extension point) on its decoder layers from K
+on cut what each layer is handed to the kept tokens: at layer K the hidden states, at every layer from K on the
+rotary embeddings and position ids the model built for the whole prompt. The cache is told the kept tokens'
+true positions and image flags before layer K writes, so each later layer holds the kept tokens' entries at
+their own positions; the attention function's causal mask (bottom-right aligned) then orders the kept tokens
+as before. The statistics recorded from layer K on cover the kept tokens only, aligned with those layers'
+entries. The last prompt token is always kept, so the logits are the same as a masked forward's.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from ..kv.attention import AttentionProbe
+from ..kv.cache import TrackedCache
+from ..policies.base import TokenDrop
+
+_PER_TOKEN_KWARGS = ("position_ids", "cache_position")  # [B, N] or [N]: cut along the token axis
+
+
+@contextlib.contextmanager
+def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: AttentionProbe) -> Iterator[None]:
+    """While the block runs one forward of a prompt through `cache` (its pending positions and image flags
+    [B, N] set), the text model's layers from `drop.layer` on see only the tokens `drop.choose(stats)` keeps
+    (bool [B, N], the same count in every row), decided when layer K is reached from what `probe` recorded in
+    layers 0 … K-1."""
+    layers = model.get_decoder().layers
+    kept: dict[str, torch.Tensor] = {}
+    n = 0
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        """x [B or 1, N, ...] -> [B, kept, ...]; as it is when already cut (handed on from an earlier layer)."""
+        index = kept["index"]
+        if x.shape[1] != n:
+            return x
+        if x.shape[0] == 1 and index.shape[0] > 1:
+            x = x.expand(index.shape[0], *x.shape[1:])
+        at = index.view(*index.shape, *[1] * (x.dim() - 2)).expand(*index.shape, *x.shape[2:])
+        return x.gather(1, at)
+
+    def cut_flat(x: torch.Tensor) -> torch.Tensor:
+        """x [N] (one position per token, every row alike) -> [kept]."""
+        index = kept["index"]
+        if x.shape[0] != n:
+            return x
+        if index.shape[0] > 1 and bool((index != index[0]).any()):
+            raise ValueError("a per-token input shared by every row cannot follow rows that keep different tokens")
+        return x.index_select(0, index[0])
+
+    def before_layer(module, args, kwargs):
+        nonlocal n
+        if "index" not in kept:  # layer K: the choice, once, from what layers 0 … K-1 recorded
+            positions, is_image = cache.pending
+            n = positions.shape[1]
+            mask = drop.choose(probe.stats)
+            counts = mask.sum(dim=1)
+            if bool((counts != counts[0]).any()):
+                raise ValueError("a token drop must keep the same number of tokens in every row")
+            kept["index"] = torch.stack([row.nonzero().flatten() for row in mask])
+            cache.set_pending(cut(positions), cut(is_image))
+            if probe.after_image is not None:
+                probe.after_image = cut(probe.after_image)
+        if args:
+            args = (cut(args[0]), *args[1:])
+        else:
+            kwargs["hidden_states"] = cut(kwargs["hidden_states"])
+        rotary = kwargs.get("position_embeddings")
+        if rotary is not None:
+            kwargs["position_embeddings"] = tuple(cut(part) for part in rotary)
+        for name in _PER_TOKEN_KWARGS:
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                kwargs[name] = cut_flat(value) if value.dim() == 1 else cut(value)
+        return args, kwargs
+
+    handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers[drop.layer:]]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
