@@ -14,7 +14,9 @@ Measured side by side in one process, repeats interleaved (the machines are shar
 5. what bounds the last user's wait: the prefills are not batched (each user's runs between steps, one after
    another: N of them take N times one user's prefill), and the decode of N·M rows at once is only as much
    faster than N decodes of M rows as the hardware's batching allows (the ceiling: a plain cached greedy loop in
-   transformers, no engine, at batch N·M over batch M, in tokens/s).
+   transformers, no engine, at batch N·M over batch M, in tokens/s); and what batching the prefills could buy
+   (the prefill ceiling: a plain transformers forward over N copies of one prompt at once against one copy, in
+   prompts/s; N would be free batching).
 
     python benchmarks/several_users.py --model embedded --users 4 --methods full,snapkv,h2o,prefixkv
     python benchmarks/several_users.py --random-weights llava-interleave --threads 2 --users 4 --new-tokens 8
@@ -98,6 +100,16 @@ def one_after_another(engine: Engine, requests: list[tuple], methods: list[str],
             "prefill_s": [o["prefill_s"] for o in outs]}
 
 
+def plain_prefill_prompts_per_s(loaded, inputs, batch: int) -> float:
+    """Prompts/s of a plain transformers prefill (the model's own attention, no engine) over `batch` copies of one
+    prompt in one forward: no padding, the best case for batching the prefills of users who arrive together."""
+    batched = {k: v.repeat(batch, *[1] * (v.dim() - 1)) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    with torch.inference_mode():
+        t0 = now(loaded.device)
+        loaded.model(**batched, use_cache=False, logits_to_keep=1)
+        return batch / (now(loaded.device) - t0)
+
+
 def phase(name: str) -> None:
     """Progress on stderr, with the resident memory so far."""
     print(f"{name} done; resident {process_memory_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
@@ -126,7 +138,7 @@ def main(argv=None) -> int:
 
     image, prompt = requests[0]
     inputs = encode(loaded, image, format_prompt(loaded, prompt, with_image=True))
-    alone, together, serial, ceilings = [], [], [], []
+    alone, together, serial, ceilings, prefill_ceilings = [], [], [], [], []
     for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
         alone.append(one_after_another(engine, requests[:1], methods, args.budget, args.new_tokens))
         phase("one user alone")
@@ -137,6 +149,8 @@ def main(argv=None) -> int:
         rows = len(methods)
         ceilings.append(plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, rows * args.users)
                         / plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, rows))
+        prefill_ceilings.append(plain_prefill_prompts_per_s(loaded, inputs, args.users)
+                                / plain_prefill_prompts_per_s(loaded, inputs, 1))
 
     alone_s = statistics.median(a["last_s"] for a in alone)
     last_s = statistics.median(t["last_s"] for t in together)
@@ -153,7 +167,7 @@ def main(argv=None) -> int:
               "formed": [t["formed"] for t in together], "steps": [t["steps"] for t in together],
               "largest_batch": max(t["largest_batch"] for t in together),
               "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
-              "ceiling": statistics.median(ceilings),
+              "ceiling": statistics.median(ceilings), "prefill_ceiling": statistics.median(prefill_ceilings),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "runs": {"alone": alone, "together": together, "one_after_another": serial}}
 
@@ -177,6 +191,8 @@ def main(argv=None) -> int:
           f"{report['prefills_over_one']:.2f}x one user's wait |")
     print(f"| ceiling: plain transformers decode tok/s at batch {len(methods) * args.users} / batch {len(methods)} "
           f"(x{args.users} would be free batching) | {report['ceiling']:.2f}x |")
+    print(f"| prefill ceiling: plain transformers prompts/s, {args.users} copies of one prompt in one forward / one "
+          f"(x{args.users} would be free batching) | {report['prefill_ceiling']:.2f}x |")
     print(f"| the process's peak resident memory (model included) | {report['peak_rss_bytes'] / 2**30:.2f} GiB |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

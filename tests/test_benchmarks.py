@@ -413,5 +413,6 @@ def test_several_users_reports_the_last_users_wait_and_checks_every_answer(tmp_p
     report = json.loads(out.read_text())
     assert report["same_answers_as_alone"] and report["largest_batch"] <= 3 * 2
     assert report["last_over_one"] == pytest.approx(report["last_of_n_at_once_s"] / report["one_user_s"])
-    assert report["peak_rss_bytes"] > 0 and report["ceiling"] > 0
+    assert report["peak_rss_bytes"] > 0 and report["ceiling"] > 0 and report["prefill_ceiling"] > 0
+    assert "prefill ceiling" in printed
     assert len(report["runs"]["together"][0]["each_s"]) == 3
