@@ -1,14 +1,15 @@
-"""FastV: its own prefill equals a full forward whose layers from K on have the dropped image tokens masked out,
-the dropped tokens are the ones layer K-1's last query attends to least (a plain eager forward as reference),
-and the cache it decodes on holds exactly the kept tokens in those layers."""
+"""FastV: its own prefill, whose layers from K on compute the kept tokens only, equals a full forward whose layers
+from K on have the dropped image tokens masked out; the dropped tokens are the ones layer K-1's last query attends
+to least (a plain eager forward as reference), and the cache it decodes on holds exactly the kept tokens in those
+layers."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from prefixkv_core import Engine
-
-from prefixkv_core import GenerationSettings
+from prefixkv_core import Engine, GenerationSettings
 
 from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
@@ -212,3 +213,25 @@ def test_the_plan_keeps_the_kept_tokens_entries_whatever_the_layer_holds():
     assert plan.keep.tolist() == [[[0, 2, 3, 5]]]
     assert kept_tokens_plan(torch.tensor([[0, 2, 3, 5]]), kept) is None
     assert kept_tokens_plan(torch.tensor([[0, 1, 2, 5]]), kept).keep.tolist() == [[[0, 2, 3]]]
+
+
+@pytest.mark.parametrize("method", ["fastv", "dart"])
+def test_rows_of_different_images_each_drop_their_own_tokens(tiny, noise_image, method):
+    """Two prompts in one own prefill (the speed benchmark's batches): each row keeps the tokens its own image
+    ranks, with the logits and the entries of that prompt's prefill alone."""
+    other = Image.fromarray(255 - np.asarray(noise_image))
+    policy = make_policy(method, 0.4, budget_of="image")
+    prompts = [_inputs(tiny, image) for image in (noise_image, other)]
+    with tracked_attention_enabled(tiny.model):
+        alone = [runner.own_prefill(tiny.model, policy, ids, is_image, inputs["pixel_values"], tiny.num_layers,
+                                    tiny.device, tiny.image_token_id) for inputs, ids, is_image in prompts]
+        _, ids, is_image = prompts[0]
+        pixels = torch.cat([inputs["pixel_values"] for inputs, _, _ in prompts])
+        both = runner.own_prefill(tiny.model, policy, ids.repeat(2, 1), is_image.repeat(2, 1), pixels,
+                                  tiny.num_layers, tiny.device, tiny.image_token_id)
+    torch.testing.assert_close(both.logits, torch.cat([a.logits for a in alone]), atol=1e-5, rtol=1e-5)
+    for r, single in enumerate(alone):
+        for mine, theirs in zip(both.cache.layers, single.cache.layers):
+            assert mine.positions[r].tolist() == theirs.positions[0].tolist()
+            torch.testing.assert_close(mine.keys[r], theirs.keys[0], atol=1e-5, rtol=1e-5)
+    assert both.cache.layers[-1].positions[0].tolist() != both.cache.layers[-1].positions[1].tolist()
