@@ -110,6 +110,13 @@ def plain_prefill_prompts_per_s(loaded, inputs, batch: int) -> float:
         return batch / (now(loaded.device) - t0)
 
 
+def hardware_bound_s(users: int, prefill_s: float, alone_s: float, prefill_ceiling: float, ceiling: float) -> float:
+    """The least the last of `users` simultaneous users can wait on this hardware, whatever the scheduling: every
+    prefill batched at the prefill ceiling (users prompts cost users / prefill_ceiling prefills), then one decode of
+    every user's rows at the decode ceiling (users / ceiling times one user's decode, alone_s - prefill_s)."""
+    return users * prefill_s / prefill_ceiling + (alone_s - prefill_s) * users / ceiling
+
+
 def phase(name: str) -> None:
     """Progress on stderr, with the resident memory so far."""
     print(f"{name} done; resident {process_memory_bytes() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
@@ -168,6 +175,8 @@ def main(argv=None) -> int:
               "largest_batch": max(t["largest_batch"] for t in together),
               "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
               "ceiling": statistics.median(ceilings), "prefill_ceiling": statistics.median(prefill_ceilings),
+              "hardware_bound_s": hardware_bound_s(args.users, prefill_s, alone_s, statistics.median(prefill_ceilings),
+                                                   statistics.median(ceilings)),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "runs": {"alone": alone, "together": together, "one_after_another": serial}}
 
@@ -193,6 +202,9 @@ def main(argv=None) -> int:
           f"(x{args.users} would be free batching) | {report['ceiling']:.2f}x |")
     print(f"| prefill ceiling: plain transformers prompts/s, {args.users} copies of one prompt in one forward / one "
           f"(x{args.users} would be free batching) | {report['prefill_ceiling']:.2f}x |")
+    bound = report["hardware_bound_s"]
+    print(f"| the least the last user can wait here: {args.users} prefills batched at the prefill ceiling, then one "
+          f"decode of {len(methods) * args.users} rows at the decode ceiling | {bound:.2f} s = {bound / alone_s:.2f}x |")
     print(f"| the process's peak resident memory (model included) | {report['peak_rss_bytes'] / 2**30:.2f} GiB |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

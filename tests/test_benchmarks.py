@@ -415,4 +415,16 @@ def test_several_users_reports_the_last_users_wait_and_checks_every_answer(tmp_p
     assert report["last_over_one"] == pytest.approx(report["last_of_n_at_once_s"] / report["one_user_s"])
     assert report["peak_rss_bytes"] > 0 and report["ceiling"] > 0 and report["prefill_ceiling"] > 0
     assert "prefill ceiling" in printed
+    assert report["hardware_bound_s"] == pytest.approx(several_users.hardware_bound_s(
+        3, report["one_prefill_s"], report["one_user_s"], report["prefill_ceiling"], report["ceiling"]))
     assert len(report["runs"]["together"][0]["each_s"]) == 3
+
+
+def test_the_hardware_bound_counts_batched_prefills_then_one_batched_decode():
+    from benchmarks.several_users import hardware_bound_s
+
+    # free batching: the last user waits what one user waits
+    assert hardware_bound_s(4, prefill_s=1.0, alone_s=3.0, prefill_ceiling=4.0, ceiling=4.0) == pytest.approx(3.0)
+    # no batching at all: four users one after another
+    assert hardware_bound_s(4, prefill_s=1.0, alone_s=3.0, prefill_ceiling=1.0, ceiling=1.0) == pytest.approx(12.0)
+    assert hardware_bound_s(4, prefill_s=0.5, alone_s=2.0, prefill_ceiling=1.0, ceiling=2.0) == pytest.approx(5.0)
