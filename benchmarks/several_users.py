@@ -113,8 +113,10 @@ def plain_prefill_prompts_per_s(loaded, inputs, batch: int) -> float:
 def hardware_bound_s(users: int, prefill_s: float, alone_s: float, prefill_ceiling: float, ceiling: float) -> float:
     """The least the last of `users` simultaneous users can wait on this hardware, whatever the scheduling: every
     prefill batched at the prefill ceiling (users prompts cost users / prefill_ceiling prefills), then one decode of
-    every user's rows at the decode ceiling (users / ceiling times one user's decode, alone_s - prefill_s)."""
-    return users * prefill_s / prefill_ceiling + (alone_s - prefill_s) * users / ceiling
+    every user's rows at the decode ceiling (users / ceiling times one user's decode, alone_s - prefill_s). A
+    ceiling below 1 (batching slower than taking turns) counts as 1: a scheduler could take turns instead."""
+    return (users * prefill_s / max(1.0, prefill_ceiling)
+            + (alone_s - prefill_s) * users / max(1.0, ceiling))
 
 
 def phase(name: str) -> None:

@@ -428,3 +428,5 @@ def test_the_hardware_bound_counts_batched_prefills_then_one_batched_decode():
     # no batching at all: four users one after another
     assert hardware_bound_s(4, prefill_s=1.0, alone_s=3.0, prefill_ceiling=1.0, ceiling=1.0) == pytest.approx(12.0)
     assert hardware_bound_s(4, prefill_s=0.5, alone_s=2.0, prefill_ceiling=1.0, ceiling=2.0) == pytest.approx(5.0)
+    # batching slower than taking turns: taking turns is the bound
+    assert hardware_bound_s(4, prefill_s=1.0, alone_s=3.0, prefill_ceiling=0.9, ceiling=0.5) == pytest.approx(12.0)
