@@ -95,6 +95,25 @@ def held_positions(prefilled, plans) -> list[list[int]]:
     return [layer.positions[0, 0].tolist() for layer in compressed.layers]
 
 
+def masked_reference_cache(loaded, ids, is_image, vision_inputs, drop_layer: int, kept_positions):
+    """The cache of a plain forward of the prompt in which every token goes through every layer and, from layer
+    `drop_layer` on, attention sees only the tokens at `kept_positions`: what a token drop (FastV, DART) computes
+    for the kept tokens, with the dropped ones masked instead of cut. Its scores are the column sums, as a
+    prefill's. Returns (logits [1, V], cache)."""
+    from .decoding import runner
+    from .kv.attention import AttentionProbe, StatRequest
+    from .kv.cache import TrackedCache
+
+    n = ids.shape[1]
+    kept = torch.zeros(1, 1, n, dtype=torch.bool)
+    kept[0, 0, torch.as_tensor(kept_positions)] = True
+    cache = TrackedCache(loaded.num_layers)
+    probe = AttentionProbe(StatRequest(colsum=True), key_masks={i: kept for i in range(drop_layer, loaded.num_layers)})
+    logits, stats = runner.forward_group(loaded.model, cache, ids, 0, probe, is_image, vision_inputs)
+    cache.add_scores({layer: s["colsum"] for layer, s in stats.items()})
+    return logits, cache
+
+
 def synthetic_prompt_cache(n: int = 40, n_layers: int = 3, h: int = 2, seed: int = 0, image: tuple[int, int] = (5, 25),
                            sink: float = 6.0, skew: float = 3.0):
     """(TrackedCache, prefill statistics) of an `n`-entry prompt whose entries image[0]:image[1] came from the

@@ -13,7 +13,7 @@ from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.decoding import runner
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
-from prefixkv_core.testing import kept_entry_masks
+from prefixkv_core.testing import kept_entry_masks, masked_reference_cache
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 BUDGETS = (0.1, 0.3, 0.5, 0.9)
@@ -91,28 +91,36 @@ def test_budget_one_reproduces_full(tiny_qwen2, noise_image):
 
 # -- eviction == masking ------------------------------------------------------------------------------------
 def _planned(loaded, image, method, budget, knobs=None):
-    """The uncompressed prefill cache, and `method`'s plans for a copy of it (with the statistics it asked for).
-    A prefill token reduction compresses its own prefill (FastV's later layers never saw the dropped tokens)."""
+    """The uncompressed prefill cache (every token through every layer), and `method`'s plans for a copy of the
+    cache it compresses (with the statistics it asked for). A prefill token reduction compresses its own prefill;
+    for a token drop (FastV, DART: the later layers never computed the dropped tokens) the uncompressed cache is a
+    plain forward's with the dropped tokens masked from layer K on. Also returns the drop (None without one)."""
     inputs = encode(loaded, image, format_prompt(loaded, PROMPT, with_image=image is not None))
     ids = inputs["input_ids"]
+    is_image = ids == loaded.image_token_id
     policy = make_policy(method, budget, **(knobs or {}))
     with tracked_attention_enabled(loaded.model):
-        shared = runner.prefill_for(loaded.model, policy, ids, ids == loaded.image_token_id, inputs.get("pixel_values"),
+        shared = runner.prefill_for(loaded.model, policy, ids, is_image, inputs.get("pixel_values"),
                                     loaded.num_layers, loaded.device, loaded.image_token_id)
+        drop = policy.prefill_token_drop(ids.shape[1], is_image, loaded.num_layers)
+        full = shared.cache
+        if drop is not None:
+            _, full = masked_reference_cache(loaded, ids, is_image, inputs.get("pixel_values"), drop.layer,
+                                             shared.cache.layers[-1].positions[0, 0])
     n = shared.prompt_len
     compressed = shared.cache.clone()
     view = PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
                        policy.prefill_stats(n).window, shared.reduction)
     plans, state = policy.prefill(view)
     only_evicts = all(p is None or (p.merge is None and p.quantise is None) for p in plans)
-    return shared.cache, compressed, plans, only_evicts, n, state
+    return full, compressed, plans, only_evicts, n, state, drop
 
 
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("budget", [0.3, 0.6])
 def test_eviction_equals_masking(tiny, noise_image, method, budget):
     engine = Engine(tiny)
-    cache, compressed, plans, only_evicts, n, _ = _planned(tiny, noise_image, method, budget)
+    cache, compressed, plans, only_evicts, n, _, _ = _planned(tiny, noise_image, method, budget)
     if not only_evicts:
         pytest.skip(f"{method} merges or quantises entries: its cache is not a subset of the full one")
     apply_plans(compressed, plans)
@@ -156,13 +164,14 @@ def test_every_step_methods_hold_budget(tiny, noise_image, budget):
 def test_prompt_only_methods_match_their_plan(tiny, noise_image, budget):
     cases = [(m, {}) for m in METHODS if REGISTRY[m].schedule == "prompt only"] + [("lookm", {"text_prior": "keep_all"})]
     for method, knobs in cases:  # each on the prefill it asks for (a prefill token reduction: its own)
-        full, c, plans, _, n, state = _planned(tiny, noise_image, method, budget, knobs)
+        full, c, plans, _, n, state, _ = _planned(tiny, noise_image, method, budget, knobs)
         is_image = full.layers[0].is_image[0, 0]
+        prefilled = c.lengths()  # a token drop's later layers hold the kept tokens already
         apply_plans(c, plans)
         lengths = c.lengths()
         # entries kept per KV head on average (a head-wise count pads the shorter heads with empty slots)
-        assert lengths == [n if p is None else round(float((p.keep[0] >= 0).sum(-1).float().mean()))
-                           for p in plans], method
+        assert lengths == [held if p is None else round(float((p.keep[0] >= 0).sum(-1).float().mean()))
+                           for held, p in zip(prefilled, plans)], method
         for layer in c.layers:  # protected: sink and last prompt token
             assert (layer.positions[0] == 0).any(-1).all() and (layer.positions[0] == n - 1).any(-1).all(), method
         if method == "snapkv":  # the window is fitted to the budget: never more than round(r·N)
@@ -225,17 +234,18 @@ def test_offline_prefixkv_uses_given_ratios(tiny_llama, noise_image):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_metadata_stays_aligned_after_gathers(tiny_qwen2, noise_image, method):
     """Keys of an entry must be the keys computed for its position: compare to the full prefill cache."""
-    cache, c, plans, only_evicts, n, _ = _planned(tiny_qwen2, noise_image, method, 0.4)
+    cache, c, plans, only_evicts, n, _, drop = _planned(tiny_qwen2, noise_image, method, 0.4)
     if not only_evicts:
         pytest.skip(f"{method} merges or quantises entries: they are not copies of prefill entries")
     apply_plans(c, plans)
-    for full_layer, layer in zip(cache.layers, c.layers):
+    for i, (full_layer, layer) in enumerate(zip(cache.layers, c.layers)):
         held = layer.positions >= 0  # empty slots (heads keeping fewer entries) hold nothing
         idx = layer.positions.clamp_min(0)  # position == index in the full prefill cache
         expect = full_layer.keys.gather(2, idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
-        torch.testing.assert_close(layer.keys[held], expect[held])
+        torch.testing.assert_close(layer.keys[held], expect[held], atol=1e-5, rtol=1e-5)
         assert torch.equal(layer.is_image[held], full_layer.is_image.gather(2, idx)[held])
-        assert torch.equal(layer.scores[held], full_layer.scores.gather(2, idx)[held])
+        if drop is None or i < drop.layer:  # after a token drop only the kept tokens' queries add to the scores
+            assert torch.equal(layer.scores[held], full_layer.scores.gather(2, idx)[held])
 
 
 def test_decode_positions_are_true_positions(tiny_llama, noise_image):

@@ -14,11 +14,10 @@ from prefixkv_core import GenerationSettings
 from prefixkv_core.decoding import runner
 from prefixkv_core import models as M
 from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
-from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.zipvl import probe_queries
-from prefixkv_core.testing import FAMILIES, kept_entry_masks, save_tiny_family
+from prefixkv_core.testing import FAMILIES, kept_entry_masks, masked_reference_cache, save_tiny_family
 
 PROMPT = "describe the picture in detail"
 
@@ -203,13 +202,10 @@ def test_eviction_equals_masking(lm, picture, method, budget):
     with tracked_attention_enabled(lm.model):
         drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
         if drop is not None:  # the reference: every token through every layer, the dropped ones masked from K on
-            kept = torch.zeros(1, 1, n, dtype=torch.bool)
-            kept[0, 0, compressed.layers[-1].positions[0, 0]] = True
-            uncompressed = TrackedCache(lm.num_layers)
-            logits, _ = runner.forward_group(lm.model, uncompressed, ids, 0, AttentionProbe(
-                key_masks={i: kept for i in range(drop.layer, lm.num_layers)}), is_image, M.vision_inputs(inputs))
+            kept = compressed.layers[-1].positions[0, 0]
+            logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
             torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
-            assert [layer.length for layer in shared.cache.layers[drop.layer:]] == [int(kept.sum())] * (
+            assert [layer.length for layer in shared.cache.layers[drop.layer:]] == [len(kept)] * (
                 lm.num_layers - drop.layer)
         evicted = engine.forward(compressed, token, n, AttentionProbe())
         masks = kept_entry_masks(compressed, n)
