@@ -31,12 +31,11 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
     (bool [B, N], the same count in every row), decided when layer K is reached from what `probe` recorded in
     layers 0 … K-1."""
     layers = model.get_decoder().layers
-    kept: dict[str, torch.Tensor] = {}
-    n = 0
+    index: torch.Tensor | None = None  # [B, kept]: the kept tokens of each row, once layer K has chosen
+    n = 0  # the prompt's tokens
 
     def cut(x: torch.Tensor) -> torch.Tensor:
         """x [B or 1, N, ...] -> [B, kept, ...]; as it is when already cut (handed on from an earlier layer)."""
-        index = kept["index"]
         if x.shape[1] != n:
             return x
         if x.shape[0] == 1 and index.shape[0] > 1:
@@ -46,7 +45,6 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
 
     def cut_flat(x: torch.Tensor) -> torch.Tensor:
         """x [N] (one position per token, every row alike) -> [kept]."""
-        index = kept["index"]
         if x.shape[0] != n:
             return x
         if index.shape[0] > 1 and bool((index != index[0]).any()):
@@ -54,15 +52,15 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
         return x.index_select(0, index[0])
 
     def before_layer(module, args, kwargs):
-        nonlocal n
-        if "index" not in kept:  # layer K: the choice, once, from what layers 0 … K-1 recorded
+        nonlocal index, n
+        if index is None:  # layer K: the choice, once, from what layers 0 … K-1 recorded
             positions, is_image = cache.pending
             n = positions.shape[1]
             mask = drop.choose(probe.stats)
             counts = mask.sum(dim=1)
             if bool((counts != counts[0]).any()):
                 raise ValueError("a token drop must keep the same number of tokens in every row")
-            kept["index"] = torch.stack([row.nonzero().flatten() for row in mask])
+            index = torch.stack([row.nonzero().flatten() for row in mask])
             cache.set_pending(cut(positions), cut(is_image))
             if probe.after_image is not None:
                 probe.after_image = cut(probe.after_image)

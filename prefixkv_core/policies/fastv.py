@@ -7,19 +7,21 @@ A prefill token reduction: it changes the prefill itself, so it runs one of its 
 token. A score from layer K-1 ranks the image tokens (`rank`: by default the attention of its last query,
 averaged over heads, as the reference code ranks them); from layer K on the lowest-ranked ones leave the forward
 (`prefill_token_drop`: the runner asks for the choice when the forward reaches layer K, and layers K and later
-compute the kept tokens only, as in the paper), so those layers' caches never hold them. Text tokens all stay. The ranking is made once, on the
-prompt; generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
+compute the kept tokens only, as in the paper), so those layers' caches never hold them. Text tokens all stay.
+The ranking is made once, on the prompt; generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
 whose later layers never see the dropped image tokens, the budget mapping and the plans.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
 import torch
 
 from ..kv.attention import StatRequest
 from ..models.embedded import EMBEDDED_SLUG
-from .base import Fact, LayerPlan, Policy, TokenDrop, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, knob
+from .base import (Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, TokenDrop,
+                   knob)
 
 BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
