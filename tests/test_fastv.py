@@ -13,14 +13,13 @@ from prefixkv_core import Engine, GenerationSettings
 
 from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
-from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import encode, format_prompt
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.base import Fact, ResolveContext
 from prefixkv_core.policies.fastv import EMBEDDED_NOTE, kept_image_tokens
 from prefixkv_core.models.embedded import EMBEDDED_SLUG
-from prefixkv_core.testing import held_positions, kept_entry_masks
+from prefixkv_core.testing import held_positions, kept_entry_masks, masked_reference_cache
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 
@@ -124,17 +123,13 @@ def test_own_prefill_equals_a_full_forward_masked_from_layer_k(tiny, noise_image
         own = runner.own_prefill(tiny.model, policy, ids, is_image, inputs["pixel_values"], tiny.num_layers,
                                  tiny.device, tiny.image_token_id)
         plans, _ = policy.prefill(PrefillView(own.cache, runner.policy_stats(policy, own.stats, n), n, 0.4, 0))
-        kept = torch.zeros(1, 1, n, dtype=torch.bool)
-        kept[0, 0, held_positions(own.cache, plans)[layer]] = True
-        masks = {i: kept for i in range(layer, tiny.num_layers)}
-        reference = TrackedCache(tiny.num_layers)
-        logits, _ = runner.forward_group(tiny.model, reference, ids, 0, AttentionProbe(key_masks=dict(masks)),
-                                         is_image, inputs["pixel_values"])
+        kept = held_positions(own.cache, plans)[layer]
+        logits, reference = masked_reference_cache(tiny, ids, is_image, inputs["pixel_values"], layer, kept)
         torch.testing.assert_close(own.logits, logits, atol=1e-5, rtol=1e-5)
         compressed = own.cache.clone()
         apply_plans(compressed, plans)
         for i, (mine, full) in enumerate(zip(compressed.layers, reference.layers)):
-            assert mine.length == (n if i < layer else int(kept.sum()))
+            assert mine.length == (n if i < layer else len(kept))
             torch.testing.assert_close(mine.keys, full.keys.gather(2, mine.positions[..., None].expand(
                 -1, -1, -1, mine.keys.shape[-1])), atol=1e-5, rtol=1e-5)
         # decoding on the compressed cache == decoding on the masked full one
