@@ -32,12 +32,10 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
     layers 0 … K-1."""
     layers = model.get_decoder().layers
     index: torch.Tensor | None = None  # [B, kept]: the kept tokens of each row, once layer K has chosen
-    n = 0  # the prompt's tokens
+    handed: dict[str, object] = {}  # the whole-prompt inputs the model hands every layer, cut once at layer K
 
     def cut(x: torch.Tensor) -> torch.Tensor:
-        """x [B or 1, N, ...] -> [B, kept, ...]; as it is when already cut (handed on from an earlier layer)."""
-        if x.shape[1] != n:
-            return x
+        """x [B or 1, N, ...] -> [B, kept, ...]."""
         if x.shape[0] == 1 and index.shape[0] > 1:
             x = x.expand(index.shape[0], *x.shape[1:])
         at = index.view(*index.shape, *[1] * (x.dim() - 2)).expand(*index.shape, *x.shape[2:])
@@ -45,36 +43,34 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
 
     def cut_flat(x: torch.Tensor) -> torch.Tensor:
         """x [N] (one position per token, every row alike) -> [kept]."""
-        if x.shape[0] != n:
-            return x
         if index.shape[0] > 1 and bool((index != index[0]).any()):
             raise ValueError("a per-token input shared by every row cannot follow rows that keep different tokens")
         return x.index_select(0, index[0])
 
     def before_layer(module, args, kwargs):
-        nonlocal index, n
+        nonlocal index
         if index is None:  # layer K: the choice, once, from what layers 0 … K-1 recorded
-            positions, is_image = cache.pending
-            n = positions.shape[1]
             mask = drop.choose(probe.stats)
             counts = mask.sum(dim=1)
             if bool((counts != counts[0]).any()):
                 raise ValueError("a token drop must keep the same number of tokens in every row")
             index = torch.stack([row.nonzero().flatten() for row in mask])
+            positions, is_image = cache.pending
             cache.set_pending(cut(positions), cut(is_image))
             if probe.after_image is not None:
                 probe.after_image = cut(probe.after_image)
-        if args:
-            args = (cut(args[0]), *args[1:])
-        else:
-            kwargs["hidden_states"] = cut(kwargs["hidden_states"])
-        rotary = kwargs.get("position_embeddings")
-        if rotary is not None:
-            kwargs["position_embeddings"] = tuple(cut(part) for part in rotary)
-        for name in _PER_TOKEN_KWARGS:
-            value = kwargs.get(name)
-            if isinstance(value, torch.Tensor):
-                kwargs[name] = cut_flat(value) if value.dim() == 1 else cut(value)
+            if args:  # the later layers get layer K's output: the kept tokens already
+                args = (cut(args[0]), *args[1:])
+            else:
+                kwargs["hidden_states"] = cut(kwargs["hidden_states"])
+            rotary = kwargs.get("position_embeddings")
+            if rotary is not None:
+                handed["position_embeddings"] = tuple(cut(part) for part in rotary)
+            for name in _PER_TOKEN_KWARGS:
+                value = kwargs.get(name)
+                if isinstance(value, torch.Tensor):
+                    handed[name] = cut_flat(value) if value.dim() == 1 else cut(value)
+        kwargs.update(handed)
         return args, kwargs
 
     handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers[drop.layer:]]
