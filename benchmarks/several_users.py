@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     same = all(t["texts"] == s["texts"] for t, s in zip(together, serial))
     prefill_s = statistics.median(a["prefill_s"][0] for a in alone)
     ratios = [t["last_s"] / a["last_s"] for t, a in zip(together, alone)]
+    ceiling, prefill_ceiling = statistics.median(ceilings), statistics.median(prefill_ceilings)
     report = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "users": args.users,
               "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "one_user_s": alone_s, "last_of_n_at_once_s": last_s,
@@ -176,9 +177,8 @@ def main(argv=None) -> int:
               "formed": [t["formed"] for t in together], "steps": [t["steps"] for t in together],
               "largest_batch": max(t["largest_batch"] for t in together),
               "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
-              "ceiling": statistics.median(ceilings), "prefill_ceiling": statistics.median(prefill_ceilings),
-              "hardware_bound_s": hardware_bound_s(args.users, prefill_s, alone_s, statistics.median(prefill_ceilings),
-                                                   statistics.median(ceilings)),
+              "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
+              "hardware_bound_s": hardware_bound_s(args.users, prefill_s, alone_s, prefill_ceiling, ceiling),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "runs": {"alone": alone, "together": together, "one_after_another": serial}}
 

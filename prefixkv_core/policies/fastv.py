@@ -8,8 +8,9 @@ token. A score from layer K-1 ranks the image tokens (`rank`: by default the att
 averaged over heads, as the reference code ranks them); from layer K on the lowest-ranked ones leave the forward
 (`prefill_token_drop`: the runner asks for the choice when the forward reaches layer K, and layers K and later
 compute the kept tokens only, as in the paper), so those layers' caches never hold them. Text tokens all stay.
-The ranking is made once, on the prompt; generated tokens are all kept afterwards. `ImageDropPolicy` is the part DART (dart.py) shares: the own prefill
-whose later layers never see the dropped image tokens, the budget mapping and the plans.
+The ranking is made once, on the prompt; generated tokens are all kept afterwards. `ImageDropPolicy` is the part
+DART (dart.py) shares: the own prefill whose later layers never see the dropped image tokens, the budget mapping
+and the plans.
 """
 from __future__ import annotations
 

@@ -215,7 +215,8 @@ class StepPool:
         """On the model's thread: one batched forward of every request's rows."""
         states = [s for r in batch for s in r.states]
         with self._cond:  # a row that left and is fed again (its session's follow-up) stays where the steps read it
-            self._leaving = [s for s in self._leaving if all(s is not t for t in states)]
+            fed = {id(s) for s in states}
+            self._leaving = [s for s in self._leaving if id(s) not in fed]
         if self._buffers is None:
             self._buffers = runner.StepBuffers()
         ids = [id(s.cache) for s in states]
