@@ -1,0 +1,201 @@
+"""The app as its visitors use it: the Gradio app launched in this process, driven through its API with
+`gradio_client` (the stream, not only the final result), as a browser would.
+
+For each request (one comparison: an image, a prompt, the methods, a budget) it measures, on the client's side:
+- each visitor's time to the first streamed token (the first update in which any method has a token), to every
+  method's first token and to the last update;
+- every visitor alone (one after another: their sum is the "one after another" reference), then all of them sent
+  at once (a barrier releases every client thread together);
+- whether every answer through the app is the one the engine gives for the same request (greedy decoding: it must
+  be, whether a visitor is alone or beside others).
+
+    python benchmarks/app_visitors.py --model embedded --clients 4
+    python benchmarks/app_visitors.py --random-weights llava-interleave --device cuda --clients 4   # Space shape
+    python benchmarks/app_visitors.py --random-weights tiny-llava-interleave --clients 2 --new-tokens 4  # smoke
+
+A warm-up request runs first (kernels, the first HTTP connection). `--json` writes every number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
+from benchmarks.interactive import add_random_weights_arg, load_benchmark_model  # noqa: E402
+from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
+from prefixkv_core.method_args import add_model_args  # noqa: E402
+
+SCENES = ("scene-0.png", "scene-2.png", "scene-4.png", "chelsea.jpg", "coffee.jpg", "rocket.jpg", "astronaut.jpg",
+          "retina.jpg")  # each visitor asks about another picture (shipped in assets/images)
+
+
+def launch(engine: Engine, max_new_tokens: int):
+    """The app as app.py builds it with its default limits, on a free localhost port; returns (demo, url)."""
+    from prefixkv_core.limits import server_limits
+    from ui.app_builder import build_app, launch_kwargs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = build_app(engine, max_new_tokens_limit=max(max_new_tokens, 1), limits=server_limits(engine.loaded))
+    demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, new_tokens: int,
+          start: threading.Barrier | None = None) -> dict:
+    """One visitor: open a client, (wait for the others,) send one comparison and time its stream."""
+    from gradio_client import Client, handle_file
+
+    client = Client(url, verbose=False, download_files=False, httpx_kwargs={"timeout": 600})
+    if start is not None:
+        start.wait()
+    t0 = time.perf_counter()
+    job = client.submit(handle_file(image), prompt, methods, budget, new_tokens, api_name="/compare")
+    first_any, first = None, {}
+    updates = 0
+    for update in job:
+        t = time.perf_counter() - t0
+        updates += 1
+        results = update[-1] if isinstance(update, (list, tuple)) and update else None
+        if not isinstance(results, dict):
+            continue
+        for m, r in (results.get("methods") or {}).items():
+            if r.get("tokens", 0) >= 1 and m not in first:
+                first[m] = t
+                first_any = t if first_any is None else first_any
+    final = job.result()
+    last = time.perf_counter() - t0
+    results = final[-1]
+    return {"image": Path(image).name, "first_token_s": first_any, "method_first_token_s": first, "last_s": last,
+            "updates": updates, "finished": bool(results.get("finished")),
+            "texts": {m: r["text"] for m, r in results["methods"].items()},
+            "errors": {m: r["error"] for m, r in results["methods"].items() if r.get("error")}}
+
+
+def engine_answers(engine: Engine, image: str, prompt: str, methods: list[str], budget: float,
+                   new_tokens: int) -> dict[str, str]:
+    """The same request through the engine directly: what the app must show."""
+    session = engine.new_session(Engine.load_image(image), prompt, methods, budget,
+                                 GenerationSettings(max_new_tokens=new_tokens))
+    for _ in session.run():
+        pass
+    return {m: r["text"] for m, r in session.record.to_dict()["methods"].items()}
+
+
+def at_once(url: str, images: list[str], prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+    """Every visitor sent at once; each one's times from its own request."""
+    barrier = threading.Barrier(len(images))
+    out: list[dict | None] = [None] * len(images)
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = visit(url, images[i], prompt, methods, budget, new_tokens, barrier)
+        except Exception as exc:  # noqa: BLE001 - reported, the others go on
+            errors.append(f"visitor {i}: {type(exc).__name__}: {exc}")
+            barrier.abort()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(images))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"wall_s": time.perf_counter() - t0, "visitors": out, "errors": errors}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    add_random_weights_arg(ap)
+    ap.add_argument("--prompt", default="Describe the image in detail.")
+    ap.add_argument("--methods", default="full,h2o,snapkv,prefixkv")
+    ap.add_argument("--budget", type=float, default=0.3)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--clients", type=int, default=4, help="visitors sent at once (default 4)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--json", default=None, help="write every number here")
+    args = ap.parse_args(argv)
+    if args.clients < 1 or args.new_tokens < 1:
+        raise SystemExit("--clients and --new-tokens must be at least 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    methods = resolve_methods(args.methods)
+    images = [str(REPO_ROOT / "assets" / "images" / SCENES[i % len(SCENES)]) for i in range(args.clients)]
+
+    t_load = time.perf_counter()
+    loaded = load_benchmark_model(args)
+    load_s = time.perf_counter() - t_load
+    engine = Engine(loaded)
+    demo, url = launch(engine, args.new_tokens)
+    try:
+        visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
+        alone = [visit(url, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
+        together = at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
+    finally:
+        demo.close()
+    expected = [engine_answers(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
+
+    def same(runs):
+        return all(r is not None and r["texts"] == e for r, e in zip(runs, expected))
+
+    alone_last = [r["last_s"] for r in alone]
+    waits = [v["last_s"] for v in together["visitors"] if v is not None]
+    report = {
+        **run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "load_s": load_s,
+        "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "clients": args.clients,
+        "prompt": args.prompt, "alone": alone, "together": together,
+        "alone_first_token_s": statistics.median(r["first_token_s"] for r in alone if r["first_token_s"]),
+        "alone_last_s": statistics.median(alone_last),
+        "one_after_another_s": sum(alone_last),
+        "together_wall_s": together["wall_s"],
+        "together_last_wait_s": max(waits) if waits else None,
+        "last_over_alone": max(waits) / statistics.median(alone_last) if waits else None,
+        "together_over_one_after_another": together["wall_s"] / sum(alone_last),
+        "same_as_engine_alone": same(alone), "same_as_engine_together": same(together["visitors"]),
+    }
+    print(markdown(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0 if not together["errors"] and report["same_as_engine_alone"] else 1
+
+
+def markdown(r: dict) -> str:
+    def s(v):
+        return "–" if v is None else f"{v:.2f} s"
+
+    lines = [f"App through its API: {r['model']} ({r['dtype']}) on {r['machine']}; {', '.join(r['methods'])} at "
+             f"r = {r['budget']}, {r['new_tokens']} new tokens, {r['clients']} visitor(s).", "",
+             "| visitor | image | alone: first token | alone: last | at once: first token | at once: last |",
+             "|---|---|---|---|---|---|"]
+    for i, (a, t) in enumerate(zip(r["alone"], r["together"]["visitors"])):
+        lines.append(f"| {i + 1} | {a['image']} | {s(a['first_token_s'])} | {s(a['last_s'])} | "
+                     f"{s(t and t['first_token_s'])} | {s(t and t['last_s'])} |")
+    ratio = r["last_over_alone"]
+    lines += ["", f"- one after another: {r['one_after_another_s']:.2f} s; all at once: {r['together_wall_s']:.2f} s "
+              f"({r['together_over_one_after_another']:.2f}x)",
+              f"- the last visitor at once over one alone: {'–' if ratio is None else f'{ratio:.2f}x'}",
+              f"- every answer the engine's: alone {'yes' if r['same_as_engine_alone'] else 'NO'}, at once "
+              f"{'yes' if r['same_as_engine_together'] else 'NO'}"]
+    if r["together"]["errors"]:
+        lines.append(f"- errors: {r['together']['errors']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

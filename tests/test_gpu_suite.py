@@ -1,0 +1,44 @@
+"""benchmarks/gpu_suite.py: without a GPU it says so; with --tiny every part runs on tiny shapes on the CPU and the
+report carries each part's figures (a check of the suite itself: the GPU numbers come from a GPU). No timings."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu_suite
+
+
+def test_without_a_gpu_it_says_so_and_measures_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_suite.main(["--out", str(tmp_path)]) == 2
+    assert "No CUDA GPU is visible here" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_unknown_part_is_a_message():
+    with pytest.raises(SystemExit, match="unknown nope; accepted: table3, space"):
+        gpu_suite.main(["--parts", "table3,nope", "--tiny"])
+
+
+def test_every_part_runs_on_tiny_shapes_and_lands_in_one_report(tmp_path):
+    assert gpu_suite.main(["--tiny", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert summary["tiny"] and list(summary["parts"]) == list(gpu_suite.PART_NAMES)
+    parts = summary["parts"]
+    assert all(p["status"] == "ok" for p in parts.values()), {k: p["status"] for k, p in parts.items()}
+    # Table 3's rows: full through the engine and PrefixKV at each budget, plus the plain-transformers baseline
+    rows = {(r["method"], r["budget"]) for r in parts["table3"]["result"]["results"]}
+    assert {("full", None), ("prefixkv", 0.2), ("prefixkv", 0.8), ("full-stock", None)} <= rows
+    assert parts["table3"]["result"]["batch"] == 2
+    assert parts["space"]["result"]["methods"] == ["full", "h2o", "fastv"]
+    assert parts["onevision"]["result"]["model"] == "random-tiny-llava-onevision"
+    app = parts["app"]["result"]
+    assert app["clients"] == 2 and app["same_as_engine_alone"] and app["same_as_engine_together"]
+    assert all(v["first_token_s"] is not None for v in app["together"]["visitors"])
+    report = (tmp_path / "gpu_suite.md").read_text()
+    assert "Tiny shapes on the CPU" in report
+    for name in gpu_suite.PART_NAMES:
+        assert f"## {name}:" in report
+    assert "| prefixkv @ 0.2 |" in report and "runner efficiency" in report and "at once: last" in report
