@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import ModelLoadError
+from .families import IMAGE_TOKEN
 
 if TYPE_CHECKING:
     from .descriptor import LoadedModel
-
-IMAGE_TOKEN = "<image>"
 
 
 def chatml_template(default_system: str | None = None) -> str:

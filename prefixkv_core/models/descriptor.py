@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from .chat import IMAGE_TOKEN
 from .errors import ModelLoadError
-from .families import FAMILY_INFO, family_of
+from .families import FAMILY_INFO, IMAGE_TOKEN, family_of
 from .layout import ImageLayout, image_layout, max_image_tokens
 
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from .errors import ModelLoadError
 
+# The placeholder every family's processor expands into its image tokens (prompts, chat templates, tests).
+IMAGE_TOKEN = "<image>"
+
 
 @dataclass(frozen=True)
 class Family:
