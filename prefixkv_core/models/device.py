@@ -59,6 +59,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     raise ValueError(f"unknown dtype {dtype!r}; accepted: {DTYPES_ACCEPTED}")
 
 
+def avoid_cudnn_attention(device: torch.device) -> None:
+    """On CUDA, take cuDNN out of PyTorch's SDPA backends (flash and memory-efficient attention remain). Why: on
+    Hopper, torch picks cuDNN attention first, and cuDNN builds a new execution graph for every new key length
+    (an H200 with torch 2.11: ~60 ms per new length, 0.2 ms once built). A decode step meets a new length at
+    every token, and one per layer when layers keep different counts (PyramidKV: ~1.4 s a step), so decode
+    timings measured graph builds, not attention. Process-wide, so the stock baseline runs the same kernels."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def place_model(model, device: torch.device, dtype: torch.dtype):
     """Cast first, then move: a float32 model reaches the GPU already in its smaller dtype."""
     model = model.to(dtype=dtype)

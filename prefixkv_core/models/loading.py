@@ -13,7 +13,7 @@ import torch
 
 from .configs import META_KEY, TINY_VARIANTS
 from .descriptor import LoadedModel, describe_model
-from .device import place_model, resolve_device, resolve_dtype
+from .device import avoid_cudnn_attention, place_model, resolve_device, resolve_dtype
 from .embedded import EMBEDDED_BASE, EMBEDDED_SLUG, _embedded_cache_root, embedded_dir
 from .errors import ModelLoadError
 from .processor import image_only_onevision_processor_class
@@ -114,6 +114,7 @@ def load_model(
     spec = name = spec.strip()
     dev, multi = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    avoid_cudnn_attention(dev)  # decode timings would measure cuDNN's graph builds (see there)
 
     if spec.lower() in TINY_MODEL_SPECS:
         variant = "llama" if spec.lower() == "tiny" else spec.lower().split("-", 1)[1]

@@ -7,6 +7,7 @@ import torch
 from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN
 from .configs import RANDOM_FAMILIES, random_config
 from .descriptor import LoadedModel, describe_model, image_grid
+from .device import avoid_cudnn_attention
 from .families import FAMILY_INFO, model_class
 from .processor import family_processor
 
@@ -37,6 +38,7 @@ def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: tor
 
 
 def _instantiate(cls, config, device: torch.device, dtype: torch.dtype, seed: int):
+    avoid_cudnn_attention(device)  # decode timings would measure cuDNN's graph builds (see there)
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
