@@ -20,6 +20,7 @@ from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import StatRequest, tracked_attention_enabled
 from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import LoadedModel
+from prefixkv_core.models.compat import cache_kwarg
 from prefixkv_core.policies import Policy, make_policy
 
 STOCK = "full-stock"  # plain DynamicCache + stock sdpa attention: the engine-free baseline
@@ -178,7 +179,7 @@ class StockRun:
     def prefill(self, ids, is_image, pixel_values) -> torch.Tensor:
         b, n = ids.shape
         pos = torch.arange(n, device=ids.device).unsqueeze(0).expand(b, -1)
-        out = self.sm.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+        out = self.sm.model(input_ids=ids, position_ids=pos, **cache_kwarg(self.cache), use_cache=True,
                             logits_to_keep=1, **runner.vision_kwargs(pixel_values))
         self.true_len = n
         return out.logits[:, -1].argmax(dim=-1)
@@ -187,7 +188,7 @@ class StockRun:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]
         pos = torch.full((b, 1), self.true_len, device=tokens.device)
-        out = self.sm.model(input_ids=tokens.view(-1, 1), position_ids=pos, past_key_values=self.cache,
+        out = self.sm.model(input_ids=tokens.view(-1, 1), position_ids=pos, **cache_kwarg(self.cache),
                             use_cache=True, logits_to_keep=1)
         self.true_len += 1
         return out.logits[:, -1].argmax(dim=-1)

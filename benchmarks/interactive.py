@@ -49,6 +49,7 @@ from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
 from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
 from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
+from prefixkv_core.models.compat import cache_kwarg  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.policies import make_policy, role_method  # noqa: E402
@@ -134,7 +135,7 @@ def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> fl
     model, device = loaded.model, loaded.device
     with torch.inference_mode():
         cache = DynamicCache()
-        out = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(**inputs, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
         token = out.logits[:, -1].argmax(dim=-1).repeat(batch).view(batch, 1)
@@ -142,7 +143,7 @@ def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> fl
         t0 = now(device)
         for i in range(new_tokens - 1):
             position = torch.full((batch, 1), n + i, device=device)
-            out = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,
+            out = model(input_ids=token, position_ids=position, **cache_kwarg(cache), use_cache=True,
                         logits_to_keep=1)
             token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         elapsed = now(device) - t0

@@ -10,6 +10,7 @@ from prefixkv_core import Engine, EngineError, GenerationSettings
 from prefixkv_core.kv.attention import ATTN_NAME, AttentionProbe, StatRequest, tracked_attention_enabled
 from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import encode, format_prompt
+from prefixkv_core.models.compat import cache_kwarg
 from prefixkv_core.decoding import runner
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
@@ -44,7 +45,7 @@ def test_attention_function_equals_stock_sdpa(tiny, noise_image, stats):
     n = inputs["input_ids"].shape[1]
     cache.set_pending(torch.arange(n)[None], inputs["input_ids"] == tiny.image_token_id)
     with tracked_attention_enabled(tiny.model), torch.inference_mode():
-        ours = tiny.model(**inputs, past_key_values=cache, position_ids=torch.arange(n)[None], kv_probe=probe).logits
+        ours = tiny.model(**inputs, **cache_kwarg(cache), position_ids=torch.arange(n)[None], kv_probe=probe).logits
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     if stats:
         colsum = probe.stats[0]["colsum"]

@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..kv.attention import AttentionProbe, StatRequest, hidden_states_recorded, post_vision_queries
 from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
+from ..models.compat import cache_kwarg
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from .step_buffers import StepBuffers
@@ -312,7 +313,7 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
         probe.key_masks[layer] = mask if given is None else (mask & given)
     inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": ids}
     with hidden_states_recorded(model, probe):
-        out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        out = model(**inputs, position_ids=positions, **cache_kwarg(cache), use_cache=True, logits_to_keep=1,
                     kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
 
@@ -388,7 +389,7 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
     else:
         step = _StepCache(caches, lengths, positions, probe, buffers)
     try:
-        out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True, logits_to_keep=1,
+        out = model(input_ids=ids, position_ids=positions, **cache_kwarg(step), use_cache=True, logits_to_keep=1,
                     kv_probe=probe)
         attention: list[dict[int, torch.Tensor] | None] = [None] * b
         if q == 1:
