@@ -92,8 +92,19 @@ PARTS = (
 PART_NAMES = tuple(p.name for p in PARTS)
 
 
-def part_command(part: Part, tiny: bool, out: Path) -> list[str]:
-    args = [sys.executable, str(BENCH / part.script), *(part.tiny_args if tiny else part.gpu_args),
+def shortened(args: tuple[str, ...]) -> list[str]:
+    """--short: Table 3's first setting alone, one repeat of the comparisons (for a GPU lent for a few minutes)."""
+    out = list(args)
+    for flag, value in (("--settings", None), ("--repeats", "1")):
+        if flag in out:
+            i = out.index(flag) + 1
+            out[i] = value if value is not None else out[i].split(",")[0]
+    return out
+
+
+def part_command(part: Part, tiny: bool, out: Path, short: bool = False) -> list[str]:
+    own = part.tiny_args if tiny else part.gpu_args
+    args = [sys.executable, str(BENCH / part.script), *(shortened(own) if short else own),
             "--device", "cpu" if tiny else "cuda"]
     if tiny:
         args += ["--threads", "1"]
@@ -104,9 +115,9 @@ def part_command(part: Part, tiny: bool, out: Path) -> list[str]:
     return args
 
 
-def run_part(part: Part, tiny: bool, out: Path, limit_s: float) -> dict:
+def run_part(part: Part, tiny: bool, out: Path, limit_s: float, short: bool = False) -> dict:
     """Run one part in its own process; its output goes to <out>/<name>.log. Returns its status and numbers."""
-    cmd = part_command(part, tiny, out)
+    cmd = part_command(part, tiny, out, short)
     log = out / f"{part.name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as fh:
@@ -148,7 +159,9 @@ def markdown(summary: dict) -> str:
     lines = [f"# GPU figures: {info['machine']}", "",
              f"{info['date']}; commit {info['commit']}; torch {info['torch']}, transformers {info['transformers']}, "
              f"Python {info['python']}." + (" **Tiny shapes on the CPU: a check of the suite, not figures.**"
-                                            if summary["tiny"] else ""),
+                                            if summary["tiny"] else "")
+             + (" Run with --short: Table 3's 1024 + 512 setting alone, one repeat of each comparison."
+                if summary.get("short") else ""),
              f"The whole suite: {summary['wall_s']:.0f} s (deadline {summary['deadline_s']:.0f} s). Random weights "
              "in each model's released shapes: the speed and memory are the real model's, the answers are noise.",
              "", "| part | what | status | wall |", "|---|---|---|---|"]
@@ -170,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
     ap.add_argument("--deadline-s", type=float, default=470.0,
                     help="the whole suite's time; a part that cannot have its minimum in what is left is skipped")
+    ap.add_argument("--short", action="store_true",
+                    help="Table 3's 1024 + 512 setting alone and one repeat of each comparison (about half the time)")
     ap.add_argument("--out", default=None, help="output folder (default out/benchmarks/gpu-suite[-tiny])")
     args = ap.parse_args(argv)
     chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -185,7 +200,8 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else REPO_ROOT / "out" / "benchmarks" / ("gpu-suite-tiny" if args.tiny
                                                                               else "gpu-suite")
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"run": run_info("cpu" if args.tiny else "cuda"), "tiny": args.tiny, "deadline_s": args.deadline_s,
+    summary = {"run": run_info("cpu" if args.tiny else "cuda"), "tiny": args.tiny, "short": args.short,
+               "deadline_s": args.deadline_s,
                "parts": {}}
     t0 = time.perf_counter()
     for part in (p for p in PARTS if p.name in chosen):
@@ -196,7 +212,7 @@ def main(argv=None) -> int:
             continue
         limit = part.limit_s * 4 if args.tiny else min(part.limit_s, left)  # a 2-core CPU is slower than the GPU
         print(f"[gpu_suite] {part.name}: {part.title} (at most {limit:.0f} s)", flush=True)
-        summary["parts"][part.name] = run_part(part, args.tiny, out, limit)
+        summary["parts"][part.name] = run_part(part, args.tiny, out, limit, args.short)
         print(f"[gpu_suite] {part.name}: {summary['parts'][part.name]['status']} in "
               f"{summary['parts'][part.name]['wall_s']:.0f} s", flush=True)
         summary["wall_s"] = time.perf_counter() - t0
