@@ -141,12 +141,19 @@ def main(argv=None) -> int:
     t_load = time.perf_counter()
     loaded = load_benchmark_model(args)
     load_s = time.perf_counter() - t_load
+    progress(f"model ready in {load_s:.1f} s: {loaded.name} on {loaded.device}")
     engine = Engine(loaded)
     demo, url = launch(engine, args.new_tokens)
+    progress(f"app up at {url}")
     try:
         visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
-        alone = [visit(url, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
+        progress("warm-up request answered")
+        alone = []
+        for i, img in enumerate(images):
+            alone.append(visit(url, img, args.prompt, methods, args.budget, args.new_tokens))
+            progress(f"visitor {i + 1} alone: last update after {alone[-1]['last_s']:.2f} s")
         together = at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
+        progress(f"{args.clients} visitors at once: {together['wall_s']:.2f} s")
     finally:
         demo.close()
     expected = [engine_answers(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
@@ -173,6 +180,11 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0 if not together["errors"] and report["same_as_engine_alone"] else 1
+
+
+def progress(message: str) -> None:
+    """One line per stage, at once: a run stopped from outside still shows how far it got."""
+    print(f"[app_visitors] {message}", file=sys.stderr, flush=True)
 
 
 def markdown(r: dict) -> str:

@@ -8,16 +8,16 @@ The parts, in the order they run (each in a process of its own, so that a crash 
 leaves the others their figures, and each with a time limit):
 
 - `table3`: PrefixKV's Table 3 setting: random weights in LLaVA-1.5-7B's shapes, bf16, batch 16, prompt 1024 +
-  generate 512 and 624 + 256 tokens; Full (plain transformers and through the engine) and PrefixKV at budgets
-  0.2 / 0.4 / 0.6 / 0.8 (`speed.py`): decode throughput, latency, KV bytes and peak GPU memory.
+  generate 512 tokens; Full (plain transformers and through the engine) and PrefixKV at budgets 0.2 / 0.4 / 0.6 /
+  0.8 (`speed.py`): decode throughput, latency, KV bytes and peak GPU memory (about 200 s on an H100).
 - `space`: every method compared at once on the Space default's shape (llava-interleave-qwen-0.5b, random
   weights), each also decoded alone (`interactive.py --time-alone`): the batched decode over Full alone, the
   batching ceiling of plain transformers, first-token waits.
-- `onevision`: the same on LLaVA-OneVision-0.5B's shape (anyres: several image crops).
+- `onevision`: every method at once on LLaVA-OneVision-0.5B's shape (anyres: several image crops).
 - `app`: the app answering through its API (`app_visitors.py`) on the Space shape: one visitor alone, then four at
   once, as `gradio_client` sees the stream.
-- `table3-b48`: the paper's batch-48 row (624 + 256, where its GPU ran out of memory), run last: it only fits the
-  time left on a fast card.
+- `table3-b48`: the paper's batch-48 row (624 + 256, where its GPU ran out of memory; Full and PrefixKV at 0.2),
+  run last: it only fits the time left on a fast card.
 
 It writes `gpu_suite.json` (every number of every part) and `gpu_suite.md` (the report) into --out, with each
 part's own outputs and log beside them; commit the report under benchmarks/reports/. Without a CUDA device and
@@ -61,44 +61,44 @@ class Part:
 PARTS = (
     Part("table3", "PrefixKV's Table 3 setting: LLaVA-1.5-7B shapes, bf16, batch 16", "speed.py",
          ("--random-weights", "llava-1.5-7b", "--dtype", "bfloat16", "--batch", "16",
-          "--settings", "1024x512,624x256", "--methods", "full,prefixkv", "--budgets", "0.2,0.4,0.6,0.8"),
+          "--settings", "1024x512", "--methods", "full,prefixkv", "--budgets", "0.2,0.4,0.6,0.8"),
          ("--random-weights", "tiny", "--batch", "2", "--settings", "48x4", "--methods", "full,prefixkv",
           "--budgets", "0.2,0.8", "--warmup-steps", "1"),
-         limit_s=210, min_s=90, output="speed"),
+         limit_s=240, min_s=120, output="speed"),
     Part("space", "Every method at once on the Space default's shape (llava-interleave-qwen-0.5b)",
          "interactive.py",
          ("--random-weights", "llava-interleave", "--methods", "all", "--budget", "0.3", "--new-tokens", "64",
-          "--repeats", "2", "--time-alone"),
+          "--repeats", "1", "--time-alone"),
          ("--random-weights", "tiny-llava-interleave", "--methods", "full,h2o,fastv", "--new-tokens", "4",
           "--repeats", "1", "--time-alone"),
-         limit_s=110, min_s=45, output="json"),
+         limit_s=120, min_s=60, output="json"),
     Part("onevision", "Every method at once on LLaVA-OneVision-0.5B's shape", "interactive.py",
          ("--random-weights", "llava-onevision", "--methods", "all", "--budget", "0.3", "--new-tokens", "64",
-          "--repeats", "2", "--time-alone"),
+          "--repeats", "1", "--no-sequential"),
          ("--random-weights", "tiny-llava-onevision", "--methods", "full,snapkv", "--new-tokens", "4",
           "--repeats", "1", "--no-sequential"),
-         limit_s=110, min_s=45, output="json"),
+         limit_s=90, min_s=45, output="json"),
     Part("app", "The app through its API on the Space shape: one visitor, then four at once", "app_visitors.py",
          ("--random-weights", "llava-interleave", "--clients", "4", "--new-tokens", "48"),
          ("--random-weights", "tiny-llava-interleave", "--clients", "2", "--new-tokens", "4"),
-         limit_s=90, min_s=40, output="json"),
+         limit_s=90, min_s=45, output="json"),
     Part("table3-b48", "PrefixKV's Table 3, batch 48 (624 + 256)", "speed.py",
          ("--random-weights", "llava-1.5-7b", "--dtype", "bfloat16", "--batch", "48", "--settings", "624x256",
-          "--methods", "full,prefixkv", "--budgets", "0.2,0.8", "--no-stock"),
+          "--methods", "full,prefixkv", "--budgets", "0.2", "--no-stock"),
          ("--random-weights", "tiny", "--batch", "3", "--settings", "40x3", "--methods", "full,prefixkv",
           "--budgets", "0.2", "--no-stock", "--warmup-steps", "1"),
-         limit_s=120, min_s=60, output="speed"),
+         limit_s=100, min_s=60, output="speed"),
 )
 PART_NAMES = tuple(p.name for p in PARTS)
 
 
 def shortened(args: tuple[str, ...]) -> list[str]:
-    """--short: Table 3's first setting alone, one repeat of the comparisons (for a GPU lent for a few minutes)."""
-    out = list(args)
-    for flag, value in (("--settings", None), ("--repeats", "1")):
-        if flag in out:
-            i = out.index(flag) + 1
-            out[i] = value if value is not None else out[i].split(",")[0]
+    """--short: PrefixKV at its lowest and highest budget only, no method timed alone (for a GPU lent briefly)."""
+    out = [a for a in args if a != "--time-alone"]
+    if "--budgets" in out:
+        i = out.index("--budgets") + 1
+        budgets = out[i].split(",")
+        out[i] = ",".join(dict.fromkeys([budgets[0], budgets[-1]]))
     return out
 
 
@@ -144,7 +144,7 @@ def run_part(part: Part, tiny: bool, out: Path, limit_s: float, short: bool = Fa
 
 def printed_report(text: str) -> str:
     """The markdown a benchmark printed: from its first table or heading line on (progress bars dropped)."""
-    noise = ("it/s]", "s/it]", "Closing server running on port")
+    noise = ("it/s]", "s/it]", "Closing server running on port", "[app_visitors]")
     lines = [ln for ln in text.splitlines() if not any(n in ln for n in noise) and "\r" not in ln]
     starts = [i for i, ln in enumerate(lines) if ln.startswith(("|", "#", "App through", "Model"))]
     return "\n".join(lines[max(0, starts[0] - 2):] if starts else lines[-40:]).strip()
@@ -160,7 +160,7 @@ def markdown(summary: dict) -> str:
              f"{info['date']}; commit {info['commit']}; torch {info['torch']}, transformers {info['transformers']}, "
              f"Python {info['python']}." + (" **Tiny shapes on the CPU: a check of the suite, not figures.**"
                                             if summary["tiny"] else "")
-             + (" Run with --short: Table 3's 1024 + 512 setting alone, one repeat of each comparison."
+             + (" Run with --short: PrefixKV at its lowest and highest budget, no method timed alone."
                 if summary.get("short") else ""),
              f"The whole suite: {summary['wall_s']:.0f} s (deadline {summary['deadline_s']:.0f} s). Random weights "
              "in each model's released shapes: the speed and memory are the real model's, the answers are noise.",
@@ -181,10 +181,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PART_NAMES), help=f"comma-separated, of {', '.join(PART_NAMES)}")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
-    ap.add_argument("--deadline-s", type=float, default=470.0,
+    ap.add_argument("--deadline-s", type=float, default=480.0,
                     help="the whole suite's time; a part that cannot have its minimum in what is left is skipped")
     ap.add_argument("--short", action="store_true",
-                    help="Table 3's 1024 + 512 setting alone and one repeat of each comparison (about half the time)")
+                    help="PrefixKV at its lowest and highest budget only, no method timed alone (about half the time)")
     ap.add_argument("--out", default=None, help="output folder (default out/benchmarks/gpu-suite[-tiny])")
     args = ap.parse_args(argv)
     chosen = [p.strip() for p in args.parts.split(",") if p.strip()]

@@ -42,3 +42,10 @@ def test_every_part_runs_on_tiny_shapes_and_lands_in_one_report(tmp_path):
     for name in gpu_suite.PART_NAMES:
         assert f"## {name}:" in report
     assert "| prefixkv @ 0.2 |" in report and "runner efficiency" in report and "at once: last" in report
+
+
+def test_short_keeps_prefixkvs_lowest_and_highest_budget_and_times_nothing_alone():
+    table3, space = gpu_suite.PARTS[0], gpu_suite.PARTS[1]
+    args = gpu_suite.shortened(table3.gpu_args)
+    assert args[args.index("--budgets") + 1] == "0.2,0.8"
+    assert "--time-alone" in space.gpu_args and "--time-alone" not in gpu_suite.shortened(space.gpu_args)
