@@ -11,7 +11,7 @@ EVAL_VENV ?= .venv-eval
 EVAL_PY   := $(EVAL_VENV)/bin/python
 EVAL_STAMP := $(EVAL_VENV)/.installed-$(shell cat requirements.txt requirements-eval.txt pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup eval-setup browser run test calibrate bench quality clean
+.PHONY: setup eval-setup browser run test wheel-check calibrate bench quality clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ run: setup
 
 test: setup eval-setup browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The wheel as `pip install .` gives it, installed outside the checkout at both ends of its dependency ranges.
+wheel-check: setup
+	PYTHON=$(PY) .ci/check-wheel
 
 calibrate: setup
 	$(PY) -m prefixkv_core calibrate --model embedded
