@@ -119,7 +119,7 @@ def at_once(url: str, images: list[str], prompt: str, methods: list[str], budget
     return {"wall_s": time.perf_counter() - t0, "visitors": out, "errors": errors}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     add_random_weights_arg(ap)
@@ -130,7 +130,11 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=4, help="visitors sent at once (default 4)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="write every number here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.clients < 1 or args.new_tokens < 1:
         raise SystemExit("--clients and --new-tokens must be at least 1")
     if args.threads > 0:

@@ -167,7 +167,7 @@ def load_benchmark_model(args):
     return build_random_model(args.random_weights, device, resolve_dtype(args.dtype, device))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     add_random_weights_arg(ap)
@@ -183,7 +183,11 @@ def main(argv=None) -> int:
                          "replaces the one-after-another reference run")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="write every number here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 

@@ -1,4 +1,6 @@
 """Engine correctness on tiny models (CPU, no network)."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -394,6 +396,8 @@ def test_cli_compare_writes_contract(tmp_path, noise_image):
             assert key in r, (name, key)
         assert len(r["kept_per_layer"]) == 4
     assert data["methods"]["full"]["rouge_l_vs_full"] == 1.0
-    bad = subprocess.run([sys.executable, "-m", "prefixkv_core", "compare", "--model", str(model_dir), "--prompt",
-                          "x", "--budget", "2"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "(0, 1]" in bad.stderr
+    from prefixkv_core.__main__ import main  # the same command in this process: no second interpreter to start
+
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        code = main(["compare", "--model", str(model_dir), "--prompt", "x", "--budget", "2"])
+    assert code == 2 and "(0, 1]" in err.getvalue()

@@ -22,26 +22,39 @@ def test_unknown_part_is_a_message():
         gpu_suite.main(["--parts", "table3,nope", "--tiny"])
 
 
-def test_every_part_runs_on_tiny_shapes_and_lands_in_one_report(tmp_path):
-    assert gpu_suite.main(["--tiny", "--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("tiny", [False, True], ids=["gpu", "tiny"])
+@pytest.mark.parametrize("short", [False, True], ids=["whole", "short"])
+def test_every_parts_arguments_are_its_scripts(tmp_path, tiny, short):
+    """The GPU arguments never run here: each part's command must at least be one its script accepts."""
+    from benchmarks import app_visitors, interactive, speed
+
+    parsers = {"speed.py": speed.build_parser, "interactive.py": interactive.build_parser,
+               "app_visitors.py": app_visitors.build_parser}
+    for part in gpu_suite.PARTS:
+        argv = gpu_suite.part_command(part, tiny, tmp_path, short)[2:]
+        args = parsers[part.script]().parse_args(argv)
+        assert args.device == ("cpu" if tiny else "cuda")
+        assert args.random_weights.startswith("tiny") == tiny
+
+
+def test_parts_run_on_tiny_shapes_and_land_in_one_report(tmp_path):
+    """Two parts, one of each kind of output (a speed folder, a JSON with a printed report); the others' scripts
+    run on tiny shapes in their own tests."""
+    assert gpu_suite.main(["--tiny", "--parts", "table3,app", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert summary["tiny"] and list(summary["parts"]) == list(gpu_suite.PART_NAMES)
+    assert summary["tiny"] and list(summary["parts"]) == ["table3", "app"]
     parts = summary["parts"]
     assert all(p["status"] == "ok" for p in parts.values()), {k: p["status"] for k, p in parts.items()}
     # Table 3's rows: full through the engine and PrefixKV at each budget, plus the plain-transformers baseline
     rows = {(r["method"], r["budget"]) for r in parts["table3"]["result"]["results"]}
     assert {("full", None), ("prefixkv", 0.2), ("prefixkv", 0.8), ("full-stock", None)} <= rows
     assert parts["table3"]["result"]["batch"] == 2
-    assert parts["space"]["result"]["methods"] == ["full", "h2o", "fastv"]
-    assert parts["onevision"]["result"]["model"] == "random-tiny-llava-onevision"
     app = parts["app"]["result"]
     assert app["clients"] == 2 and app["same_as_engine_alone"] and app["same_as_engine_together"]
     assert all(v["first_token_s"] is not None for v in app["together"]["visitors"])
     report = (tmp_path / "gpu_suite.md").read_text()
-    assert "Tiny shapes on the CPU" in report
-    for name in gpu_suite.PART_NAMES:
-        assert f"## {name}:" in report
-    assert "| prefixkv @ 0.2 |" in report and "runner efficiency" in report and "at once: last" in report
+    assert "Tiny shapes on the CPU" in report and "## table3:" in report and "## app:" in report
+    assert "| prefixkv @ 0.2 |" in report and "at once: last" in report and "[app_visitors]" not in report
 
 
 def test_short_keeps_prefixkvs_lowest_and_highest_budget_and_times_nothing_alone():
