@@ -35,12 +35,98 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
-from benchmarks.interactive import add_random_weights_arg, load_benchmark_model  # noqa: E402
+from benchmarks.interactive import add_random_weights_arg, load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
+from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker  # noqa: E402
+
+POOL_COUNTERS = ("steps", "shared_steps", "waited_out", "formed")
 
 SCENES = ("scene-0.png", "scene-2.png", "scene-4.png", "chelsea.jpg", "coffee.jpg", "rocket.jpg", "astronaut.jpg",
           "retina.jpg")  # each visitor asks about another picture (shipped in assets/images)
+
+
+class ServerProbe:
+    """Where the server's time goes while visitors are served, measured in this process (the app runs here): the
+    model thread's jobs by kind (decode steps, prefills and other model calls, chores), the redraws (how long each
+    holds the comparison's record lock, which the engine needs to feed the record, and how long it builds the
+    page's outputs), the overlay samples, and the step pool's counters (steps that went without a turn slow to
+    ask, steps that formed the shared stores anew). Wrappers installed by `start`, removed by `stop`."""
+
+    KINDS = {STEP: "decode steps", PREFILL: "prefills and model calls", CHORE: "chores"}
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._saved: list[tuple[object, str, object]] = []
+        self._pool0: dict[str, int] = {}
+
+    def add(self, key: str, seconds: float) -> None:
+        with self.lock:
+            self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _wrap(self, owner, name: str, make) -> None:
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def start(self) -> "ServerProbe":
+        from ui.overlay_sampler import OverlaySampler
+        from ui.rendering import Renderer
+
+        probe = self
+        self.seconds, self.counts = {}, {}
+        pool = self.engine.pool
+        self._pool0 = {k: getattr(pool, k) for k in POOL_COUNTERS}
+
+        def timed_put(original):
+            def put(worker, priority, job):
+                if job.fn is not None:
+                    fn, kind = job.fn, ServerProbe.KINDS.get(priority, "other")
+
+                    def run():
+                        t0 = time.perf_counter()
+                        try:
+                            return fn()
+                        finally:
+                            probe.add(f"model thread: {kind}", time.perf_counter() - t0)
+                    job.fn = run
+                return original(worker, priority, job)
+            return put
+
+        def timed_render(original):
+            def render(renderer, comp, box, phase, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return original(renderer, comp, box, phase, **kwargs)
+                finally:
+                    probe.add("redraws (record lock held)", time.perf_counter() - t0)
+            return render
+
+        def timed_snapshot(original):
+            def snapshot(sampler, comp, box):
+                t0 = time.perf_counter()
+                try:
+                    return original(sampler, comp, box)
+                finally:
+                    probe.add("overlay samples (on the run's thread)", time.perf_counter() - t0)
+            return snapshot
+
+        self._wrap(ModelWorker, "_put", timed_put)
+        self._wrap(Renderer, "render", timed_render)
+        self._wrap(OverlaySampler, "snapshot", timed_snapshot)
+        return self
+
+    def stop(self) -> dict:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+        pool = self.engine.pool
+        return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
+                "pool": {k: getattr(pool, k) - self._pool0.get(k, 0) for k in POOL_COUNTERS}}
 
 
 def launch(engine: Engine, max_new_tokens: int):
@@ -87,6 +173,32 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
             "errors": {m: r["error"] for m, r in results["methods"].items() if r.get("error")}}
 
 
+def _client_process_setup() -> None:
+    """The visitors' process yields the processors to the server's (their browsers would be elsewhere)."""
+    os.nice(10)
+
+
+class Visitors:
+    """`visit` and `at_once` run in one other process: parsing the streamed updates is the visitors' work and must
+    not take this process's interpreter from the server (in one process it would, through the GIL)."""
+
+    def __init__(self):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_client_process_setup)
+
+    def visit(self, *args) -> dict:
+        return self.pool.submit(visit, *args).result()
+
+    def at_once(self, *args) -> dict:
+        return self.pool.submit(at_once, *args).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
 def engine_answers(engine: Engine, image: str, prompt: str, methods: list[str], budget: float,
                    new_tokens: int) -> dict[str, str]:
     """The same request through the engine directly: what the app must show."""
@@ -95,6 +207,47 @@ def engine_answers(engine: Engine, image: str, prompt: str, methods: list[str], 
     for _ in session.run():
         pass
     return {m: r["text"] for m, r in session.record.to_dict()["methods"].items()}
+
+
+def engine_at_once(engine: Engine, images: list[str], prompt: str, methods: list[str], budget: float,
+                   new_tokens: int) -> dict:
+    """The same requests through the engine directly, all at once (a thread each, as the app runs them), with the
+    app's generation settings: what the engine gives without the app around it."""
+    t0 = time.perf_counter()
+    walls: list[float | None] = [None] * len(images)
+
+    def one(i: int) -> None:
+        engine_answers(engine, images[i], prompt, methods, budget, new_tokens)
+        walls[i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(images))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"last_s": max(w for w in walls if w is not None), "each_s": walls}
+
+
+def hardware_bound(loaded, engine: Engine, images: list[str], prompt: str, methods: list[str], budget: float,
+                   new_tokens: int) -> dict:
+    """The least the last visitor can wait on this hardware (`several_users.hardware_bound_s`): one request alone
+    through the engine, and plain transformers' batching ceilings for the decode and the prefill."""
+    from benchmarks.several_users import hardware_bound_s, plain_prefill_prompts_per_s
+    from prefixkv_core.models import encode, format_prompt
+
+    t0 = time.perf_counter()
+    session = engine.new_session(Engine.load_image(images[0]), prompt, methods, budget,
+                                 GenerationSettings(max_new_tokens=new_tokens))
+    for _ in session.run():
+        pass
+    alone_s, prefill_s = time.perf_counter() - t0, session.prefill.prefill_s
+    inputs = encode(loaded, Engine.load_image(images[0]), format_prompt(loaded, prompt, with_image=True))
+    rows, users = len(methods), len(images)
+    ceiling = (plain_decode_tokens_per_s(loaded, inputs, new_tokens, rows * users)
+               / plain_decode_tokens_per_s(loaded, inputs, new_tokens, rows))
+    prefill_ceiling = plain_prefill_prompts_per_s(loaded, inputs, users) / plain_prefill_prompts_per_s(loaded, inputs, 1)
+    return {"alone_s": alone_s, "prefill_s": prefill_s, "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
+            "bound_s": hardware_bound_s(users, prefill_s, alone_s, prefill_ceiling, ceiling)}
 
 
 def at_once(url: str, images: list[str], prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
@@ -129,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--clients", type=int, default=4, help="visitors sent at once (default 4)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--fixed-pace", action="store_true",
+                    help="redraw every stream at the fixed pace (panels every 0.25 s, charts every second) instead "
+                         "of spacing redraws by their cost and the number of streams: the app before that change")
     ap.add_argument("--json", default=None, help="write every number here")
     return ap
 
@@ -146,38 +302,59 @@ def main(argv=None) -> int:
     loaded = load_benchmark_model(args)
     load_s = time.perf_counter() - t_load
     progress(f"model ready in {load_s:.1f} s: {loaded.name} on {loaded.device}")
+    if args.fixed_pace:
+        from ui import run_stream
+
+        run_stream.CHART_SHARE = run_stream.TEXT_SHARE = float("inf")
     engine = Engine(loaded)
     demo, url = launch(engine, args.new_tokens)
     progress(f"app up at {url}")
+    probe = ServerProbe(engine)
+    clients = Visitors()  # the visitors' side in a process of its own, as browsers are
     try:
-        visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
+        clients.visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
         progress("warm-up request answered")
+        probe.start()
         alone = []
         for i, img in enumerate(images):
-            alone.append(visit(url, img, args.prompt, methods, args.budget, args.new_tokens))
+            alone.append(clients.visit(url, img, args.prompt, methods, args.budget, args.new_tokens))
             progress(f"visitor {i + 1} alone: last update after {alone[-1]['last_s']:.2f} s")
-        together = at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
+        where_alone = probe.stop()
+        probe.start()
+        together = clients.at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
+        where_together = probe.stop()
         progress(f"{args.clients} visitors at once: {together['wall_s']:.2f} s")
     finally:
+        clients.close()
         demo.close()
     expected = [engine_answers(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
+    engine_once = engine_at_once(engine, images, args.prompt, methods, args.budget, args.new_tokens)
+    progress(f"the same requests through the engine at once: {engine_once['last_s']:.2f} s")
+    bound = hardware_bound(loaded, engine, images, args.prompt, methods, args.budget, args.new_tokens)
+    progress(f"the least possible wait on this hardware: {bound['bound_s']:.2f} s")
 
     def same(runs):
         return all(r is not None and r["texts"] == e for r, e in zip(runs, expected))
 
     alone_last = [r["last_s"] for r in alone]
     waits = [v["last_s"] for v in together["visitors"] if v is not None]
+    last = max(waits) if waits else None
     report = {
         **run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "load_s": load_s,
         "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "clients": args.clients,
+        "pace": "fixed" if args.fixed_pace else "by cost and load",
         "prompt": args.prompt, "alone": alone, "together": together,
         "alone_first_token_s": statistics.median(r["first_token_s"] for r in alone if r["first_token_s"]),
         "alone_last_s": statistics.median(alone_last),
         "one_after_another_s": sum(alone_last),
         "together_wall_s": together["wall_s"],
-        "together_last_wait_s": max(waits) if waits else None,
-        "last_over_alone": max(waits) / statistics.median(alone_last) if waits else None,
+        "together_last_wait_s": last,
+        "last_over_alone": last / statistics.median(alone_last) if last else None,
         "together_over_one_after_another": together["wall_s"] / sum(alone_last),
+        "engine_at_once": engine_once, "hardware_bound": bound,
+        "last_over_engine_at_once": last / engine_once["last_s"] if last else None,
+        "last_over_hardware_bound": last / bound["bound_s"] if last else None,
+        "where_alone": where_alone, "where_together": where_together,
         "same_as_engine_alone": same(alone), "same_as_engine_together": same(together["visitors"]),
     }
     print(markdown(report))
@@ -196,7 +373,8 @@ def markdown(r: dict) -> str:
         return "–" if v is None else f"{v:.2f} s"
 
     lines = [f"App through its API: {r['model']} ({r['dtype']}) on {r['machine']}; {', '.join(r['methods'])} at "
-             f"r = {r['budget']}, {r['new_tokens']} new tokens, {r['clients']} visitor(s).", "",
+             f"r = {r['budget']}, {r['new_tokens']} new tokens, {r['clients']} visitor(s); redraw pace: "
+             f"{r['pace']}; {r['torch_threads']} torch threads.", "",
              "| visitor | image | alone: first token | alone: last | at once: first token | at once: last |",
              "|---|---|---|---|---|---|"]
     for i, (a, t) in enumerate(zip(r["alone"], r["together"]["visitors"])):
@@ -208,6 +386,20 @@ def markdown(r: dict) -> str:
               f"- the last visitor at once over one alone: {'–' if ratio is None else f'{ratio:.2f}x'}",
               f"- every answer the engine's: alone {'yes' if r['same_as_engine_alone'] else 'NO'}, at once "
               f"{'yes' if r['same_as_engine_together'] else 'NO'}"]
+    eng, bound = r["engine_at_once"], r["hardware_bound"]
+    lines += [f"- the same requests through the engine at once, no app: last {eng['last_s']:.2f} s; the app's last "
+              f"visitor over it: {r['last_over_engine_at_once']:.2f}x",
+              f"- the least possible wait here (prefills batched at {bound['prefill_ceiling']:.2f}x, one decode of every "
+              f"row at {bound['ceiling']:.2f}x): {bound['bound_s']:.2f} s; the app's last visitor over it: "
+              f"{r['last_over_hardware_bound']:.2f}x", "",
+              "Where the server's time went (seconds summed over threads; calls):", "",
+              "| | one after another | at once |", "|---|---|---|"]
+    keys = sorted(set(r["where_alone"]["seconds"]) | set(r["where_together"]["seconds"]))
+    for k in keys:
+        cells = [f"{w['seconds'].get(k, 0):.2f} s ({w['counts'].get(k, 0)})" for w in (r["where_alone"], r["where_together"])]
+        lines.append(f"| {k} | {cells[0]} | {cells[1]} |")
+    for k in POOL_COUNTERS:
+        lines.append(f"| step pool: {k.replace('_', ' ')} | {r['where_alone']['pool'][k]} | {r['where_together']['pool'][k]} |")
     if r["together"]["errors"]:
         lines.append(f"- errors: {r['together']['errors']}")
     return "\n".join(lines)

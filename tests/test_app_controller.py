@@ -323,6 +323,27 @@ def test_run_streamer_draws_a_run_with_a_fake_renderer_and_registry():
     assert streamer.not_started(box) == ["■ Stopped before it started."] and not box.pending
 
 
+def test_redraws_are_spaced_by_what_they_cost_and_how_many_runs_stream():
+    """Every stream keeps its redraws within a share of the server's time, all streams together: alone and cheap,
+    the usual pace; costly, or beside other streams, further apart (the final state is drawn regardless)."""
+    from ui import run_stream
+    from ui.run_stream import _Pace
+
+    streams = [1]
+    pace = _Pace(_plain_comparison(), lambda: streams[0])
+    assert pace.text_interval() == run_stream.TEXT_EVERY_S and pace.chart_interval() == run_stream.CHART_EVERY_S
+    pace.drew("panels", 0.01)
+    pace.drew("charts", 0.05)
+    assert pace.text_interval() == run_stream.TEXT_EVERY_S and pace.chart_interval() == run_stream.CHART_EVERY_S
+    pace.drew("charts", 0.3)  # the charts of a real model on a CPU
+    assert pace.chart_interval() == pytest.approx(0.3 / run_stream.CHART_SHARE)
+    streams[0] = 4
+    assert pace.chart_interval() == pytest.approx(4 * 0.3 / run_stream.CHART_SHARE)
+    assert pace.text_interval() == pytest.approx(max(run_stream.TEXT_EVERY_S, 4 * 0.01 / run_stream.TEXT_SHARE))
+    pace.drew("lorenz", 5.0)  # the Lorenz chart alone: neither pace moves
+    assert pace.chart_interval() == pytest.approx(4 * 0.3 / run_stream.CHART_SHARE)
+
+
 def test_view_controls_check_layers_against_the_given_count():
     from ui.overlay_sampler import OverlaySampler
     from ui.runstate import SessionBox

@@ -3,6 +3,7 @@
 state always), the overlay sampled between decoding steps, and how a run ends (done, stopped, refused, failed)."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -17,6 +18,12 @@ from .streaming import Batch, StreamWorker
 TEXT_EVERY_S = 0.25  # panels (answers, badges) refresh at most this often while streaming
 CHART_EVERY_S = 1.0  # charts refresh at most this often; the final state is always drawn
 OVERLAY_EVERY_S = 1.5  # the worker samples the kept-patch maps this often
+# Redraws are Python work that holds the interpreter (and the comparison's record, which the engine feeds) while
+# they run: building the charts costs about a third of a second on a CPU. With several visitors streaming at once
+# they would take the time the model needs, so every stream spaces its redraws by what they cost and how many
+# streams run: all of them together spend at most these shares of the server's time on redraws.
+CHART_SHARE = 0.15
+TEXT_SHARE = 0.10
 
 
 def phase(comp: Comparison) -> str:
@@ -52,24 +59,42 @@ def let_go(comp: Comparison, reason: str | None) -> None:
 
 
 class _Pace:
-    """When a redraw brings the charts too: at most every CHART_EVERY_S, and at once when the Lorenz chart
-    gains something to draw (the prefill's curves, then the run's own threshold)."""
+    """When the next redraw comes and whether it brings the charts: panels every TEXT_EVERY_S and charts every
+    CHART_EVERY_S at the least, spaced further when redraws cost more than their share of the server's time with
+    `streams()` runs streaming at once; the charts at once when the Lorenz chart gains something to draw (the
+    prefill's curves, then the run's own threshold)."""
 
-    def __init__(self, comp: Comparison):
+    def __init__(self, comp: Comparison, streams: Callable[[], int] = lambda: 1):
         self.comp = comp
+        self.streams = streams
         self.last_chart = time.monotonic()
         self.had_prefill, self.had_threshold = comp.prefill is not None, comp.threshold() is not None
+        self.text_cost = 0.0  # seconds of the last panels-only redraw
+        self.chart_cost = 0.0  # seconds of the last redraw with the charts
+
+    def text_interval(self) -> float:
+        return max(TEXT_EVERY_S, max(1, self.streams()) * self.text_cost / TEXT_SHARE)
+
+    def chart_interval(self) -> float:
+        return max(CHART_EVERY_S, max(1, self.streams()) * self.chart_cost / CHART_SHARE)
 
     def next(self) -> tuple[bool, bool]:
         """(charts due, Lorenz chart new) for the redraw about to be made."""
         comp, now = self.comp, time.monotonic()
         has_prefill, has_threshold = comp.prefill is not None, comp.threshold() is not None
         new_lorenz = (has_prefill and not self.had_prefill) or (has_threshold and not self.had_threshold)
-        charts_due = now - self.last_chart >= CHART_EVERY_S or new_lorenz
+        charts_due = now - self.last_chart >= self.chart_interval() or new_lorenz
         if charts_due:
             self.last_chart = now
         self.had_prefill, self.had_threshold = has_prefill, has_threshold
         return charts_due, new_lorenz
+
+    def drew(self, kind: str, seconds: float) -> None:
+        """What a redraw ("charts", "lorenz" alone or "panels" alone) cost: the next ones are spaced by it."""
+        if kind == "charts":
+            self.chart_cost = seconds
+        elif kind == "panels":
+            self.text_cost = seconds
 
 
 class RunStreamer:
@@ -81,6 +106,15 @@ class RunStreamer:
         self.renderer = renderer
         self.registry = registry
         self.overlay = overlay
+        self._streams = 0  # runs streaming now, all visitors together: the redraws' pace follows it
+        self._streams_lock = threading.Lock()
+
+    def streams(self) -> int:
+        return self._streams
+
+    def _count(self, delta: int) -> None:
+        with self._streams_lock:
+            self._streams += delta
 
     def not_started(self, box: SessionBox) -> list[Any]:
         """The outputs of a request that Stop cancelled while it waited in the queue."""
@@ -104,9 +138,11 @@ class RunStreamer:
                                    lorenz=first_turn)
         worker.start()
         superseded, failure = False, None
+        self._count(+1)
         try:
             superseded, failure = yield from self._redraws(worker, box, comp, generation)
         finally:
+            self._count(-1)
             comp.active = False
             self.registry.end(box.owner)
             if worker.thread.is_alive():
@@ -123,8 +159,8 @@ class RunStreamer:
                  generation: int) -> Iterator[list[Any]]:
         """Yields a redraw per batch of events. Returns (superseded, the batch that carried a failure if any):
         superseded when Clear or a newer run took the tab, which then draws nothing more of this run."""
-        pace, failure = _Pace(comp), None
-        for batch in worker.batches(TEXT_EVERY_S):
+        pace, failure = _Pace(comp, self.streams), None
+        for batch in worker.batches(pace.text_interval):
             if box.generation != generation:  # cleared or superseded: stop drawing, stop the engine
                 comp.cancel.set()
                 return True, None
@@ -139,8 +175,11 @@ class RunStreamer:
             if not batch.items:
                 continue
             charts_due, new_lorenz = pace.next()
-            yield self.renderer.render(comp, box, phase(comp), charts_=charts_due, lorenz=new_lorenz,
-                                       overlay_=overlay_new)
+            t0 = time.perf_counter()
+            outputs = self.renderer.render(comp, box, phase(comp), charts_=charts_due, lorenz=new_lorenz,
+                                           overlay_=overlay_new)
+            pace.drew("charts" if charts_due else "lorenz" if new_lorenz else "panels", time.perf_counter() - t0)
+            yield outputs
         return False, failure
 
     @staticmethod

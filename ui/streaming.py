@@ -87,13 +87,14 @@ class StreamWorker:
             self._snap()
             self.queue.put(("end", None))
 
-    def batches(self, interval: float = 0.2) -> Iterator[Batch]:
-        """Everything queued so far, at most every `interval` seconds (sooner only for the first event and
-        the end). The last batch has ended=True."""
+    def batches(self, interval: float | Callable[[], float] = 0.2) -> Iterator[Batch]:
+        """Everything queued so far, at most every `interval` seconds (a number, or a function asked before each
+        batch: the pace may change with the load); sooner only for the first event and the end. The last batch
+        has ended=True."""
         first = True
         while True:
             self.last_pull = time.monotonic()
-            deadline = self.last_pull + interval
+            deadline = self.last_pull + (interval() if callable(interval) else interval)
             items, ended, error, engine_error = [], False, None, False
             while True:
                 timeout = deadline - time.monotonic()
