@@ -51,7 +51,8 @@ class ServerProbe:
     model thread's jobs by kind (decode steps, prefills and other model calls, chores), the redraws (how long each
     holds the comparison's record lock, which the engine needs to feed the record, and how long it builds the
     page's outputs), the overlay samples, and the step pool's counters (steps that went without a turn slow to
-    ask, steps that formed the shared stores anew). Wrappers installed by `start`, removed by `stop`."""
+    ask, steps that formed the shared stores anew) and gradio's turning each update into what it sends. Wrappers
+    installed by `start`, removed by `stop`."""
 
     KINDS = {STEP: "decode steps", PREFILL: "prefills and model calls", CHORE: "chores"}
 
@@ -115,6 +116,18 @@ class ServerProbe:
                     probe.add("overlay samples (on the run's thread)", time.perf_counter() - t0)
             return snapshot
 
+        def timed_postprocess(original):
+            async def postprocess(blocks, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return await original(blocks, *args, **kwargs)
+                finally:
+                    probe.add("gradio: outputs to the page (postprocess)", time.perf_counter() - t0)
+            return postprocess
+
+        from gradio.blocks import Blocks
+
+        self._wrap(Blocks, "postprocess_data", timed_postprocess)
         self._wrap(ModelWorker, "_put", timed_put)
         self._wrap(Renderer, "render", timed_render)
         self._wrap(OverlaySampler, "snapshot", timed_snapshot)
@@ -355,12 +368,20 @@ def main(argv=None) -> int:
         "last_over_engine_at_once": last / engine_once["last_s"] if last else None,
         "last_over_hardware_bound": last / bound["bound_s"] if last else None,
         "where_alone": where_alone, "where_together": where_together,
+        "peak_resident_bytes": peak_resident_bytes(),
         "same_as_engine_alone": same(alone), "same_as_engine_together": same(together["visitors"]),
     }
     print(markdown(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0 if not together["errors"] and report["same_as_engine_alone"] else 1
+
+
+def peak_resident_bytes() -> int:
+    """The server process's peak resident memory so far (model, caches, app; the visitors run elsewhere)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def progress(message: str) -> None:
@@ -387,6 +408,7 @@ def markdown(r: dict) -> str:
               f"- every answer the engine's: alone {'yes' if r['same_as_engine_alone'] else 'NO'}, at once "
               f"{'yes' if r['same_as_engine_together'] else 'NO'}"]
     eng, bound = r["engine_at_once"], r["hardware_bound"]
+    lines.append(f"- the server's peak resident memory: {r['peak_resident_bytes'] / 2**30:.2f} GiB")
     lines += [f"- the same requests through the engine at once, no app: last {eng['last_s']:.2f} s; the app's last "
               f"visitor over it: {r['last_over_engine_at_once']:.2f}x",
               f"- the least possible wait here (prefills batched at {bound['prefill_ceiling']:.2f}x, one decode of every "

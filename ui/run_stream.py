@@ -19,11 +19,13 @@ TEXT_EVERY_S = 0.25  # panels (answers, badges) refresh at most this often while
 CHART_EVERY_S = 1.0  # charts refresh at most this often; the final state is always drawn
 OVERLAY_EVERY_S = 1.5  # the worker samples the kept-patch maps this often
 # Redraws are Python work that holds the interpreter (and the comparison's record, which the engine feeds) while
-# they run: building the charts costs about a third of a second on a CPU. With several visitors streaming at once
-# they would take the time the model needs, so every stream spaces its redraws by what they cost and how many
-# streams run: all of them together spend at most these shares of the server's time on redraws.
-CHART_SHARE = 0.15
-TEXT_SHARE = 0.10
+# they run: building the charts costs about a third of a second on a CPU, and gradio's turning the update into what
+# it sends costs about as much again (measured with benchmarks/app_visitors.py). With several visitors streaming at
+# once they would take the time the model needs, so every stream spaces its redraws by what building them costs and
+# how many streams run: all of them together build for at most these shares of the server's time (and about as
+# much again goes to sending).
+CHART_SHARE = 0.08
+TEXT_SHARE = 0.05
 
 
 def phase(comp: Comparison) -> str:
