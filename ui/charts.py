@@ -28,26 +28,37 @@ AXIS = dict(gridcolor=GRID, showgrid=True, zeroline=False, ticks="outside", show
             tickcolor="#888", automargin=True)
 
 
+def _merged(base: dict, extra: Mapping[str, Any]) -> dict:
+    """`extra` merged into a copy of `base`, nested dicts key by key (as `update_layout` merges)."""
+    out = dict(base)
+    for key, value in extra.items():
+        old = out.get(key)
+        out[key] = _merged(old, value) if isinstance(value, Mapping) and isinstance(old, dict) else value
+    return out
+
+
 def _style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None, height: int = 380,
            subplots: bool | None = False, **layout) -> go.Figure:
-    """Title, fonts, white background, light grid, one update call (each plotly update costs milliseconds)."""
+    """Title, fonts, white background, light grid. Returns a new figure built from the traces and the whole
+    layout at once: plotly validates a layout given to the constructor in about a millisecond, while
+    `update_layout` takes 10-20 ms (a redraw builds five charts while tokens stream)."""
     spec = dict(
         title=dict(text=title, x=0.01, xanchor="left", font=dict(size=15)),
         font=FONT, height=height, uirevision="keep", paper_bgcolor="white", plot_bgcolor="white",
         margin=dict(l=64, r=16, t=64, b=56), hoverlabel=dict(font_size=12),
         legend=dict(font=dict(size=11), bgcolor="rgba(255,255,255,0.6)"),
     )
+    base = fig.layout.to_plotly_json()
     if subplots is None:  # the caller styles its own axes in `layout`
         pass
-    elif subplots:
-        fig.update_xaxes(**AXIS)
-        fig.update_yaxes(**AXIS)
+    elif subplots:  # every axis of the grid
+        for key in [k for k in base if k.startswith(("xaxis", "yaxis"))]:
+            base[key] = _merged(base[key], AXIS)
     else:
         spec["xaxis"] = dict(AXIS, **({"title": dict(text=x)} if x else {}), **layout.pop("xaxis", {}))
         spec["yaxis"] = dict(AXIS, **({"title": dict(text=y)} if y else {}), **layout.pop("yaxis", {}))
     spec.update(layout)
-    fig.update_layout(spec)
-    return fig
+    return go.Figure(data=fig.data, layout=_merged(base, spec))
 
 
 def placeholder(title: str, message: str = "Run a comparison to fill this chart.", height: int = 380) -> go.Figure:
