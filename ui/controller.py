@@ -229,9 +229,9 @@ class Controller:
         return self.renderer.table(comp)
 
     def render(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool = True,
-               charts_: bool = True, lorenz: bool = True, overlay_: bool = True, all_heads: bool = False) -> list[Any]:
+               charts_: bool = True, lorenz: bool = True, overlay_: bool = True) -> list[Any]:
         return self.renderer.render(comp, box, phase, panels=panels, charts_=charts_, lorenz=lorenz,
-                                    overlay_=overlay_, all_heads=all_heads)
+                                    overlay_=overlay_)
 
     def empty(self, box: SessionBox, phase: str | None = None) -> list[Any]:
         return self.renderer.empty(box, phase)

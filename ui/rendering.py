@@ -34,10 +34,18 @@ class Renderer:
         self.catalog = catalog
         self.crop = crop
         self.output_keys = output_keys(catalog.methods)
+        self._idle_heads: dict[str, str] = {}
 
     def as_list(self, values: dict[str, Any]) -> list[Any]:
         """Named outputs in the page's order; an output not named is left as it is (gr.skip)."""
         return [values.get(k, gr.skip()) for k in self.output_keys]
+
+    def idle_head(self, method: str) -> str:
+        """The panel header of a method outside the run: its name and description (the same every time)."""
+        cached = self._idle_heads.get(method)
+        if cached is None:
+            cached = self._idle_heads[method] = self.head(method, None)
+        return cached
 
     def head(self, method: str, comp: Comparison | None) -> str:
         track = comp.tracks.get(method) if comp is not None else None
@@ -113,20 +121,21 @@ class Renderer:
         return rows
 
     def render(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool = True,
-               charts_: bool = True, lorenz: bool = True, overlay_: bool = True, all_heads: bool = False) -> list[Any]:
+               charts_: bool = True, lorenz: bool = True, overlay_: bool = True) -> list[Any]:
         with comp.lock if comp is not None else nullcontext():  # the engine feeds the record meanwhile
             return self.as_list(self._outputs(comp, box, phase, panels=panels, charts_=charts_, lorenz=lorenz,
-                                               overlay_=overlay_, all_heads=all_heads))
+                                               overlay_=overlay_))
 
     def _outputs(self, comp: Comparison | None, box: SessionBox, phase: str | None, *, panels: bool, charts_: bool,
-                 lorenz: bool, overlay_: bool, all_heads: bool) -> dict[str, Any]:
+                 lorenz: bool, overlay_: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"status": status_line(comp, phase), "box": box}
         if panels:
             for m in self.catalog.methods:
                 in_run = comp is not None and m in comp.tracks
-                if in_run or all_heads:
-                    out[f"head:{m}"] = self.head(m, comp if in_run else None)
-                    out[f"chat:{m}"] = chat_messages(comp.tracks[m]) if in_run else []
+                # A method outside the run gets its idle panel again, not gr.skip(): gradio rebuilds the component
+                # for every skipped output of an update (about 3 ms a chat panel), sixteen of them each redraw.
+                out[f"head:{m}"] = self.head(m, comp) if in_run else self.idle_head(m)
+                out[f"chat:{m}"] = chat_messages(comp.tracks[m]) if in_run else []
             out["results"] = comp.to_dict() if comp is not None else {}
         if charts_:
             figs = self.figures(comp, box)
@@ -141,4 +150,4 @@ class Renderer:
         return out
 
     def empty(self, box: SessionBox, phase: str | None = None) -> list[Any]:
-        return self.render(None, box, phase, all_heads=True)
+        return self.render(None, box, phase)

@@ -136,7 +136,7 @@ class RunStreamer:
         t0 = time.perf_counter()
         worker = StreamWorker(factory, comp.cancel, snapshot=lambda: self.overlay.snapshot(comp, box),
                               snapshot_every=OVERLAY_EVERY_S)
-        yield self.renderer.render(comp, box, phase(comp), all_heads=first_turn, overlay_=first_turn,
+        yield self.renderer.render(comp, box, phase(comp), overlay_=first_turn,
                                    lorenz=first_turn)
         worker.start()
         superseded, failure = False, None
