@@ -408,7 +408,8 @@ def markdown(r: dict) -> str:
               f"- every answer the engine's: alone {'yes' if r['same_as_engine_alone'] else 'NO'}, at once "
               f"{'yes' if r['same_as_engine_together'] else 'NO'}"]
     eng, bound = r["engine_at_once"], r["hardware_bound"]
-    lines.append(f"- the server's peak resident memory: {r['peak_resident_bytes'] / 2**30:.2f} GiB")
+    if r.get("peak_resident_bytes"):
+        lines.append(f"- the server's peak resident memory: {r['peak_resident_bytes'] / 2**30:.2f} GiB")
     lines += [f"- the same requests through the engine at once, no app: last {eng['last_s']:.2f} s; the app's last "
               f"visitor over it: {r['last_over_engine_at_once']:.2f}x",
               f"- the least possible wait here (prefills batched at {bound['prefill_ceiling']:.2f}x, one decode of every "
