@@ -153,3 +153,42 @@ def test_clients_at_once_are_decoded_together_and_answer_as_alone(tiny_llama, se
     assert wait_until(lambda: ctl.registry.running() == 0 and ctl.engine.pool.decoding() == 0, timeout=60)
     for client in clients:
         client.close()
+
+
+def test_visitors_behind_others_are_told_their_place_and_then_see_their_own_run(tiny_llama, serve_app, api_client,
+                                                                                 one_torch_thread):
+    """Through the real server with one run at a time: while a visitor's run holds the model, the others wait in
+    the queue and each is told its true place in line; once started, each one's stream reports its own run, and
+    every answer is the one it gets alone."""
+    from gradio_client.utils import Status
+
+    from prefixkv_core.limits import Limits
+
+    url = serve_app(Engine(tiny_llama), max_new_tokens_limit=32,
+                    limits=Limits(max_batch_users=1, cache_limit_bytes=None, memory_limit_bytes=None))
+    ctl = serve_app.demos[-1].controller
+    requests = [(None, f"visitor {i}: describe the picture", ["full", "h2o"], 0.3, 8) for i in range(3)]
+    clients = [api_client(url) for _ in requests]
+    alone = [clients[0].predict(*r, api_name="/compare")[-1]["methods"] for r in requests]
+    ctl.engine.lock.acquire()  # the first run starts and waits for the model: the others queue behind it
+    try:
+        jobs = [clients[0].submit(*requests[0], api_name="/compare")]
+        assert wait_until(lambda: ctl.registry.running() == 1, timeout=60)
+        for client, request in zip(clients[1:], requests[1:]):
+            jobs.append(client.submit(*request, api_name="/compare"))
+            assert wait_until(lambda: jobs[-1].status().code == Status.IN_QUEUE, timeout=60)
+        places = [job.status() for job in jobs[1:]]
+        assert [p.rank for p in places] == [0, 1]  # first and second in line
+        assert ctl.registry.running() == 1  # nobody started beside the first run
+    finally:
+        ctl.engine.lock.release()
+    for job, want in zip(jobs, alone):
+        final = job.result(timeout=300)
+        assert final[0].startswith("✓ Done")
+        assert {m: r["answers"] for m, r in final[-1]["methods"].items()} == \
+            {m: r["answers"] for m, r in want.items()}
+        # every update of the stream is this visitor's own run: its prompt, never another visitor's
+        prompts = {tuple(update[-1].get("prompts", ())) for update in job.outputs() if isinstance(update[-1], dict)}
+        assert prompts <= {(), (final[-1]["prompts"][0],)}
+    for client in clients:
+        client.close()
