@@ -613,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     all_records = gather_object(my_records) if world > 1 else my_records
     elapsed_all = gather_object([elapsed]) if world > 1 else [elapsed]
     new_all = gather_object([len(my_new)]) if world > 1 else [len(my_new)]
+    # the last collective: leave the process group now (a process that exits with gloo's threads still up can be
+    # aborted by the C++ runtime, seen under load on the 2-core machine); a single process has none to leave
+    state.destroy_process_group()
     if not main_proc:
         return 0
 
