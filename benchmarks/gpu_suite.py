@@ -93,7 +93,7 @@ PART_NAMES = tuple(p.name for p in PARTS)
 
 
 def shortened(args: tuple[str, ...]) -> list[str]:
-    """--short: PrefixKV at its lowest and highest budget only, no method timed alone (for a GPU lent briefly)."""
+    """--short: PrefixKV at its lowest and highest budget only, no method timed alone (about half the time)."""
     out = [a for a in args if a != "--time-alone"]
     if "--budgets" in out:
         i = out.index("--budgets") + 1
