@@ -247,6 +247,9 @@ class _FakeRegistry:
     def end(self, owner):
         self.calls.append(("end", owner))
 
+    def running(self):
+        return sum(1 if c[0] == "begin" else -1 for c in self.calls if c[0] in ("begin", "end"))
+
     def release_owner(self, owner, reason=None):
         self.calls.append(("release", owner, reason))
 

@@ -3,7 +3,6 @@
 state always), the overlay sampled between decoding steps, and how a run ends (done, stopped, refused, failed)."""
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -101,22 +100,13 @@ class _Pace:
 
 class RunStreamer:
     """Streams runs to the page. Needs the renderer (every redraw), the session registry (a run in progress
-    is marked busy there, so its caches are never dropped under it) and the overlay sampler (called on the
-    worker thread)."""
+    is marked busy there, so its caches are never dropped under it; how many are busy paces the redraws) and the
+    overlay sampler (called on the worker thread)."""
 
     def __init__(self, renderer: Renderer, registry: SessionRegistry, overlay: OverlaySampler):
         self.renderer = renderer
         self.registry = registry
         self.overlay = overlay
-        self._streams = 0  # runs streaming now, all visitors together: the redraws' pace follows it
-        self._streams_lock = threading.Lock()
-
-    def streams(self) -> int:
-        return self._streams
-
-    def _count(self, delta: int) -> None:
-        with self._streams_lock:
-            self._streams += delta
 
     def not_started(self, box: SessionBox) -> list[Any]:
         """The outputs of a request that Stop cancelled while it waited in the queue."""
@@ -140,11 +130,9 @@ class RunStreamer:
                                    lorenz=first_turn)
         worker.start()
         superseded, failure = False, None
-        self._count(+1)
         try:
             superseded, failure = yield from self._redraws(worker, box, comp, generation)
         finally:
-            self._count(-1)
             comp.active = False
             self.registry.end(box.owner)
             if worker.thread.is_alive():
@@ -161,7 +149,7 @@ class RunStreamer:
                  generation: int) -> Iterator[list[Any]]:
         """Yields a redraw per batch of events. Returns (superseded, the batch that carried a failure if any):
         superseded when Clear or a newer run took the tab, which then draws nothing more of this run."""
-        pace, failure = _Pace(comp, self.streams), None
+        pace, failure = _Pace(comp, self.registry.running), None  # every visitor's run going now
         for batch in worker.batches(pace.text_interval):
             if box.generation != generation:  # cleared or superseded: stop drawing, stop the engine
                 comp.cancel.set()
