@@ -98,39 +98,34 @@ class ServerProbe:
                 return original(worker, priority, job)
             return put
 
-        def timed_render(original):
-            def render(renderer, comp, box, phase, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return original(renderer, comp, box, phase, **kwargs)
-                finally:
-                    probe.add("redraws (record lock held)", time.perf_counter() - t0)
-            return render
+        def timed(key: str):
+            def wrap(original):
+                def method(*args, **kwargs):
+                    t0 = time.perf_counter()
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        probe.add(key, time.perf_counter() - t0)
+                return method
+            return wrap
 
-        def timed_snapshot(original):
-            def snapshot(sampler, comp, box):
-                t0 = time.perf_counter()
-                try:
-                    return original(sampler, comp, box)
-                finally:
-                    probe.add("overlay samples (on the run's thread)", time.perf_counter() - t0)
-            return snapshot
-
-        def timed_postprocess(original):
-            async def postprocess(blocks, *args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return await original(blocks, *args, **kwargs)
-                finally:
-                    probe.add("gradio: outputs to the page (postprocess)", time.perf_counter() - t0)
-            return postprocess
+        def timed_async(key: str):
+            def wrap(original):
+                async def method(*args, **kwargs):
+                    t0 = time.perf_counter()
+                    try:
+                        return await original(*args, **kwargs)
+                    finally:
+                        probe.add(key, time.perf_counter() - t0)
+                return method
+            return wrap
 
         from gradio.blocks import Blocks
 
-        self._wrap(Blocks, "postprocess_data", timed_postprocess)
+        self._wrap(Blocks, "postprocess_data", timed_async("gradio: outputs to the page (postprocess)"))
         self._wrap(ModelWorker, "_put", timed_put)
-        self._wrap(Renderer, "render", timed_render)
-        self._wrap(OverlaySampler, "snapshot", timed_snapshot)
+        self._wrap(Renderer, "render", timed("redraws (record lock held)"))
+        self._wrap(OverlaySampler, "snapshot", timed("overlay samples (on the run's thread)"))
         return self
 
     def stop(self) -> dict:
@@ -165,7 +160,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
         start.wait()
     t0 = time.perf_counter()
     job = client.submit(handle_file(image), prompt, methods, budget, new_tokens, api_name="/compare")
-    first_any, first = None, {}
+    first: dict[str, float] = {}
     updates = 0
     for update in job:
         t = time.perf_counter() - t0
@@ -176,11 +171,10 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
         for m, r in (results.get("methods") or {}).items():
             if r.get("tokens", 0) >= 1 and m not in first:
                 first[m] = t
-                first_any = t if first_any is None else first_any
     final = job.result()
     last = time.perf_counter() - t0
     results = final[-1]
-    return {"image": Path(image).name, "first_token_s": first_any, "method_first_token_s": first, "last_s": last,
+    return {"image": Path(image).name, "first_token_s": min(first.values(), default=None), "method_first_token_s": first, "last_s": last,
             "updates": updates, "finished": bool(results.get("finished")),
             "texts": {m: r["text"] for m, r in results["methods"].items()},
             "errors": {m: r["error"] for m, r in results["methods"].items() if r.get("error")}}
@@ -212,50 +206,52 @@ class Visitors:
         self.pool.shutdown(cancel_futures=True)
 
 
-def engine_answers(engine: Engine, image: str, prompt: str, methods: list[str], budget: float,
-                   new_tokens: int) -> dict[str, str]:
-    """The same request through the engine directly: what the app must show."""
-    session = engine.new_session(Engine.load_image(image), prompt, methods, budget,
-                                 GenerationSettings(max_new_tokens=new_tokens))
-    for _ in session.run():
-        pass
-    return {m: r["text"] for m, r in session.record.to_dict()["methods"].items()}
-
-
-def engine_at_once(engine: Engine, images: list[str], prompt: str, methods: list[str], budget: float,
-                   new_tokens: int) -> dict:
-    """The same requests through the engine directly, all at once (a thread each, as the app runs them), with the
-    app's generation settings: what the engine gives without the app around it."""
-    t0 = time.perf_counter()
-    walls: list[float | None] = [None] * len(images)
-
-    def one(i: int) -> None:
-        engine_answers(engine, images[i], prompt, methods, budget, new_tokens)
-        walls[i] = time.perf_counter() - t0
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(images))]
+def in_threads(work, n: int) -> None:
+    """work(0) ... work(n - 1), each on a thread of its own, all started before any is waited for."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"last_s": max(w for w in walls if w is not None), "each_s": walls}
 
 
-def hardware_bound(loaded, engine: Engine, images: list[str], prompt: str, methods: list[str], budget: float,
-                   new_tokens: int) -> dict:
-    """The least the last visitor can wait on this hardware (`several_users.hardware_bound_s`): one request alone
-    through the engine, and plain transformers' batching ceilings for the decode and the prefill."""
-    from benchmarks.several_users import hardware_bound_s, plain_prefill_prompts_per_s
-    from prefixkv_core.models import encode, format_prompt
-
+def engine_alone(engine: Engine, image: str, prompt: str, methods: list[str], budget: float,
+                 new_tokens: int) -> dict:
+    """The same request through the engine directly, with the app's generation settings: the answers the app must
+    show, the request's wall time and its prefill's."""
     t0 = time.perf_counter()
-    session = engine.new_session(Engine.load_image(images[0]), prompt, methods, budget,
+    session = engine.new_session(Engine.load_image(image), prompt, methods, budget,
                                  GenerationSettings(max_new_tokens=new_tokens))
     for _ in session.run():
         pass
-    alone_s, prefill_s = time.perf_counter() - t0, session.prefill.prefill_s
-    inputs = encode(loaded, Engine.load_image(images[0]), format_prompt(loaded, prompt, with_image=True))
-    rows, users = len(methods), len(images)
+    return {"texts": {m: r["text"] for m, r in session.record.to_dict()["methods"].items()},
+            "wall_s": time.perf_counter() - t0, "prefill_s": session.prefill.prefill_s}
+
+
+def engine_at_once(engine: Engine, images: list[str], prompt: str, methods: list[str], budget: float,
+                   new_tokens: int) -> dict:
+    """The same requests through the engine directly, all at once (a thread each, as the app runs them): what the
+    engine gives without the app around it."""
+    t0 = time.perf_counter()
+    walls: list[float | None] = [None] * len(images)
+
+    def one(i: int) -> None:
+        engine_alone(engine, images[i], prompt, methods, budget, new_tokens)
+        walls[i] = time.perf_counter() - t0
+
+    in_threads(one, len(images))
+    return {"last_s": max(w for w in walls if w is not None), "each_s": walls}
+
+
+def hardware_bound(loaded, image: str, prompt: str, alone: dict, rows: int, users: int, new_tokens: int) -> dict:
+    """The least the last visitor can wait on this hardware (`several_users.hardware_bound_s`), from one request
+    alone through the engine (`alone`, an `engine_alone` result for `image`) and plain transformers' batching
+    ceilings for the decode and the prefill."""
+    from benchmarks.several_users import hardware_bound_s, plain_prefill_prompts_per_s
+    from prefixkv_core.models import encode, format_prompt
+
+    alone_s, prefill_s = alone["wall_s"], alone["prefill_s"]
+    inputs = encode(loaded, Engine.load_image(image), format_prompt(loaded, prompt, with_image=True))
     ceiling = (plain_decode_tokens_per_s(loaded, inputs, new_tokens, rows * users)
                / plain_decode_tokens_per_s(loaded, inputs, new_tokens, rows))
     prefill_ceiling = plain_prefill_prompts_per_s(loaded, inputs, users) / plain_prefill_prompts_per_s(loaded, inputs, 1)
@@ -277,11 +273,7 @@ def at_once(url: str, images: list[str], prompt: str, methods: list[str], budget
             barrier.abort()
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(images))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(one, len(images))
     return {"wall_s": time.perf_counter() - t0, "visitors": out, "errors": errors}
 
 
@@ -340,10 +332,11 @@ def main(argv=None) -> int:
     finally:
         clients.close()
         demo.close()
-    expected = [engine_answers(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
+    engine_runs = [engine_alone(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
+    expected = [run["texts"] for run in engine_runs]
     engine_once = engine_at_once(engine, images, args.prompt, methods, args.budget, args.new_tokens)
     progress(f"the same requests through the engine at once: {engine_once['last_s']:.2f} s")
-    bound = hardware_bound(loaded, engine, images, args.prompt, methods, args.budget, args.new_tokens)
+    bound = hardware_bound(loaded, images[0], args.prompt, engine_runs[0], len(methods), len(images), args.new_tokens)
     progress(f"the least possible wait on this hardware: {bound['bound_s']:.2f} s")
 
     def same(runs):
