@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -139,15 +138,9 @@ class ServerProbe:
 
 def launch(engine: Engine, max_new_tokens: int):
     """The app as app.py builds it with its default limits, on a free localhost port; returns (demo, url)."""
-    from prefixkv_core.limits import server_limits
-    from ui.app_builder import build_app, launch_kwargs
+    from ui.app_builder import serve_locally
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo = build_app(engine, max_new_tokens_limit=max(max_new_tokens, 1), limits=server_limits(engine.loaded))
-    demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
-    return demo, f"http://127.0.0.1:{port}/"
+    return serve_locally(engine, max_new_tokens_limit=max(max_new_tokens, 1))
 
 
 def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, new_tokens: int,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -36,16 +35,11 @@ VIEWPORT = 1100  # Gradio's page column is then about 1000 px wide: the README's
 
 
 def serve(model: str) -> tuple[object, str]:
-    """Launch the app on a free loopback port in this process, as tests/conftest.py's serve_app does."""
+    """Launch the app on a free loopback port in this process, as the tests do."""
     from prefixkv_core import Engine, load_model
-    from ui.app_builder import build_app, launch_kwargs
+    from ui.app_builder import serve_locally
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo = build_app(Engine(load_model(model)), default_methods=METHODS, max_new_tokens_limit=64)
-    demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
-    return demo, f"http://127.0.0.1:{port}/"
+    return serve_locally(Engine(load_model(model)), default_methods=METHODS, max_new_tokens_limit=64)
 
 
 def save(png: bytes, path: Path, colours: int = 256) -> None:

@@ -76,20 +76,14 @@ def api_client():
 @pytest.fixture(scope="module")
 def serve_app():
     """Launch build_app(engine, **kwargs) on a free local port; returns its URL; closed with the module."""
-    import socket
-
-    from ui.app_builder import build_app, launch_kwargs
+    from ui.app_builder import serve_locally
 
     demos = []
 
     def start(engine, **kwargs) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        demo = build_app(engine, **kwargs)
-        demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
+        demo, url = serve_locally(engine, **kwargs)
         demos.append(demo)
-        return f"http://127.0.0.1:{port}/"
+        return url
 
     start.demos = demos  # the launched Blocks, for tests that look at the server's side (demo.controller)
     yield start

@@ -359,3 +359,17 @@ def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, *, limits: Limits =
                                                         max_bytes=body_limit_for(limits.max_image_bytes))]})
     kwargs.update(extra)
     return kwargs
+
+
+def serve_locally(engine: Engine, **build: Any) -> tuple[gr.Blocks, str]:
+    """`build_app(engine, **build)` launched on a free loopback port without blocking (the tests, the benchmarks
+    that drive the app and the screenshot script run it so); returns (the app, its URL). Close it with .close()."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = build_app(engine, **build)
+    demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
+    return demo, f"http://127.0.0.1:{port}/"
+
