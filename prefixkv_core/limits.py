@@ -90,13 +90,17 @@ def image_tokens(loaded, image_size: tuple[int, int] | None) -> int:
     return int(loaded.image_tokens(*image_size))
 
 
-def prompt_tokens(loaded, prompt: str, with_image: bool, image_size: tuple[int, int] | None = None) -> int:
-    """Tokens of a first turn as the engine feeds it: chat template, the image's tokens, the prompt."""
+def prompt_tokens(loaded, prompt: str, with_image: bool | int, image_size: tuple[int, int] | None = None,
+                  image_sizes: list[tuple[int, int]] | None = None) -> int:
+    """Tokens of a first turn as the engine feeds it: chat template, the images' tokens, the prompt.
+    `with_image`: how many images (True = one); `image_sizes` (width, height) each, else `image_size` for all."""
     from .models import format_prompt
 
+    count = int(with_image)
+    sizes = list(image_sizes) if image_sizes is not None else [image_size] * count
     # special tokens as the processor adds them (BOS for Llama-style tokenizers)
-    n = len(loaded.tokenizer(format_prompt(loaded, prompt, with_image=with_image))["input_ids"])
-    return n - 1 + image_tokens(loaded, image_size) if with_image else n  # one <image> expands to the patches
+    n = len(loaded.tokenizer(format_prompt(loaded, prompt, with_image=count))["input_ids"])
+    return n - count + sum(image_tokens(loaded, size) for size in sizes)  # each <image> expands to its patches
 
 
 def followup_tokens(loaded, question: str) -> int:

@@ -324,8 +324,10 @@ def test_bad_inputs_get_clear_errors_and_model_stays_usable(tiny_llama, noise_im
         engine.new_session(noise_image, PROMPT, ["full", "magic"], 0.3)
     with pytest.raises(EngineError, match="empty"):
         engine.new_session(noise_image, "   ", "all", 0.3)
-    with pytest.raises(EngineError, match="batch size 1"):
-        engine.new_session([noise_image, noise_image], PROMPT, "all", 0.3)
+    with pytest.raises(EngineError, match=r"1 <image> marker\(s\) for 2 image"):
+        engine.new_session([noise_image, noise_image], "<image> " + PROMPT, "all", 0.3)
+    with pytest.raises(EngineError, match="image 2 of 2 is empty"):
+        engine.new_session([noise_image, None], PROMPT, "all", 0.3)
     with pytest.raises(EngineError, match="batch size 1"):
         engine.new_session(noise_image, [PROMPT, PROMPT], "all", 0.3)
     bogus = tmp_path / "notes.png"

@@ -61,12 +61,27 @@ def has_vision_plan(policy: Policy) -> bool:
     return getattr(policy.vision_plan, "__func__", None) is not Policy.vision_plan
 
 
+def _crops_per_image(config, sizes, per_row: int, n_images: int) -> list[int]:
+    """How many of a row's crops each of its images has (one each, or an anyres image's base view and tiles)."""
+    if n_images == 1:
+        return [per_row]
+    if sizes is None or getattr(config, "model_type", "llava") not in ("llava_next", "llava_onevision"):
+        counts = [per_row // n_images] * n_images
+    else:
+        counts = [len(crop_patches(config, int(w), int(h)).tokens) for h, w in sizes[:n_images]]
+    if sum(counts) != per_row:
+        raise ValueError(f"cannot tell the {n_images} images' crops apart ({per_row} crops)")
+    return counts
+
+
 @torch.inference_mode()
 def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs,
                  image_token_id: int, turn_image: TurnImage | None = None) -> ReducedPrompt | None:
     """The prompt as the language model sees it after `policy`'s vision plan, or None when the policy has none for
-    this image (it then sees the image as the model's own path encodes it). `turn_image`: the turn's image already
-    through the tower (its recorded pass and the prompt's embeddings are read from it), else a pass of its own."""
+    these images (it then sees them as the model's own path encodes them). Several images (or a video's frames)
+    are each reduced on their own, each keeping its part of the budget in proportion to its tokens, and the text
+    between them stays. `turn_image`: the turn's images already through the tower (its recorded pass and the
+    prompt's embeddings are read from it), else a pass of its own. Every row holds the same images."""
     if not has_vision_plan(policy):
         return None
     if isinstance(vision_inputs, torch.Tensor):
@@ -74,45 +89,74 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
     config = model.config
     found = turn_image.recorded() if turn_image is not None else vision_features(model, dict(vision_inputs))
     hidden, attention, keys = found.hidden, found.attention, found.keys
-    # the text's embeddings: the shared prompt's rows outside the image block are exactly the ids' embeddings
+    # the text's embeddings: the shared prompt's rows outside the image blocks are exactly the ids' embeddings
     embedded = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None
     rows, n = ids.shape
     per_row = hidden.shape[0] // rows
+    tokens_per_image = list(found.per_image) or [int(is_image[0].sum())]
+    n_images = len(tokens_per_image) // rows if len(tokens_per_image) % rows == 0 else len(tokens_per_image)
+    tokens_per_image = tokens_per_image[:n_images]
     vc = config.vision_config
     side = int(vc.image_size) // int(vc.patch_size)
     has_cls = hidden.shape[1] == side * side + 1
     projector = model.model.multi_modal_projector
     embed = model.get_input_embeddings()
+    sizes = vision_inputs.get("image_sizes")
+    crop_counts = _crops_per_image(config, sizes, per_row, n_images)
     out_ids, out_flags, out_embeds, record = [], [], [], None
     for r in range(rows):
         flags = is_image[r]
         where = flags.nonzero().flatten()
-        start, stop = int(where[0]), int(where[-1]) + 1
-        if stop - start != where.numel():
-            raise ValueError("a vision-side reduction needs the image tokens as one block")
-        crops = slice(r * per_row, (r + 1) * per_row)
-        plan = policy.vision_plan(VisionCrops(attention[crops], keys[crops], has_cls, n, where.numel()))
-        if plan is None:
-            return None
-        sizes = vision_inputs.get("image_sizes")
-        height, width = (int(x) for x in sizes[r]) if sizes is not None else (vc.image_size, vc.image_size)
-        patches = crop_patches(config, width, height)
-        if len(patches.tokens) != per_row:  # a layout we cannot place: keep the order, no overlay cells
-            patches = None
-        views = patches.views if patches is not None else (0,) * per_row
-        raster = patches.raster if patches is not None else tuple(np.arange(side * side) for _ in range(per_row))
-        order = _order(plan, views, raster, has_cls)
-        feats = (projector(hidden[crops]) if plan.projected else hidden[crops]).float()
-        merged = [plan.crops[c].weights.to(feats.device) @ feats[c] for c in range(per_row)]
-        image = torch.stack([merged[c][k] for c, k in order])
-        image = image if plan.projected else projector(image.to(hidden.dtype)[None])[0]
+        if where.numel() != sum(tokens_per_image):
+            raise ValueError(f"image features and image tokens do not match: {sum(tokens_per_image)} features, "
+                             f"{where.numel()} tokens")
         text = embedded[r] if embedded is not None else embed(ids[r:r + 1])[0]
-        out_embeds.append(torch.cat([text[:start], image.to(text.dtype), text[stop:]]))
-        out_ids.append(torch.cat([ids[r, :start], ids.new_full((len(order),), image_token_id), ids[r, stop:]]))
-        out_flags.append(torch.cat([flags[:start], flags.new_ones(len(order)), flags[stop:]]))
+        pieces_ids, pieces_flags, pieces_embeds, records = [], [], [], []
+        at, token_at, crop_at = 0, 0, r * per_row
+        for i, (n_tok, n_crops) in enumerate(zip(tokens_per_image, crop_counts)):
+            start, stop = int(where[token_at]), int(where[token_at + n_tok - 1]) + 1
+            if stop - start != n_tok:
+                raise ValueError("a vision-side reduction needs each image's tokens as one block")
+            crops = slice(crop_at, crop_at + n_crops)
+            plan = policy.vision_plan(VisionCrops(attention[crops], keys[crops], has_cls, n, n_tok,
+                                                  where.numel() if n_images > 1 else None))
+            if plan is None:
+                return None
+            height, width = (int(x) for x in sizes[(r * n_images + i) if sizes.shape[0] > n_images else i]) \
+                if sizes is not None else (vc.image_size, vc.image_size)
+            patches = crop_patches(config, width, height)
+            if len(patches.tokens) != n_crops:  # a layout we cannot place: keep the order, no overlay cells
+                patches = None
+            views = patches.views if patches is not None else (0,) * n_crops
+            raster = patches.raster if patches is not None else tuple(np.arange(side * side) for _ in range(n_crops))
+            order = _order(plan, views, raster, has_cls)
+            feats = (projector(hidden[crops]) if plan.projected else hidden[crops]).float()
+            merged = [plan.crops[c].weights.to(feats.device) @ feats[c] for c in range(n_crops)]
+            image = torch.stack([merged[c][k] for c, k in order])
+            image = image if plan.projected else projector(image.to(hidden.dtype)[None])[0]
+            pieces_embeds += [text[at:start], image.to(text.dtype)]
+            pieces_ids += [ids[r, at:start], ids.new_full((len(order),), image_token_id)]
+            pieces_flags += [flags[at:start], flags.new_ones(len(order))]
+            if r == 0:
+                records.append(_record(plan, order, patches, has_cls, n_tok, n_crops))
+            at, token_at, crop_at = stop, token_at + n_tok, crop_at + n_crops
+        out_embeds.append(torch.cat(pieces_embeds + [text[at:]]))
+        out_ids.append(torch.cat(pieces_ids + [ids[r, at:]]))
+        out_flags.append(torch.cat(pieces_flags + [flags[at:]]))
         if r == 0:
-            record = _record(plan, order, patches, has_cls, where.numel(), per_row)
+            record = _join_records(records, out_flags[0].nonzero().flatten().cpu().numpy())
     return ReducedPrompt(torch.stack(out_ids), torch.stack(out_flags), torch.stack(out_embeds), record)
+
+
+def _join_records(records: list[ImageTokenSources], positions: np.ndarray) -> ImageTokenSources:
+    """One record for the prompt's images: each image's cells shifted past the images before it."""
+    kinds, cells, offset = [], [], 0
+    for rec in records:
+        kinds += rec.kinds
+        cells += [c + offset for c in rec.cells]
+        offset += rec.original_tokens
+    counts = {kind: kinds.count(kind) for kind in KINDS}
+    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec in records), counts, positions)
 
 
 def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crops: int) -> ImageTokenSources:

@@ -31,6 +31,7 @@ class VisionFeatures:
     hidden: torch.Tensor | None = None  # [C, T, Hv]: the feature layer's hidden states, CLS included
     attention: torch.Tensor | None = None  # [C, T, T] fp32: the feature layer's attention averaged over heads
     keys: torch.Tensor | None = None  # [C, T, D] fp32: its keys averaged over heads
+    per_image: tuple[int, ...] = ()  # the image features of each image, in order (their sum: image's rows)
 
     @property
     def recorded(self) -> bool:
@@ -120,7 +121,7 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
     states, attention and keys too (ValueError when the tower has no single feature layer to record)."""
     if not record:
         out = model.get_image_features(**vision_inputs, return_dict=True)
-        return VisionFeatures(torch.cat(list(out.pooler_output)))
+        return VisionFeatures(torch.cat(list(out.pooler_output)), per_image=_per_image(out))
     hidden_index, layer = feature_layer(model.config)
     probe = _FeatureLayerProbe(layer, _vision_implementation(model))
     with _vision_attention(model, probe):
@@ -129,7 +130,11 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
         raise RuntimeError("the vision tower's attention was not recorded at its feature layer")
     # only the feature layer's hidden states are kept, not the tuple of every layer's
     return VisionFeatures(torch.cat(list(out.pooler_output)), out.hidden_states[hidden_index], probe.attention,
-                          probe.keys)
+                          probe.keys, _per_image(out))
+
+
+def _per_image(out) -> tuple[int, ...]:
+    return tuple(int(f.shape[0]) for f in out.pooler_output)
 
 
 def prompt_embeds(model, ids: torch.Tensor, is_image: torch.Tensor, image: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ families, which class loads each), ``layout`` (where each image token comes from
 ``descriptor`` (``LoadedModel``), ``embedded``, ``tiny`` (the tiny test models' tokenizers and builders), ``loading``,
 ``random_weights``.
 """
-from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN, chatml_template, encode, format_followup, format_prompt, vision_inputs
+from .chat import (FAMILY_TEMPLATES, IMAGE_TOKEN, as_image_list, chatml_template, encode, format_followup,
+                   format_prompt, image_markers, vision_inputs)
 from .configs import (
     FAMILIES,
     META_KEY,
@@ -54,7 +55,7 @@ from .embedded import (
 )
 from .errors import ModelLoadError
 from .families import FAMILY_INFO, SUPPORTED_MODEL_TYPES, Family, family_of, supported_text
-from .layout import GridView, ImageLayout, image_layout, strip_layout
+from .layout import GridView, ImageLayout, image_layout, join_layouts, strip_layout
 from .loading import ACCEPTED_MODEL_TYPES, load_model
 from .processor import make_processor
 from .random_weights import build_random_model
@@ -83,6 +84,9 @@ __all__ = [
     "ImageLayout",
     "image_layout",
     "strip_layout",
+    "join_layouts",
+    "as_image_list",
+    "image_markers",
     "chatml_template",
     "make_processor",
     "IMAGE_TOKEN",

@@ -103,10 +103,17 @@ def _processor(loaded: LoadedModel):
     return loaded.processor
 
 
-def _user_message(prompt: str, with_image: bool) -> dict:
+def image_markers(prompt: str) -> int:
+    """How many `<image>` markers the user typed in `prompt` (each places one image there)."""
+    return prompt.count(IMAGE_TOKEN)
+
+
+def _user_message(prompt: str, images: int) -> dict:
+    """A user turn with `images` images: where the prompt has `<image>` markers they stay in its text and place the
+    images (the processor expands each marker); otherwise the images come first, as one image item each."""
     content: list[dict] = []
-    if with_image:
-        content.append({"type": "image"})
+    if not image_markers(prompt):
+        content += [{"type": "image"}] * images
     content.append({"type": "text", "text": prompt})
     return {"role": "user", "content": content}
 
@@ -130,25 +137,27 @@ def _render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bo
     return text
 
 
-def format_prompt(loaded: LoadedModel, prompt: str, with_image: bool) -> str:
-    """One user turn (image first when `with_image`) through the chat template, generation prompt added."""
-    return _render(loaded, [_user_message(prompt, with_image)], add_generation_prompt=True)
+def format_prompt(loaded: LoadedModel, prompt: str, with_image: bool | int) -> str:
+    """One user turn through the chat template, generation prompt added. `with_image`: how many images the turn
+    carries (True = one); they come before the text unless the prompt places them with `<image>` markers."""
+    return _render(loaded, [_user_message(prompt, int(with_image))], add_generation_prompt=True)
 
 
 _SENTINEL = "\u2063PREFIXKV_ANSWER\u2063"
 
 
-def format_followup(loaded: LoadedModel, prompt: str) -> str:
-    """Text to append after the assistant's answer for a follow-up user turn.
+def format_followup(loaded: LoadedModel, prompt: str, images: int = 0) -> str:
+    """Text to append after the assistant's answer for a follow-up user turn (with `images` new images, placed
+    as in `format_prompt`).
 
     It starts by closing the assistant turn (for ChatML: "<|im_end|>\\n"), then the new user turn and
     the generation prompt. So the caller appends it to the answer *without* the answer's end-of-turn
     token (strip a trailing eos id from the generated ids before appending these ids).
     """
     msgs = [
-        _user_message("Q", False),
+        _user_message("Q", 0),
         {"role": "assistant", "content": [{"type": "text", "text": _SENTINEL}]},
-        _user_message(prompt, False),
+        _user_message(prompt, images),
     ]
     full = _render(loaded, msgs, add_generation_prompt=True)
     i = full.rfind(_SENTINEL)
@@ -164,15 +173,24 @@ def format_followup(loaded: LoadedModel, prompt: str) -> str:
 TEXT_KEYS = ("input_ids", "attention_mask")
 
 
+def as_image_list(image) -> list:
+    """None, one image or a sequence of images -> a list of images (empty for None)."""
+    if image is None:
+        return []
+    return list(image) if isinstance(image, (list, tuple)) else [image]
+
+
 def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True) -> dict:
-    """processor(...) -> dict of tensors on loaded.device: input_ids, attention_mask and, with an image, every
-    tensor the processor made for it (pixel_values in loaded.dtype; anyres families add image_sizes, OneVision
-    batch_num_images). `add_special_tokens=False` for text that continues a conversation (no BOS)."""
+    """processor(...) -> dict of tensors on loaded.device: input_ids, attention_mask and, with images (one, or a
+    list in the order their `<image>` tokens appear in `text`), every tensor the processor made for them
+    (pixel_values in loaded.dtype; anyres families add image_sizes, OneVision batch_num_images).
+    `add_special_tokens=False` for text that continues a conversation (no BOS)."""
     proc = _processor(loaded)
-    if image is not None:
-        if getattr(image, "mode", "RGB") != "RGB":
-            image = image.convert("RGB")
-        batch = proc(images=image, text=text, return_tensors="pt")
+    images = [im.convert("RGB") if getattr(im, "mode", "RGB") != "RGB" else im for im in as_image_list(image)]
+    image = images or None
+    if images:
+        batch = proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt",
+                     **({} if add_special_tokens else {"add_special_tokens": False}))
     else:
         batch = proc.tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)
     out: dict[str, torch.Tensor] = {

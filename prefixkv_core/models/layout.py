@@ -14,7 +14,7 @@ Python and numpy: the overlay reads it without torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class GridView:
     newline: bool = False
     tile_rows: tuple[float, ...] = ()
     tile_cols: tuple[float, ...] = ()
+    image: int = 0  # which of the prompt's images (or a video's frames) the view belongs to, in prompt order
 
     @property
     def n_tokens(self) -> int:
@@ -44,21 +45,44 @@ class GridView:
         return self.rows * self.cols
 
     def describe(self) -> dict:
-        return {"name": self.name, "rows": self.rows, "cols": self.cols, "newline": self.newline,
-                "tokens": self.n_tokens, "box": [round(v, 4) for v in self.box],
+        return {"name": self.name, "image": self.image, "rows": self.rows, "cols": self.cols,
+                "newline": self.newline, "tokens": self.n_tokens, "box": [round(v, 4) for v in self.box],
                 "tiles": [len(self.tile_rows) + 1, len(self.tile_cols) + 1]}
 
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """The image block of a prompt: its views in the order their tokens appear."""
+    """The image tokens of a prompt: the views of its images in the order their tokens appear. One image for most
+    prompts; several (`join_layouts`) when the prompt holds several images or a video's frames, each view then
+    naming its image. Token indices count the prompt's image tokens only (the text between images is not in it)."""
 
     views: tuple[GridView, ...]
-    image_size: tuple[int, int] = (0, 0)  # (width, height) of the original image
+    image_size: tuple[int, int] = (0, 0)  # (width, height) of the (first) original image
+    image_sizes: tuple[tuple[int, int], ...] = ()  # every image's (width, height), in prompt order; () = one image
 
     @property
     def n_tokens(self) -> int:
         return sum(v.n_tokens for v in self.views)
+
+    @property
+    def n_images(self) -> int:
+        return max(1, len(self.image_sizes))
+
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        return self.image_sizes or (self.image_size,)
+
+    def image_ranges(self) -> list[tuple[int, int]]:
+        """Per image, [start, stop) of its tokens among the prompt's image tokens."""
+        ranges, at = [], 0
+        for i in range(self.n_images):
+            n = sum(v.n_tokens for v in self.views if v.image == i)
+            ranges.append((at, at + n))
+            at += n
+        return ranges
+
+    def image_views(self, image: int) -> list[int]:
+        """The indices of the views of one image."""
+        return [k for k, v in enumerate(self.views) if v.image == image]
 
     def token_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per image token (in prompt order): (view index, row, col); col == view.cols marks a newline token."""
@@ -81,6 +105,14 @@ class ImageLayout:
 def strip_layout(n_tokens: int, image_size: tuple[int, int] = (0, 0)) -> ImageLayout:
     """A layout that places every token in one row over the whole image (when the real one is unknown)."""
     return ImageLayout((GridView("image tokens", 1, n_tokens),), image_size)
+
+
+def join_layouts(layouts: list[ImageLayout]) -> ImageLayout:
+    """The layout of several images in one prompt: each one's views in turn, tagged with its image's index."""
+    if len(layouts) == 1:
+        return layouts[0]
+    views = tuple(replace(v, image=i) for i, layout in enumerate(layouts) for v in layout.views)
+    return ImageLayout(views, layouts[0].image_size, tuple(layout.image_size for layout in layouts))
 
 
 # -- the families' geometry --------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class DownsamplePolicy(Policy):
         side = math.isqrt(crops.tokens_per_crop - int(has_cls))
         if side * side != crops.tokens_per_crop - int(has_cls):
             raise ValueError(f"a crop of {crops.tokens_per_crop} tokens is not a square patch grid")
-        wanted = self.kept_image_tokens(crops.prompt_len, crops.image_tokens)
+        wanted = crops.wanted(self.kept_image_tokens)
         out = pooled_side(wanted, crops.num_crops, side)
         if out >= side or crops.num_crops * out * out >= crops.image_tokens:
             return None  # no fewer tokens than the model's own path feeds: nothing to pool

@@ -27,8 +27,20 @@ class VisionCrops:
     attention: torch.Tensor  # [C, T, T] fp32: attention probabilities averaged over heads (query, key)
     keys: torch.Tensor  # [C, T, D] fp32: the layer's keys averaged over heads
     has_cls: bool  # token 0 of every crop is a CLS token (CLIP); SigLIP has none
-    prompt_len: int  # N: the prompt's tokens, its image block as the processor expanded it
-    image_tokens: int  # the prompt's image tokens (every crop's patches that are shown, newline tokens included)
+    prompt_len: int  # N: the prompt's tokens, its image blocks as the processor expanded them
+    image_tokens: int  # this image's tokens (every crop's patches that are shown, newline tokens included)
+    prompt_image_tokens: int | None = None  # every image's tokens in the prompt (None: this is its only image)
+
+    def image_part(self, wanted: int) -> int:
+        """This image's part of `wanted` image tokens asked for the whole prompt: in proportion to its tokens (all
+        of it when it is the prompt's only image), so every image and frame is reduced alike."""
+        total = self.prompt_image_tokens or self.image_tokens
+        return wanted if total == self.image_tokens else int(round(wanted * self.image_tokens / total))
+
+    def wanted(self, kept_image_tokens) -> int:
+        """This image's image tokens to feed, from a policy's `kept_image_tokens(prompt_len, image_tokens)` rule
+        applied to the whole prompt."""
+        return self.image_part(kept_image_tokens(self.prompt_len, self.prompt_image_tokens or self.image_tokens))
 
     @property
     def num_crops(self) -> int:
@@ -77,6 +89,7 @@ class ImageTokenSources:
     original_tokens: int  # image tokens of the prompt as the processor expanded it
     crops: int = 1
     counts: dict[str, int] = field(default_factory=dict)  # kind -> LM image tokens of that kind
+    positions: np.ndarray | None = None  # where LM image token k sits in the prompt fed (None: from the first on)
 
     @property
     def tokens(self) -> int:

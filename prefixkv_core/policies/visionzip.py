@@ -114,7 +114,7 @@ class VisionZipPolicy(Policy):
         return int(round(self.budget * prompt_len)) - (prompt_len - image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
-        wanted = self.kept_image_tokens(crops.prompt_len, crops.image_tokens)
+        wanted = crops.wanted(self.kept_image_tokens)
         if wanted >= crops.image_tokens:
             return None  # as many as the model's own path feeds: nothing to reduce
         counts = per_crop_counts(max(wanted, crops.num_crops), crops.num_crops, crops.tokens_per_crop)

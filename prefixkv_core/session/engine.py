@@ -1,5 +1,5 @@
 """One prefill shared by every method, a cache copy per method, and interleaved decoding that streams
-per-step events. Batch size 1: one image and one conversation per session.
+per-step events. One conversation per session, with any number of images and a video's frames.
 
     engine = Engine(load_model("embedded"))
     session = engine.new_session(image, "Describe the image.", ["full", "prefixkv"], budget=0.3)
@@ -39,13 +39,14 @@ from ..models import LoadedModel
 from ..policies import BUDGET_MODES, Budget, PolicyError, ResolveContext, make_policy, resolve_methods
 from ..report.events import PrefillInfo
 from .generation import GenerationSettings
-from .image_input import MAX_IMAGE_SIDE, load_image
+from .image_input import MAX_IMAGE_SIDE, MAX_VISUALS, load_image, load_images
+from .visuals import TurnVisuals, gather_visuals
 from .method_state import MethodState
 from .session import Session
 from .model_worker import ModelLock, ModelWorker
 from .step_pool import StepPool
 
-__all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE"]
+__all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE", "MAX_VISUALS"]
 
 
 class Engine:
@@ -81,8 +82,13 @@ class Engine:
                     generation: GenerationSettings | None = None,
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
                     budget_mode: str = "published", query_agnostic: bool = False, time_alone: bool = False,
-                    batched: bool = True) -> "Session":
-        """`chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
+                    batched: bool = True, video: Any = None, frames: int | None = None) -> "Session":
+        """`image`: None, one image (PIL or path) or a list of them, in order. `video`: a video file (or a
+        `VideoClip`, or a list of frames), sampled uniformly to `frames` frames (default 8) that the model reads
+        as images after the images. Without markers the images and frames come before the prompt's text; `<image>`
+        markers in the prompt place the images (one marker each) and a `<video>` marker the frames.
+
+        `chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
         text, no turn markup): a document whose continuation is measured, as in language modelling. Such a
         session takes no image and has no follow-up turns.
 
@@ -104,8 +110,8 @@ class Engine:
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the prompt is empty: type a question or instruction")
-        if not chat_template and image is not None:
-            raise EngineError("a plain-text prompt (chat_template=False) takes no image")
+        if not chat_template and (image is not None or video is not None):
+            raise EngineError("a plain-text prompt (chat_template=False) takes no image or video")
         try:
             budget = Budget(budget)  # checked here, once; typed from here on
             names = resolve_methods(methods)
@@ -131,15 +137,18 @@ class Engine:
                 policies[name] = make_policy(name, budget, budget_mode, **dict(knobs.get(name, {}))).resolve(context)
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
-        return Session(self, self.load_image(image), prompt, policies, budget, generation, knobs,
+        visuals = gather_visuals(self.loaded, prompt, load_images(image), video, frames,
+                                 max_new_tokens=generation.max_new_tokens)
+        return Session(self, visuals, prompt, policies, budget, generation, knobs,
                        chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic,
                        time_alone=time_alone or not batched, batched=batched)
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
-        """Prefill only: the per-layer importance of this image and prompt (calibration, Lorenz charts)."""
+        """Prefill only: the per-layer importance of these images and prompt (calibration, Lorenz charts)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise EngineError("the prompt is empty: type a question or instruction")
-        session = Session(self, self.load_image(image), prompt, {}, Budget(1.0), GenerationSettings(max_new_tokens=1))
+        visuals = gather_visuals(self.loaded, prompt, load_images(image), None, None, max_new_tokens=1)
+        session = Session(self, visuals, prompt, {}, Budget(1.0), GenerationSettings(max_new_tokens=1))
         with self.model_in_use():
             session.turn = 0
             return session.prefill_first_turn(alone=False)

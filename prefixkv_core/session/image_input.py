@@ -11,6 +11,7 @@ from .. import limits
 from ..errors import EngineError
 
 MAX_IMAGE_SIDE = 4096  # larger images are downscaled before the processor sees them
+MAX_VISUALS = 64  # images and video frames in one turn (the context is the real bound; this one stops abuse first)
 
 
 def load_image(image: Any, *, allowed_roots: Any = None, max_bytes: int | None = None,
@@ -26,7 +27,7 @@ def load_image(image: Any, *, allowed_roots: Any = None, max_bytes: int | None =
     if image is None:
         return None
     if isinstance(image, (list, tuple)):
-        raise EngineError("the engine runs batch size 1: pass one image, not a list")
+        raise EngineError("load_image takes one image; several images go through load_images")
     if isinstance(image, (str, Path)):
         roots = None if allowed_roots is None else [allowed_roots] if isinstance(allowed_roots, (str, Path)) \
             else list(allowed_roots)
@@ -43,3 +44,22 @@ def load_image(image: Any, *, allowed_roots: Any = None, max_bytes: int | None =
     if max(image.size) > MAX_IMAGE_SIDE:
         image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
     return image
+
+
+def load_images(images: Any, **checks: Any) -> list[Image.Image]:
+    """None, one image (PIL or path) or a list of them -> the RGB images in order ([] for None), each checked
+    as `load_image` does (`checks`: its keyword arguments). At most MAX_VISUALS."""
+    if images is None:
+        return []
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if len(items) > MAX_VISUALS:
+        raise EngineError(f"{len(items)} images in one turn; the limit is {MAX_VISUALS}")
+    loaded = []
+    for k, item in enumerate(items, 1):
+        if item is None:
+            raise EngineError(f"image {k} of {len(items)} is empty")
+        try:
+            loaded.append(load_image(item, **checks))
+        except EngineError as exc:
+            raise EngineError(f"image {k} of {len(items)}: {exc}" if len(items) > 1 else str(exc)) from None
+    return loaded

@@ -1,7 +1,9 @@
 """The overlay's map: which image tokens a method's compressed cache still holds in one layer, as the share of
-KV heads that keep each, placed on the image's views (every crop and newline token of an anyres image)."""
+KV heads that keep each, placed on the views of every image (every crop and newline token of an anyres image,
+every frame of a video)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kv.cache import TrackedCache
@@ -10,20 +12,32 @@ from ..models import ImageLayout
 from ..policies import Policy, PolicyState
 
 
-def kept_image_map(cache: TrackedCache | None, layer: int, image_offset: int | None, layout: ImageLayout | None,
-                   policy: Policy, policy_state: PolicyState | None) -> KeptImageMap | None:
-    """None when there is no cache (released, failed) or no image in the prompt."""
-    if cache is None or image_offset is None or layout is None:
+def fed_image_positions(image_positions: np.ndarray, sources) -> np.ndarray:
+    """The positions of the image tokens the language model was fed: the prompt's own, or those a vision-side
+    reduction fed instead (its record says where; else they follow the first image token)."""
+    if sources is None:
+        return image_positions
+    if getattr(sources, "positions", None) is not None:
+        return np.asarray(sources.positions)
+    return int(image_positions[0]) + np.arange(sources.tokens)
+
+
+def kept_image_map(cache: TrackedCache | None, layer: int, image_positions: np.ndarray | None,
+                   layout: ImageLayout | None, policy: Policy, policy_state: PolicyState | None
+                   ) -> KeptImageMap | None:
+    """`image_positions`: the prompt's image tokens' positions, ascending. None when there is no cache (released,
+    failed) or no image in the prompt."""
+    if cache is None or image_positions is None or not len(image_positions) or layout is None:
         return None
     lay = cache.layers[layer]
-    pos = lay.positions[0]  # [Hkv, T]
+    pos = lay.positions[0].cpu().contiguous()  # [Hkv, T]
     # a vision-side reduction (VisionZip) fed other image tokens: each stands for some of the prompt's
     sources = policy.image_token_sources(policy_state)
-    n_tokens = layout.n_tokens if sources is None else sources.tokens
-    rel = pos - image_offset
-    valid = (rel >= 0) & (rel < n_tokens) & lay.is_image[0]
-    counts = torch.zeros(n_tokens)
-    counts.index_add_(0, rel[valid].cpu(), torch.ones(int(valid.sum())))
+    fed = torch.as_tensor(fed_image_positions(image_positions, sources), dtype=pos.dtype)
+    at = torch.searchsorted(fed, pos).clamp(max=fed.numel() - 1)  # an entry's index among the fed image tokens
+    valid = (fed[at] == pos) & lay.is_image[0].cpu()
+    counts = torch.zeros(fed.numel())
+    counts.index_add_(0, at[valid], torch.ones(int(valid.sum())))
     share = (counts / pos.shape[0]).numpy()
     if sources is None:
         return KeptImageMap(layout, share)

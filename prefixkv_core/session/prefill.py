@@ -56,22 +56,25 @@ class EncodedPrompt:
         return self.ids[0, self.split:].tolist()
 
 
-def encode_prompt(loaded: LoadedModel, image: Image.Image | None, prompt: str, *, chat_template: bool,
+def encode_prompt(loaded: LoadedModel, images: list[Image.Image], prompt: str, *, chat_template: bool,
                   query_agnostic: bool, max_new_tokens: int) -> EncodedPrompt:
-    """Encode the first turn; EngineError when it and its answer would not fit the model's context."""
-    text = format_prompt(loaded, prompt, with_image=image is not None) if chat_template else prompt
-    inputs = encode(loaded, image, text)
+    """Encode the first turn (its images in prompt order); EngineError when it and its answer would not fit the
+    model's context."""
+    text = format_prompt(loaded, prompt, with_image=len(images)) if chat_template else prompt
+    inputs = encode(loaded, images or None, text)
     ids = inputs["input_ids"]
     n = ids.shape[1]
     is_image = ids == loaded.image_token_id
     n_image = int(is_image.sum())
     if n + max_new_tokens > loaded.max_context:
+        what = "the image" if len(images) == 1 else f"{len(images)} images"
         raise EngineError(
-            f"the prompt is {n} tokens ({n_image} for the image) + {max_new_tokens} new tokens, "
-            f"over the model's context of {loaded.max_context}: shorten the prompt or lower max new tokens")
-    split = question_start(loaded, image, prompt, text, ids, is_image) if query_agnostic else n
+            f"the prompt is {n} tokens ({n_image} for {what}) + {max_new_tokens} new tokens, "
+            f"over the model's context of {loaded.max_context}: shorten the prompt, send fewer images or frames, "
+            "or lower max new tokens")
+    split = question_start(loaded, images, prompt, text, ids, is_image) if query_agnostic else n
     return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
-                         image_token_layout(loaded, image, n_image))
+                         image_token_layout(loaded, images, is_image[0]))
 
 
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:

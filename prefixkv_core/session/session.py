@@ -26,6 +26,7 @@ from .model_worker import ModelWorker
 from .step_pool import StepPool
 from .stepping import RowStepper
 from .teacher_forcing import answer_nll
+from .visuals import TurnVisuals
 
 
 class ModelHolder(Protocol):
@@ -47,7 +48,7 @@ class Session:
     each method is then decoded again on its own and those events say `alone=True`; without `batched`, the
     methods are decoded on their own only, one after another."""
 
-    def __init__(self, engine: ModelHolder, image: Image.Image | None, prompt: str, policies: dict[str, Policy],
+    def __init__(self, engine: ModelHolder, visuals: TurnVisuals, prompt: str, policies: dict[str, Policy],
                  budget: Budget, generation: GenerationSettings, knobs: dict[str, dict[str, Any]] | None = None,
                  chat_template: bool = True, budget_mode: str = "published", query_agnostic: bool = False,
                  time_alone: bool = False, batched: bool = True):
@@ -60,7 +61,7 @@ class Session:
         # True: the prompt before the question is compressed first, then the question is fed (see new_session)
         self.query_agnostic = query_agnostic
         self.chat_template = chat_template  # False: the prompt is plain text, fed without turn markup
-        self.image = image
+        self.visuals = visuals  # the first turn's images and video frames, and the prompt placing them
         self.prompt = prompt
         self.budget = budget
         self.generation = generation
@@ -79,6 +80,16 @@ class Session:
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
             knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
             query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone, roles=role_methods())
+
+    @property
+    def image(self) -> Image.Image | None:
+        """The first turn's first image (or frame), if any."""
+        return self.visuals.images[0] if self.visuals.images else None
+
+    @property
+    def images(self) -> list[Image.Image]:
+        """The first turn's images then its video's frames, in the order the model reads them."""
+        return list(self.visuals.images)
 
     @property
     def image_offset(self) -> int | None:
@@ -160,7 +171,7 @@ class Session:
         """Encode the first turn's prompt, prefill and compress the caches of `states` (default: every method; one
         shared prefill, or each its own when `alone`) and sample each first token, on the model's thread."""
         loaded = self.engine.loaded
-        self.encoded = encode_prompt(loaded, self.image, self.prompt, chat_template=self.chat_template,
+        self.encoded = encode_prompt(loaded, self.visuals.images, self.visuals.prompt, chat_template=self.chat_template,
                                      query_agnostic=self.query_agnostic,
                                      max_new_tokens=self.generation.max_new_tokens)
         if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
@@ -189,7 +200,7 @@ class Session:
         with self._turn_lock:
             for state in self.states.values():
                 state.cache = None
-            self.image = None
+            self.visuals = TurnVisuals([], self.visuals.prompt, 0, None)
             self._drop_shared_image()
             self.stepper.reset()
             self.timing = []
@@ -210,8 +221,8 @@ class Session:
         """Share of KV heads that still hold each image token in `layer`, placed on the image's views (every
         crop and newline token of an anyres image included), for the overlay (`kept_image.py`)."""
         state = self.states[method]
-        return kept_image_map(state.cache, layer, self.image_offset, self.image_layout, state.policy,
-                              state.policy_state)
+        positions = self.encoded.is_image[0].nonzero().flatten().cpu().numpy() if self.encoded is not None else None
+        return kept_image_map(state.cache, layer, positions, self.image_layout, state.policy, state.policy_state)
 
     # -- internals -----------------------------------------------------------------------------------------
     def _drop_image_once_prefilled(self) -> None:
