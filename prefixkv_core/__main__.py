@@ -2,6 +2,9 @@
 
     python -m prefixkv_core compare --model embedded --image assets/images/scene-0.png \
         --prompt "Describe the image." --methods all --budget 0.3 --json out.json
+    python -m prefixkv_core compare --model embedded --image a.png --image b.png \
+        --prompt "<image> <image> Which image shows a red circle?" --methods full,snapkv --budget 0.2
+    python -m prefixkv_core compare --model embedded --video clip.mp4 --frames 8 --prompt "What moves?"
     python -m prefixkv_core calibrate --model embedded --samples 10
 """
 from __future__ import annotations
@@ -25,10 +28,11 @@ def cmd_compare(args) -> int:
     engine = Engine(loaded)
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    session = engine.new_session(args.image, args.prompt, chosen.methods, chosen.budget, gen, chosen.knobs,
+    images = args.image or None
+    session = engine.new_session(images, args.prompt, chosen.methods, chosen.budget, gen, chosen.knobs,
                                  budget_mode=chosen.budget_mode, query_agnostic=chosen.query_agnostic,
                                  time_alone=args.time_alone is not None,
-                                 batched=args.time_alone != "only")
+                                 batched=args.time_alone != "only", video=args.video, frames=args.frames)
     names = list(session.states)
     passes = 2 if args.time_alone == "after" else 1  # the batched run, then every method alone
     bar = tqdm(total=len(names) * args.max_new_tokens * passes, desc="decoding", disable=args.quiet)
@@ -36,7 +40,8 @@ def cmd_compare(args) -> int:
         if isinstance(event, MethodEvent) and event.kind in ("token", "done"):
             bar.update(1)
     bar.close()
-    payload = {**session.record.to_dict(), "model_slug": loaded.slug, "prompt": args.prompt, "image": args.image,
+    payload = {**session.record.to_dict(), "model_slug": loaded.slug, "prompt": args.prompt,
+               "image": args.image[0] if args.image and len(args.image) == 1 else args.image, "video": args.video,
                "prompt_tokens": session.prefill.prompt_tokens, "image_tokens": session.prefill.image_tokens}
     results = payload["methods"]
     if args.json:
@@ -120,9 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="KV-cache compression for LLaVA-family models, side by side.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("compare", help="run several methods on one image and prompt; print and/or write JSON")
+    p = sub.add_parser("compare", help="run several methods on images (or a video) and a prompt; print and/or "
+                                       "write JSON")
     add_model_args(p)
-    p.add_argument("--image", default=None, help="image file (PNG/JPEG/...); omit for a text-only prompt")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image file (PNG/JPEG/...); repeat for several, in order: <image> markers in the prompt "
+                        "place them, else they come before it; omit for a text-only prompt")
+    p.add_argument("--video", default=None, metavar="PATH",
+                   help="a video file (MP4/MOV/WebM/MKV/AVI), sampled uniformly to --frames frames that the model "
+                        "reads as images after the --image ones (a <video> marker in the prompt places them)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="frames sampled from --video (1-64, default 8)")
     p.add_argument("--prompt", required=True, help="the user's question or instruction")
     add_method_args(p)
     p.add_argument("--time-alone", nargs="?", const="after", choices=("after", "only"), default=None,

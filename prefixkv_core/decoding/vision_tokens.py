@@ -156,7 +156,8 @@ def _join_records(records: list[ImageTokenSources], positions: np.ndarray) -> Im
         cells += [c + offset for c in rec.cells]
         offset += rec.original_tokens
     counts = {kind: kinds.count(kind) for kind in KINDS}
-    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec in records), counts, positions)
+    images = np.concatenate([np.full(rec.tokens, i) for i, rec in enumerate(records)])
+    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec in records), counts, positions, images)
 
 
 def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crops: int) -> ImageTokenSources:

@@ -108,6 +108,9 @@ class MethodEvent:
     delta: str = ""
     kept_per_layer: list[int] = field(default_factory=list)
     kept_image_per_layer: list[int] = field(default_factory=list)
+    # per image (or video frame) of the prompt, in order: the share of its tokens held over every layer and KV
+    # head; filled in on the events that close a turn ("done"), [] otherwise and without images
+    kept_per_image: list[float] = field(default_factory=list)
     full_len: int = 0  # N_t: true sequence length (what an uncompressed cache would hold)
     kv_bytes: int = 0  # bytes of this method's cache tensors (packed storage counted as stored)
     full_kv_bytes: int = 0  # bytes an uncompressed cache of full_len tokens takes in this model

@@ -133,6 +133,7 @@ class ComparisonRecord:
         self.settings = dict(settings or {})
         self.knobs = {m: dict(k) for m, k in (knobs or {}).items()}
         self.model = dict(model or {})
+        self.visuals: dict[str, Any] = {}  # the first turn's images and video (sizes, frames sampled), as described
         self.tracks = {m: Track(m, labels.get(m, m)) for m in self.methods}
         self.prompts: list[str] = []
         self.prefill: PrefillInfo | None = None

@@ -42,6 +42,7 @@ def method_summary(record, method: str) -> dict[str, Any]:
                              (record.rouge(method, i) for i in range(len(t.turns)))],
         "kept_per_layer": list(ev.kept_per_layer) if ev is not None else [],
         "kept_image_per_layer": list(ev.kept_image_per_layer) if ev is not None else [],
+        "kept_per_image": list(ev.kept_per_image) if ev is not None else [],
         "full_len": ev.full_len if ev is not None else None,
         "mean_kept_ratio": record.mean_kept_ratio(method),
         "extras": jsonable(ev.extras) if ev is not None else {},
@@ -95,7 +96,11 @@ def record_dict(record) -> dict[str, Any]:
             "image_grid": list(pre.image_grid) if pre.image_grid else None,
             # every view of the image: one grid, or an anyres base view + high-resolution tiles
             "image_views": pre.image_layout.describe() if pre.image_layout is not None else None,
+            # per image (a video: per frame), in prompt order: [start, stop) among the prompt's image tokens
+            "image_ranges": [list(r) for r in pre.image_layout.image_ranges()] if pre.image_layout is not None
+            else None,
         },
+        "visuals": jsonable(record.visuals),
         "methods": {m: method_summary(record, m) for m in record.methods},
     }
 

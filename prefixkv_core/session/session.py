@@ -18,7 +18,7 @@ from ..policies import Budget, Policy, role_methods
 from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
 from ..report.record import ComparisonRecord
 from .generation import GenerationSettings
-from .kept_image import kept_image_map
+from .kept_image import kept_image_map, kept_per_image
 from .method_state import MethodState
 from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info, share_image
 from .schedule import schedule_for
@@ -80,6 +80,7 @@ class Session:
             list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
             knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
             query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone, roles=role_methods())
+        self.record.visuals = visuals.describe()
 
     @property
     def image(self) -> Image.Image | None:
@@ -191,7 +192,16 @@ class Session:
         self._drop_image_once_prefilled()
 
     def event(self, state: MethodState, kind: str, **how: Any) -> MethodEvent:
-        return state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
+        event = state.event(kind, turn=max(self.turn, 0), bytes_per_token=self.bytes_per_token, **how)
+        if kind == "done":
+            event.kept_per_image = kept_per_image(state.cache, self._image_positions(), self.image_layout,
+                                                  state.policy, state.policy_state)
+        return event
+
+    def _image_positions(self):
+        if self.encoded is None or not self.encoded.n_image:
+            return None
+        return self.encoded.is_image[0].nonzero().flatten().cpu().numpy()
 
     # -- memory and results ---------------------------------------------------------------------------------
     def release(self) -> None:
@@ -221,8 +231,8 @@ class Session:
         """Share of KV heads that still hold each image token in `layer`, placed on the image's views (every
         crop and newline token of an anyres image included), for the overlay (`kept_image.py`)."""
         state = self.states[method]
-        positions = self.encoded.is_image[0].nonzero().flatten().cpu().numpy() if self.encoded is not None else None
-        return kept_image_map(state.cache, layer, positions, self.image_layout, state.policy, state.policy_state)
+        return kept_image_map(state.cache, layer, self._image_positions(), self.image_layout, state.policy,
+                              state.policy_state)
 
     # -- internals -----------------------------------------------------------------------------------------
     def _drop_image_once_prefilled(self) -> None:
