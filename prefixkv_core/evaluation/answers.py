@@ -3,7 +3,7 @@ sweep's methods decode together as one batch (the reference, Full, and the metho
 first), and the answers are kept, so the sweep's runs (one lmms-eval pass per method and budget) each read them
 instead of decoding again.
 
-No lmms-eval here: a sample is a prompt, at most one image and the generation settings."""
+No lmms-eval here: a sample is a prompt, its images (or a video) and the generation settings."""
 from __future__ import annotations
 
 import hashlib
@@ -30,18 +30,31 @@ class Sample:
 
     sample_id: str
     prompt: str
-    image: Any = None  # a PIL image or None (text only)
+    image: Any = None  # a PIL image, a tuple of them (several, in order) or None (text only)
     until: tuple[str, ...] = ()
     generation: GenerationSettings = field(default_factory=GenerationSettings)
+    video: Any = None  # a video file's path, sampled to `frames` frames after the images
+    frames: int | None = None
+
+    def images(self) -> list:
+        return [] if self.image is None else list(self.image) if isinstance(self.image, tuple) else [self.image]
 
     def key(self) -> str:
-        """What the answers depend on: the prompt, the image's pixels and the generation settings."""
+        """What the answers depend on: the prompt, the images' pixels, the video and the generation settings."""
         h = hashlib.sha1(self.prompt.encode())
-        if self.image is not None:
-            h.update(f"{self.image.size}{self.image.mode}".encode())
-            h.update(self.image.tobytes())
+        for image in self.images():
+            h.update(f"{image.size}{image.mode}".encode())
+            h.update(image.tobytes())
+        if self.video is not None:
+            h.update(f"video:{self.video}:{self.frames}".encode())
         h.update(repr((self.until, self.generation)).encode())
         return h.hexdigest()
+
+    def media(self) -> dict[str, Any]:
+        """The engine's `new_session` arguments for the images and the video."""
+        images = self.images()
+        return {"image": (images[0] if len(images) == 1 else images) if images else None, "video": self.video,
+                "frames": self.frames}
 
 
 def cut_at_stop(text: str, until: tuple[str, ...]) -> str:
@@ -89,8 +102,9 @@ class AnswerBank:
 
     def _session_texts(self, sample: Sample, methods: list[str], budget: float) -> dict[str, str]:
         s = self.settings
-        session = self.engine.new_session(sample.image, sample.prompt, methods, budget, sample.generation, s.knobs,
-                                          budget_mode=s.budget_mode, query_agnostic=s.query_agnostic)
+        media = sample.media()
+        session = self.engine.new_session(media.pop("image"), sample.prompt, methods, budget, sample.generation,
+                                          s.knobs, budget_mode=s.budget_mode, query_agnostic=s.query_agnostic, **media)
         self.sessions += 1
         cancel = threading.Event()
         stopped: set[str] = set()
@@ -132,9 +146,10 @@ class AnswerBank:
             methods = self.settings.batch(budget) if _uses_budget(method) else [method]
             s = self.settings
             try:
+                media = sample.media()
                 session = self.engine.new_session(
-                    sample.image, sample.prompt, methods, budget, GenerationSettings(max_new_tokens=n_answer),
-                    s.knobs, budget_mode=s.budget_mode, query_agnostic=s.query_agnostic)
+                    media.pop("image"), sample.prompt, methods, budget, GenerationSettings(max_new_tokens=n_answer),
+                    s.knobs, budget_mode=s.budget_mode, query_agnostic=s.query_agnostic, **media)
                 self.sessions += 1
                 scored = session.score_answer(continuation)
             except EngineError as exc:
@@ -150,7 +165,7 @@ class AnswerBank:
         tok = self.engine.loaded.processor.tokenizer
         n = max(1, len(tok(continuation, add_special_tokens=False)["input_ids"]))
         greedy = Sample(sample.sample_id, sample.prompt, sample.image, (),
-                        GenerationSettings(max_new_tokens=n, seed=self.settings.seed))
+                        GenerationSettings(max_new_tokens=n, seed=self.settings.seed), sample.video, sample.frames)
         return self.answer(greedy, run).strip() == continuation.strip()
 
 

@@ -6,7 +6,9 @@ receives the task's context string and the document's visuals).
 
 model_args: pretrained (a hub id, a local LLaVA directory, `embedded`), method (or methods=a+b for a sweep),
 budget (or budgets=0.1+0.3), budget_mode (published | equal_memory), query_agnostic, knobs
-(METHOD.KNOB=VALUE;...), device, dtype, seed, reference (true: Full decodes in the same batch, for agreement).
+(METHOD.KNOB=VALUE;...), device, dtype, seed, reference (true: Full decodes in the same batch, for agreement),
+frames (a video sample's frames, sampled uniformly; default 8). A sample's visuals may be several images (in
+order) and a video path; its frames follow the images.
 A sweep answers every method and budget of a sample in one batched decode per budget; which one this model
 reports is `select(method, budget)` (the sweep entry, `sweep.py`, drives it).
 
@@ -117,14 +119,18 @@ class PrefixKV(lmms):
         sample_id = f"{task}/{split}/{doc_id}"
         visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []
         visuals = [v for v in (visuals or []) if v is not None]
-        if any(not isinstance(v, Image.Image) for v in visuals) or len(visuals) > 1:
-            why = ("it has a video or audio input" if any(not isinstance(v, Image.Image) for v in visuals)
-                   else f"it has {len(visuals)} images")
-            self.bank.skipped[sample_id] = f"{why}; the engine compares one image per conversation"
+        images = [v.convert("RGB") for v in visuals if isinstance(v, Image.Image)]
+        videos = [v for v in visuals if isinstance(v, (str, os.PathLike))]
+        other = len(visuals) - len(images) - len(videos)
+        if other or len(videos) > 1:
+            why = "it has an audio or other non-image input" if other else f"it has {len(videos)} videos"
+            self.bank.skipped[sample_id] = f"{why}; the engine takes images and one video per conversation"
             log.warning("sample %s skipped: %s", sample_id, self.bank.skipped[sample_id])
             return None
-        return Sample(sample_id, context, visuals[0].convert("RGB") if visuals else None,
-                      tuple(stop_strings(gen_kwargs)), generation_settings(gen_kwargs, self.settings.seed))
+        image = (images[0] if len(images) == 1 else tuple(images)) if images else None
+        return Sample(sample_id, context, image, tuple(stop_strings(gen_kwargs)),
+                      generation_settings(gen_kwargs, self.settings.seed), str(videos[0]) if videos else None,
+                      self.settings.frames if videos else None)
 
     def _run_name(self) -> str:
         return f"{self.current[0]}@{self.current[1]:g}"

@@ -13,7 +13,7 @@ from ..method_args import MethodArgError, parse_budgets
 from ..policies import REGISTRY, BUDGET_MODES, Budget, PolicyError, make_policy, parse_knobs, resolve_methods, role_method
 
 ACCEPTED = ("pretrained", "method", "methods", "budget", "budgets", "budget_mode", "query_agnostic", "knobs",
-            "device", "dtype", "seed", "reference")
+            "device", "dtype", "seed", "reference", "frames")
 # passed by lmms-eval itself to every model (its --batch_size, --device, ...); None when unset
 LMMS_EVAL_EXTRAS = ("batch_size", "max_batch_size")
 
@@ -48,6 +48,7 @@ class EvalSettings:
     dtype: str = "auto"
     seed: int = 0
     reference: str | None = None  # the uncompressed method decoded beside the others (agreement); None: not run
+    frames: int = 8  # frames sampled uniformly from a video sample
 
     @property
     def is_sweep(self) -> bool:
@@ -102,6 +103,14 @@ def parse_model_args(args: dict[str, Any]) -> EvalSettings:
             make_policy(method, budgets[0], budget_mode, **given)
         except (PolicyError, TypeError) as exc:
             raise MethodArgError(f"knobs: {exc}") from None
+    from ..session.video_input import DEFAULT_FRAMES, MAX_FRAMES
+
+    try:
+        frames = int(str(args.get("frames", DEFAULT_FRAMES)))
+    except ValueError:
+        frames = -1
+    if not 1 <= frames <= MAX_FRAMES:
+        raise MethodArgError(f"frames must be a whole number from 1 to {MAX_FRAMES}, got {args.get('frames')!r}")
     reference = role_method("reference")
     # a sweep decodes Full beside its methods (agreement with it costs one more row of the batch); one method
     # alone does not unless asked
@@ -110,7 +119,7 @@ def parse_model_args(args: dict[str, Any]) -> EvalSettings:
         pretrained=str(args.get("pretrained", "embedded")), methods=methods, budgets=budgets, budget_mode=budget_mode,
         query_agnostic=_flag("query_agnostic", args.get("query_agnostic", False)), knobs=knobs,
         device=str(args.get("device") or "auto"), dtype=str(args.get("dtype", "auto")), seed=int(args.get("seed", 0)),
-        reference=reference if with_reference else None)
+        reference=reference if with_reference else None, frames=frames)
 
 
 def split_list_knobs(value: Any) -> list[str]:

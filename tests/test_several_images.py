@@ -1,0 +1,303 @@
+"""Several images and a video's frames in one conversation, on a tiny model of every LLaVA family: where the
+prompt places them, eviction == masking and batched == alone with every method in both query modes, the
+vision-side reductions per image, each image's kept share, the overlay's map, the video path, the checks made
+before any prefill, the CLI and the lmms-eval samples."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from prefixkv_core import Engine, EngineError, GenerationSettings
+from prefixkv_core import models as M
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.policies import METHODS, make_policy
+from prefixkv_core.policies.base import PrefillView, apply_plans
+from prefixkv_core.session.video_input import write_video
+from prefixkv_core.testing import FAMILIES, build_tiny_family, kept_entry_masks, masked_reference_cache
+
+PROMPT = "describe the pictures in detail"
+
+
+@pytest.fixture(scope="module")
+def families():
+    return {family: build_tiny_family(family) for family in FAMILIES}
+
+
+@pytest.fixture(params=FAMILIES)
+def lm(request, families):
+    return families[request.param]
+
+
+def pictures(n: int = 3) -> list[Image.Image]:
+    """Noise pictures of different sizes (the anyres families tile each differently)."""
+    rng = np.random.default_rng(5)
+    sizes = [(80, 48), (48, 64), (64, 64), (96, 40)]
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in sizes[:n]]
+
+
+def image_runs(is_image: torch.Tensor) -> list[int]:
+    runs, length = [], 0
+    for flag in is_image.tolist() + [False]:
+        if flag:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    return runs
+
+
+def clip(path, n: int = 12, size=(64, 48)):
+    """A clip whose frame i shows a dot at x = 4 i."""
+    frames = []
+    for i in range(n):
+        im = Image.new("RGB", size, (30, 30, 30))
+        ImageDraw.Draw(im).ellipse((4 * i, 16, 4 * i + 12, 28), fill=(230, 40, 40))
+        frames.append(im)
+    return write_video(frames, path, fps=6)
+
+
+# -- where the images go -------------------------------------------------------------------------------------------
+
+def test_images_come_first_or_where_the_markers_put_them(lm):
+    images = pictures()
+    first = M.encode(lm, images, M.format_prompt(lm, PROMPT, with_image=3))
+    marked = "Image 1: <image> then image 2: <image> and last <image>. " + PROMPT
+    placed = M.encode(lm, images, M.format_prompt(lm, marked, with_image=3))
+    sizes = [lm.image_tokens(*im.size) for im in images]
+    for batch in (first, placed):
+        assert int((batch["input_ids"] == lm.image_token_id).sum()) == sum(sizes)
+    assert image_runs(placed["input_ids"][0] == lm.image_token_id) == sizes  # text between every two images
+    text = lm.processor.tokenizer.decode(placed["input_ids"][0][placed["input_ids"][0] != lm.image_token_id])
+    assert "then image 2:" in text and "and last" in text
+
+
+def test_marker_counts_are_checked_before_anything_runs(families):
+    engine = Engine(families["llava-1.5"])
+    images = pictures(2)
+    with pytest.raises(EngineError, match=r"3 <image> marker\(s\) for 2 image"):
+        engine.new_session(images, "<image><image><image> what?", ["full"], 0.3)
+    with pytest.raises(EngineError, match="<video> marker but no video"):
+        engine.new_session(images, "<video> what?", ["full"], 0.3)
+    with pytest.raises(EngineError, match="image 2 of 2"):
+        engine.new_session([images[0], 42], PROMPT, ["full"], 0.3)
+    with pytest.raises(EngineError, match="the limit is 64"):
+        engine.new_session(images * 33, PROMPT, ["full"], 0.3)
+
+
+def test_more_images_than_the_context_holds_are_refused_before_the_prefill(families):
+    lm = families["llava-onevision"]
+    big = Image.new("RGB", (333, 257), (90, 90, 90))
+    each = lm.image_tokens(*big.size)
+    count = lm.max_context // each + 2
+    with pytest.raises(EngineError) as err:
+        Engine(lm).new_session([big] * count, PROMPT, ["full"], 0.3)
+    message = str(err.value)
+    assert f"{count} images take {count * each} tokens" in message and f"context of {lm.max_context}" in message
+    fit = int(message.split("at most ")[1].split(" ")[0])
+    assert 0 < fit < count
+
+
+# -- every method sees every image -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "vlcache", "prefixkv", "random", "fastv", "dart"])
+def test_eviction_equals_masking_with_several_images(lm, method):
+    """As test_families' single-image check, with three images (text between them): a compressed cache gives the
+    logits of its prefill's cache with the evicted entries masked; FastV's and DART's own prefill gives those of
+    a plain forward with the dropped image tokens (from every image) masked from layer K on."""
+    images = pictures()
+    inputs = M.encode(lm, images, M.format_prompt(lm, "<image> one, <image> two, <image> three: " + PROMPT, 3))
+    ids = inputs["input_ids"]
+    is_image = ids == lm.image_token_id
+    budget = 0.3
+    policy = make_policy(method, budget)
+    with tracked_attention_enabled(lm.model):
+        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
+                                    lm.device, lm.image_token_id)
+    n = shared.prompt_len
+    compressed = shared.cache.clone()
+    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
+                                          policy.prefill_stats(n).window))
+    apply_plans(compressed, plans)
+    engine = Engine(lm)
+    token = torch.tensor([[7]])
+    uncompressed = shared.cache.clone()
+    with tracked_attention_enabled(lm.model):
+        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
+        if drop is not None:
+            kept = compressed.layers[-1].positions[0, 0]
+            dropped = set(np.flatnonzero(is_image[0].numpy()).tolist()) - set(kept.tolist())
+            runs = image_runs(is_image[0])
+            starts = np.cumsum([0] + runs[:-1])
+            image_at = np.flatnonzero(is_image[0].numpy())
+            touched = {int(np.searchsorted(starts, np.flatnonzero(image_at == p)[0], side="right")) for p in dropped}
+            assert len(touched) >= 2  # the drop reached more than one image
+            logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+            torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
+        evicted = engine.forward(compressed, token, n, AttentionProbe())
+        masked = engine.forward(uncompressed, token, n, AttentionProbe(key_masks=kept_entry_masks(compressed, n)))
+    assert min(layer.length for layer in compressed.layers) < n
+    torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
+def test_batched_equals_alone_with_several_images(lm, query_agnostic):
+    """Every method, three images and a question after them: the batched comparison's answers are each method's
+    answer decoded alone."""
+    engine = Engine(lm)
+    images = pictures()
+    answers = []
+    for batched in (True, False):
+        session = engine.new_session(images, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=4),
+                                     query_agnostic=query_agnostic, batched=batched)
+        list(session.run())
+        assert all(s.error is None for s in session.states.values()), \
+            {n: s.error for n, s in session.states.items() if s.error}
+        answers.append({name: list(s.turn_ids) for name, s in session.states.items()})
+    assert answers[0] == answers[1]
+
+
+def test_query_agnostic_holds_back_the_text_after_the_last_marker(families):
+    lm = families["llava-interleave"]
+    engine = Engine(lm)
+    session = engine.new_session(pictures(2), "first <image> second <image> which is brighter?", ["full", "snapkv"],
+                                 0.3, GenerationSettings(max_new_tokens=2), query_agnostic=True)
+    list(session.run())
+    pre = session.prefill
+    assert pre.compressed_tokens < pre.prompt_tokens and int(pre.is_image.sum()) == pre.image_tokens
+    with pytest.raises(EngineError, match="no text after its last <image> marker"):
+        list(engine.new_session(pictures(2), "which is brighter? <image> <image>", ["full"], 0.3,
+                                GenerationSettings(max_new_tokens=2), query_agnostic=True).run())
+
+
+# -- the vision-side reductions, per image --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["visionzip", "downsample"])
+def test_vision_reductions_reduce_each_image_with_its_share(lm, method):
+    images = pictures()
+    session = Engine(lm).new_session(images, PROMPT, [method], 0.4, GenerationSettings(max_new_tokens=2),
+                                     knobs={method: {"budget_of": "image"}})
+    list(session.run())
+    state = session.states[method]
+    assert state.error is None, state.error
+    sources = session.states[method].policy.image_token_sources(state.policy_state)
+    sizes = [lm.image_tokens(*im.size) for im in images]
+    assert sources is not None and sources.original_tokens == sum(sizes)
+    fed = np.bincount(sources.images, minlength=3)
+    assert all(f > 0 for f in fed) and fed.sum() == sources.tokens < sum(sizes)
+    for i, (start, stop) in enumerate(session.image_layout.image_ranges()):  # cells stay inside their image
+        cells = np.concatenate([c for c, im in zip(sources.cells, sources.images) if im == i] or [np.zeros(0, int)])
+        assert np.all((cells >= start) & (cells < stop))
+    # the reduced prompt keeps the text between the images: its image tokens sit where the record says
+    cache = state.cache.layers[0]
+    image_positions = sorted(set(cache.positions[0][cache.is_image[0]].tolist()))
+    assert set(image_positions) <= set(np.asarray(sources.positions).tolist())
+
+
+# -- what the record and the overlay say ------------------------------------------------------------------------
+
+def test_each_images_kept_share_and_the_overlay_map(lm):
+    images = pictures()
+    session = Engine(lm).new_session(images, PROMPT, ["full", "h2o", "fastv"], 0.25,
+                                     GenerationSettings(max_new_tokens=3))
+    list(session.run())
+    record = session.record.to_dict()
+    ranges = record["prefill"]["image_ranges"]
+    assert [b - a for a, b in ranges] == [lm.image_tokens(*im.size) for im in images]
+    assert record["visuals"]["images"] == [list(im.size) for im in images]
+    assert record["methods"]["full"]["kept_per_image"] == [1.0, 1.0, 1.0]
+    # H2O's per-image shares from its cache, counted naively
+    cache = session.states["h2o"].cache
+    positions = np.flatnonzero(session.encoded.is_image[0].numpy())
+    held = np.zeros(3)
+    for layer in cache.layers:
+        for head in range(layer.n_kv):
+            for p in layer.positions[0, head].tolist():
+                if p in positions:
+                    rank = int(np.searchsorted(positions, p))
+                    held[next(i for i, (a, b) in enumerate(ranges) if a <= rank < b)] += 1
+    expected = held / (len(cache.layers) * cache.layers[0].n_kv) / np.array([b - a for a, b in ranges])
+    np.testing.assert_allclose(record["methods"]["h2o"]["kept_per_image"], expected, atol=1e-4)
+    assert min(record["methods"]["h2o"]["kept_per_image"]) < 1.0
+    layer = lm.num_layers - 1
+    full, h2o = session.kept_image_map("full", layer), session.kept_image_map("h2o", layer)
+    assert full.n_tokens == h2o.n_tokens == ranges[-1][1] and np.all(full.token_share == 1.0)
+    assert full.layout.n_images == 3 and {v.image for v in full.layout.views} == {0, 1, 2}
+    last = cache.layers[layer]
+    naive = np.zeros(h2o.n_tokens)
+    for p in last.positions[0].flatten().tolist():
+        if p in positions:
+            naive[int(np.searchsorted(positions, p))] += 1 / last.n_kv
+    np.testing.assert_allclose(h2o.token_share, naive, atol=1e-6)
+
+
+# -- video ----------------------------------------------------------------------------------------------------------
+
+def test_a_videos_frames_are_read_as_images_after_the_images(families, tmp_path):
+    lm = families["llava-interleave"]
+    path = clip(tmp_path / "dot.mp4")
+    engine = Engine(lm)
+    session = engine.new_session(pictures(1), "<image> is the photo, <video> is the clip: what moves?",
+                                 ["full", "snapkv", "visionzip"], 0.3, GenerationSettings(max_new_tokens=2),
+                                 video=str(path), frames=4)
+    list(session.run())
+    assert session.visuals.kinds() == ["image", "frame", "frame", "frame", "frame"]
+    record = session.record.to_dict()
+    assert record["visuals"]["video"]["frames"] == 4 and record["visuals"]["video"]["total_frames"] == 12
+    assert len(record["prefill"]["image_ranges"]) == 5
+    assert all(len(r["kept_per_image"]) == 5 for r in record["methods"].values())
+    # the sampled frames are the clip's frames 0, 3, 7, 11 (the dot moves right)
+    dots = [int(np.argmax(np.asarray(f)[:, :, 0].astype(int).sum(axis=0))) for f in session.images[1:]]
+    assert dots == sorted(dots) and dots[0] < 12 and dots[-1] > 40
+    for bad, message in (({"frames": 0}, "1"), ({"frames": 65}, "64")):
+        with pytest.raises(EngineError, match=message):
+            engine.new_session(None, "what moves?", ["full"], 0.3, video=str(path), **bad)
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(300))
+    with pytest.raises(EngineError, match="not a readable video"):
+        engine.new_session(None, "what moves?", ["full"], 0.3, video=str(broken))
+
+
+# -- the CLI and lmms-eval's samples -----------------------------------------------------------------------------
+
+def test_cli_compare_takes_several_images_and_a_video(tmp_path):
+    from prefixkv_core.__main__ import main
+
+    paths = []
+    for k, im in enumerate(pictures(2)):
+        paths += ["--image", str(tmp_path / f"{k}.png")]
+        im.save(tmp_path / f"{k}.png")
+    video = clip(tmp_path / "dot.mp4")
+    out = tmp_path / "out.json"
+    code = main(["compare", "--model", "tiny-llava-onevision", *paths, "--video", str(video), "--frames", "3",
+                 "--prompt", "what is shown?", "--methods", "full,h2o,fastv", "--max-new-tokens", "2",
+                 "--json", str(out), "--quiet"])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    assert payload["image"] == [str(tmp_path / "0.png"), str(tmp_path / "1.png")]
+    assert payload["visuals"]["video"]["frames"] == 3 and len(payload["prefill"]["image_ranges"]) == 5
+    assert main(["compare", "--model", "tiny-llava-1.5", "--image", paths[1], "--prompt", "<image><image> what?",
+                 "--methods", "full", "--quiet"]) == 2
+
+
+def test_lmms_samples_with_several_images_and_a_video(families, tmp_path):
+    from prefixkv_core.evaluation.answers import AnswerBank, Sample
+    from prefixkv_core.evaluation.model_args import parse_model_args
+    from prefixkv_core.method_args import MethodArgError
+
+    lm = families["llava-1.5"]
+    bank = AnswerBank(Engine(lm), parse_model_args({"pretrained": "tiny", "methods": "snapkv", "budget": 0.5,
+                                                    "frames": 3}))
+    images = tuple(pictures(2))
+    several = Sample("t/test/1", "which is brighter?", images, (), GenerationSettings(max_new_tokens=2))
+    assert isinstance(bank.answer(several, ("snapkv", 0.5)), str) and not bank.skipped
+    assert several.key() != Sample("t/test/1", "which is brighter?", images[:1], ()).key()
+    video = Sample("t/test/2", "what moves?", None, (), GenerationSettings(max_new_tokens=2),
+                   str(clip(tmp_path / "dot.mp4")), 3)
+    assert isinstance(bank.answer(video, ("snapkv", 0.5)), str) and not bank.skipped
+    with pytest.raises(MethodArgError, match="frames"):
+        parse_model_args({"pretrained": "tiny", "frames": 0})
