@@ -1,8 +1,9 @@
 """The lmms-eval model `prefixkv` through lmms-eval itself, on the offline scene_qa task (test-split scenes, one
 subtask per question type): Full gives the answers and accuracy of benchmarks/vision_accuracy.py on the same
 questions, SnapKV at r = 0.1 query-agnostic gives that method's, two processes (accelerate, CPU) give what one
-gives, a sweep reads every method from one batched decode per budget, and bad model_args fail at construction
-with the engine's message.
+gives, a sweep reads every method from one batched decode per budget, bad model_args fail at construction
+with the engine's message, and the multi-image and video tasks (scene_multi, scene_video) are answered as the
+engine answers them.
 
 lmms-eval lives in its own venv, .venv-eval (`make eval-setup`, which `make test` runs); the tests drive it as
 a subprocess and are skipped without it. PREFIXKV_EVAL_PYTHON names another interpreter that has it."""
@@ -29,10 +30,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, check: bool = True):
+def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, check: bool = True, tasks: str = TASKS):
     """`python -m lmms_eval --model prefixkv ...` (or under `accelerate launch`) on scene_qa; -> lmms-eval's
     output: {task: {doc_id: sample}} and the results JSON."""
-    args = ["-m", "lmms_eval", "--model", "prefixkv", "--model_args", model_args, "--tasks", TASKS,
+    args = ["-m", "lmms_eval", "--model", "prefixkv", "--model_args", model_args, "--tasks", tasks,
             "--include_path", "benchmarks/lmms_tasks", "--limit", str(limit), "--log_samples", "--output_path", str(out)]
     if processes > 1:
         launcher = [str(EVAL_PY), "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes),
@@ -162,3 +163,29 @@ def test_a_device_in_model_args_and_on_the_command_line_do_not_clash():
             "    print('refused:', exc)\n")
     proc = subprocess.run([str(EVAL_PY), "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert "refused: knobs: snapkv has no knob(s) nosuch" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_several_images_and_a_video_are_answered_as_the_engine_answers(tmp_path, engine):
+    """scene_multi's samples (a list of images) and scene_video's (an mp4 path, sampled to `frames`) are answered,
+    not skipped: each answer is the engine's own for the same images (or clip) and prompt."""
+    from prefixkv_core import GenerationSettings
+    from scenes.grading import normalise
+    from scenes.multi import multi_prompt, multi_sample
+    from scenes.video import cached_clip
+
+    samples, _ = lmms_eval(tmp_path, "pretrained=embedded,method=snapkv,budget=0.3,frames=4", limit=1,
+                           tasks="scene_multi_which,scene_video_direction")
+    multi = json.loads((ROOT / "benchmarks/lmms_tasks/scene_multi/data/which.json").read_text())[0]
+    video = json.loads((ROOT / "benchmarks/lmms_tasks/scene_video/data/direction.json").read_text())[0]
+    asks = {"scene_multi_which": (list(multi_sample(multi["seed"], multi["n_images"]).images),
+                                  multi_prompt(multi["question"], multi["n_images"]), {}),
+            "scene_video_direction": (None, video["question"],
+                                      {"video": str(cached_clip(video["seed"], video["frames"])), "frames": 4})}
+    for task, (images, prompt, media) in asks.items():
+        session = engine.new_session(images, prompt, ["snapkv"], 0.3, GenerationSettings(max_new_tokens=MAX_NEW_TOKENS),
+                                     **media)
+        list(session.run())
+        got = samples[task][0]
+        resp = got["filtered_resps"][0] if isinstance(got["filtered_resps"], list) else got["filtered_resps"]
+        assert normalise(resp) == normalise(session.states["snapkv"].text), task
+        assert session.prefill.image_tokens == 144 * (len(images) if images else 4)
