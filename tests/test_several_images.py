@@ -301,3 +301,59 @@ def test_lmms_samples_with_several_images_and_a_video(families, tmp_path):
     assert isinstance(bank.answer(video, ("snapkv", 0.5)), str) and not bank.skipped
     with pytest.raises(MethodArgError, match="frames"):
         parse_model_args({"pretrained": "tiny", "frames": 0})
+
+
+# -- follow-ups that add images ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
+def test_a_follow_up_adds_an_image(lm, query_agnostic):
+    """Full's follow-up with a new image gives the logits of the model's own forward over the whole conversation
+    (both turns' images through the model's own path); every method takes the image, batched == alone."""
+    first, second = pictures(2)
+    engine = Engine(lm)
+    answers = []
+    for batched in (True, False):
+        session = engine.new_session(first, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=3),
+                                     query_agnostic=query_agnostic, batched=batched)
+        list(session.run())
+        events = list(session.follow_up("and this one? <image> compare them", image=second))
+        assert all(s.error is None for s in session.states.values()), \
+            {n: s.error for n, s in session.states.items() if s.error}
+        assert {e.method for e in events if e.kind == "done"} == set(METHODS)
+        answers.append({name: list(s.turn_ids) for name, s in session.states.items()})
+    assert answers[0] == answers[1]
+    # the reference: the model's own forward over the conversation's ids and both images
+    session = engine.new_session(first, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=3),
+                                 query_agnostic=query_agnostic)
+    list(session.run())
+    answer = [t for t in session.states["full"].turn_ids if t not in engine.eos_ids]
+    list(session.follow_up("and this one? <image> compare them", image=second))
+    one = M.encode(lm, first, M.format_prompt(lm, PROMPT, with_image=1))
+    two = M.encode(lm, second, M.format_followup(lm, "and this one? <image> compare them", images=1),
+                   add_special_tokens=False)
+    ids = torch.cat([one["input_ids"], torch.tensor([answer]), two["input_ids"]], dim=1)
+    with torch.inference_mode():  # each turn's image through the model's own image path, scattered as its forward does
+        features = [torch.cat(list(lm.model.get_image_features(**M.vision_inputs(enc), return_dict=True).pooler_output))
+                    for enc in (one, two)]
+        embeds = lm.model.get_input_embeddings()(ids)
+        embeds = embeds.masked_scatter((ids == lm.image_token_id)[..., None], torch.cat(features).to(embeds.dtype))
+        logits = lm.model(inputs_embeds=embeds).logits[0, -1]
+    assert int(logits.argmax()) == session.states["full"].turn_ids[0]
+    assert session.states["full"].true_len == ids.shape[1] + len(session.states["full"].turn_ids) - 1
+
+
+def test_a_follow_ups_images_are_checked(families):
+    lm = families["llava-onevision"]
+    engine = Engine(lm)
+    session = engine.new_session(pictures(1), PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=2))
+    list(session.run())
+    with pytest.raises(EngineError, match=r"1 <image> marker\(s\) for 2 image"):
+        list(session.follow_up("<image> and?", image=pictures(2)))
+    with pytest.raises(EngineError, match="not a readable image|cannot open"):
+        list(session.follow_up("and?", image="/nonexistent/picture.png"))
+    big = [Image.new("RGB", (333, 257))] * (lm.max_context // lm.image_tokens(333, 257) + 1)
+    with pytest.raises(EngineError, match="context"):
+        list(session.follow_up("and all these?", image=big))
+    assert session.turn == 0  # nothing was fed: the conversation goes on
+    list(session.follow_up("and now?"))
+    assert session.turn == 1 and session.states["full"].error is None

@@ -9,7 +9,7 @@ from typing import Iterator, Protocol
 from ..errors import EngineError
 from ..report.events import MethodEvent, PrefillInfo
 from .method_state import MethodState
-from .stepping import RowStepper
+from .stepping import RowStepper, TurnInput
 
 Events = Iterator[PrefillInfo | MethodEvent]
 
@@ -70,9 +70,9 @@ class OneBatch:
             yield session.event(state, "start")
         yield from session.stepper.decode(first, session.event, cancel, joining=later)
 
-    def next_turn(self, session: Session, live: list[MethodState], new_ids: list[int],
+    def next_turn(self, session: Session, live: list[MethodState], turn: TurnInput,
                   cancel: threading.Event | None) -> Iterator[MethodEvent]:
-        session.stepper.feed_turn(live, new_ids)
+        session.stepper.feed_turn(live, turn)
         session.stepper.form_batch(live)
         for state in live:
             yield session.event(state, "error" if state.error is not None else "start")
@@ -95,17 +95,17 @@ class BatchThenEachAlone(OneBatch):
             yield from session.stepper.decode([twin], session.event, cancel, alone=True)
             session.timing = []
 
-    def next_turn(self, session: Session, live: list[MethodState], new_ids: list[int],
+    def next_turn(self, session: Session, live: list[MethodState], turn: TurnInput,
                   cancel: threading.Event | None) -> Iterator[MethodEvent]:
         copies = [s.twin() for s in live]  # every cache as the turn starts, decoded alone after the batch
         session.timing = copies
-        yield from super().next_turn(session, live, new_ids, cancel)
+        yield from super().next_turn(session, live, turn, cancel)
         while copies:
             twin = copies.pop(0)
             session.timing = [twin, *copies]
             if session.states[twin.name].error is not None or _cancelled(cancel):
                 continue
-            session.stepper.feed_turn([twin], new_ids, alone=True)
+            session.stepper.feed_turn([twin], turn, alone=True)
             yield session.event(twin, "error" if twin.error is not None else "start", alone=True)
             yield from session.stepper.decode([twin], session.event, cancel, alone=True)
         session.timing = []
@@ -124,10 +124,10 @@ class EachAlone:
         for state in states:
             yield from session.stepper.decode([state], session.event, cancel, alone=True)
 
-    def next_turn(self, session: Session, live: list[MethodState], new_ids: list[int],
+    def next_turn(self, session: Session, live: list[MethodState], turn: TurnInput,
                   cancel: threading.Event | None) -> Iterator[MethodEvent]:
         for state in live:
-            session.stepper.feed_turn([state], new_ids, alone=True)
+            session.stepper.feed_turn([state], turn, alone=True)
             yield session.event(state, "error" if state.error is not None else "start", alone=True)
             yield from session.stepper.decode([state], session.event, cancel, alone=True)
 

@@ -10,10 +10,13 @@ import threading
 from dataclasses import asdict
 from typing import Any, Iterator, Protocol
 
+import torch
 from PIL import Image
 
 from ..errors import EngineError
-from ..models import ImageLayout, encode, format_followup
+from ..decoding import runner
+from ..decoding.vision_tower import prompt_embeds, vision_features
+from ..models import ImageLayout, encode, format_followup, vision_inputs
 from ..policies import Budget, Policy, role_methods
 from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
 from ..report.record import ComparisonRecord
@@ -26,7 +29,9 @@ from .model_worker import ModelWorker
 from .step_pool import StepPool
 from .stepping import RowStepper
 from .teacher_forcing import answer_nll
-from .visuals import TurnVisuals
+from .image_input import load_images
+from .stepping import TurnInput
+from .visuals import TurnVisuals, gather_visuals
 
 
 class ModelHolder(Protocol):
@@ -110,8 +115,12 @@ class Session:
             self.turn = 0
             yield from self._recorded(self.schedule.first_turn(self, cancel))
 
-    def follow_up(self, prompt: str, cancel: threading.Event | None = None) -> Iterator[MethodEvent]:
-        """Next user turn: each method continues on its own compressed cache (all methods in one batch)."""
+    def follow_up(self, prompt: str, cancel: threading.Event | None = None, *, image: Any = None
+                  ) -> Iterator[MethodEvent]:
+        """Next user turn: each method continues on its own compressed cache (all methods in one batch). `image`:
+        None, one image or a list of images the turn adds (placed as in the first turn: before the text, or where
+        the prompt's `<image>` markers put them); their tokens are fed whole to every method, whose policy then
+        treats them as it treats any turn's input."""
         if self.turn < 0:
             raise EngineError("run() the first turn before a follow-up")
         if not self.chat_template:
@@ -121,23 +130,43 @@ class Session:
         if self.released:
             raise EngineError("this comparison's caches were released to free memory; run Compare again")
         loaded = self.engine.loaded
+        images = load_images(image)
+        visuals = gather_visuals(loaded, prompt, images, None, None, max_new_tokens=self.generation.max_new_tokens,
+                                 first_turn=False)
         with self._model_turn():
-            new_ids = encode(loaded, None, format_followup(loaded, prompt),
-                             add_special_tokens=False)["input_ids"][0].tolist()
-            self._check_followup_fits(new_ids)
+            turn = self._turn_input(visuals)
             self.turn += 1
             self.user_turns.append(prompt)
             self.record.begin_turn(prompt)
-            yield from self._recorded(self._next_turn(new_ids, cancel))
+            yield from self._recorded(self._next_turn(turn, cancel))
 
-    def _next_turn(self, new_ids: list[int], cancel: threading.Event | None) -> Iterator[MethodEvent]:
+    def _turn_input(self, visuals: TurnVisuals) -> TurnInput:
+        """A follow-up's text (and images) as the model reads it; with images, their features through the vision
+        tower once, scattered into the image tokens' embeddings (on the model's thread)."""
+        loaded = self.engine.loaded
+        text = format_followup(loaded, visuals.prompt, images=visuals.count)
+        encoded = encode(loaded, visuals.images or None, text, add_special_tokens=False)
+        ids = encoded["input_ids"]
+        self._check_followup_fits(ids[0].tolist())  # before the vision tower runs
+        if not visuals.count:
+            return TurnInput(ids[0].tolist())
+        is_image = ids == loaded.image_token_id
+
+        def embed():
+            with torch.inference_mode():
+                features = vision_features(loaded.model, runner.vision_kwargs(vision_inputs(encoded)), record=False)
+                return prompt_embeds(loaded.model, ids, is_image, features.image)[0]
+
+        return TurnInput(ids[0].tolist(), self.stepper.on_model(embed), is_image[0].tolist())
+
+    def _next_turn(self, turn: TurnInput, cancel: threading.Event | None) -> Iterator[MethodEvent]:
         live = [s for s in self.states.values() if s.error is None]
         for state in self.states.values():
             if state.error is not None:
                 yield self.event(state, "error", alone=self.schedule.alone)
         for state in live:
             state.answers.append(state.text)
-        yield from self.schedule.next_turn(self, live, new_ids, cancel)
+        yield from self.schedule.next_turn(self, live, turn, cancel)
 
     def _check_followup_fits(self, new_ids: list[int]) -> None:
         limit = self.engine.loaded.max_context

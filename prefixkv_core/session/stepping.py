@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import torch
@@ -18,6 +19,20 @@ from .step_pool import StepPool, advance_rows, form_rows
 
 # (state, kind, **how) -> the event that reports it (the session knows the turn and the bytes per token)
 EventMaker = Callable[..., MethodEvent]
+
+
+@dataclass
+class TurnInput:
+    """A follow-up turn's tokens, and with images its input embeddings (the images' features scattered into their
+    tokens, computed once for every method) and which of its tokens are image tokens."""
+
+    ids: list[int]
+    embeds: torch.Tensor | None = None  # [T, H]
+    is_image: list[bool] | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return self.embeds is not None
 
 
 class Joining(Protocol):
@@ -107,14 +122,18 @@ class RowStepper:
                 state.compress_s = (state.compress_s or 0.0) + policy_s.get(state.name, 0.0)
                 state.first_logits = logits[r]
 
-    def feed_turn(self, states: list[MethodState], new_ids: list[int], alone: bool = False) -> None:
+    def feed_turn(self, states: list[MethodState], turn: TurnInput, alone: bool = False) -> None:
         """Feed a follow-up turn's tokens (after each method's own carried-over token) through every cache (in the
-        pool's batch unless `alone`)."""
+        pool's batch unless `alone`; a turn with images: each method's row on its own, as input embeddings)."""
         if not states:
             return
         t0 = runner.now(self.loaded.device)
-        chunks = [s.carry_over(self.eos_ids) + new_ids for s in states]
-        logits, _, policy_s = self.advance_shared(states, chunks, step=0, alone=alone)
+        chunks = [s.carry_over(self.eos_ids) + turn.ids for s in states]
+        if turn.has_images:
+            outcome = [self.on_model(lambda s=s: self._feed_embedded(s, turn), STEP) for s in states]
+            logits, policy_s = [o[0] for o in outcome], {s.name: o[1] for s, o in zip(states, outcome)}
+        else:
+            logits, _, policy_s = self.advance_shared(states, chunks, step=0, alone=alone)
         elapsed = runner.now(self.loaded.device) - t0
         for r, state in enumerate(states):
             if state.error is not None:
@@ -123,6 +142,32 @@ class RowStepper:
             state.compress_s = policy_s.get(state.name)
             state.compute_s, state.steps, state.finished = 0.0, 0, False
             self.start_answer(state, logits[r])
+
+    def _feed_embedded(self, state: MethodState, turn: TurnInput) -> tuple[torch.Tensor | None, float]:
+        """One method's follow-up with images: its carried-over token and the turn fed as input embeddings (image
+        tokens flagged), then its policy compresses as after any step. -> (logits [V], policy seconds)."""
+        if state.error is not None:
+            return None, 0.0
+        model, device = self.loaded.model, self.loaded.device
+        carry = state.carry_over(self.eos_ids)
+        try:
+            ids = torch.tensor([carry + turn.ids], device=device)
+            embeds = torch.cat([model.get_input_embeddings()(ids[:, :len(carry)])[0], turn.embeds.to(device)])[None]
+            flags = torch.tensor([[False] * len(carry) + list(turn.is_image)], device=device)
+            wanted = state.policy.decode_needs_attention()
+            request = runner.StatRequest(last_query=wanted)
+            logits, stats = runner.forward_group(model, state.cache, ids, state.true_len, request, flags,
+                                                 inputs_embeds=embeds)
+        except Exception as exc:  # one method failing must not stop the others
+            state.fail(exc)
+            return None, 0.0
+        state.true_len += ids.shape[1]
+        row = runner.DecodeRow(state.policy, state.policy_state, state.cache, state.true_len, state.prompt_len, 0,
+                               runner.last_query(stats) if wanted else None, state.reduced_by)
+        (seconds, error), = runner.compress_decode_rows([row], device)
+        if error is not None:
+            state.fail(error)
+        return logits[0], seconds
 
     def start_answer(self, state: MethodState, logits: torch.Tensor) -> None:
         """The turn's first answer token, sampled from the logits after its input."""

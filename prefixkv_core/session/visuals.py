@@ -86,8 +86,9 @@ def _check_fits(loaded, prompt: str, images: list[Image.Image], n_images: int, m
 
 
 def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, frames: int | None, *,
-                   max_new_tokens: int) -> TurnVisuals:
-    """The turn's images (already loaded) and the video sampled to `frames` (default 8), checked."""
+                   max_new_tokens: int, first_turn: bool = True) -> TurnVisuals:
+    """The turn's images (already loaded) and the video sampled to `frames` (default 8), checked (a first turn's
+    against the context too; a follow-up's is checked with the conversation once encoded)."""
     clip = None
     if video is not None:
         from .video_input import DEFAULT_FRAMES, load_video
@@ -102,5 +103,6 @@ def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, f
         raise EngineError(f"{len(images)} images and {len(visuals) - len(images)} frames in one turn; the limit "
                           f"is {MAX_VISUALS} in all")
     placed = _place(prompt, len(images), len(visuals) - len(images))
-    _check_fits(loaded, placed, visuals, len(images), max_new_tokens)
+    if first_turn:
+        _check_fits(loaded, placed, visuals, len(images), max_new_tokens)
     return TurnVisuals(visuals, placed, len(images), clip)
