@@ -44,8 +44,9 @@ class LimitError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Every bound a server applies. The first five bound one request; the last five bound what all
-    conversations together may hold (the app's session registry enforces them) and how many decode at once."""
+    """Every bound a server applies. The first five and the two video fields bound one request; the five
+    between them bound what all conversations together may hold (the app's session registry enforces them) and
+    how many decode at once."""
 
     max_prompt_chars: int = 2000
     max_prompt_tokens: int = 1024  # the user's text of one turn, without the chat template or the image
@@ -57,10 +58,12 @@ class Limits:
     cache_limit_bytes: int | None = None  # KV caches of all conversations + the next run; None: no limit
     memory_limit_bytes: int | None = None  # resident memory of the process; None: no limit
     max_batch_users: int = 4  # conversations whose turns run at once, decoded in one batch; more wait in the queue
+    max_video_bytes: int = 64 * MB  # a video file (uploads only), checked before it is opened
+    max_video_pixels: int = 100_000_000  # the sampled frames together (frames × width × height), before decoding
 
     def __post_init__(self):
         for name in ("max_prompt_chars", "max_prompt_tokens", "max_run_tokens", "max_image_bytes",
-                     "max_image_pixels", "max_sessions", "max_batch_users"):
+                     "max_image_pixels", "max_sessions", "max_batch_users", "max_video_bytes", "max_video_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive whole number, got {value!r}")

@@ -169,7 +169,7 @@ def test_query_agnostic_holds_back_the_text_after_the_last_marker(families):
     list(session.run())
     pre = session.prefill
     assert pre.compressed_tokens < pre.prompt_tokens and int(pre.is_image.sum()) == pre.image_tokens
-    with pytest.raises(EngineError, match="no text after its last <image> marker"):
+    with pytest.raises(EngineError, match="no text after its last <image> or <video> marker"):
         list(engine.new_session(pictures(2), "which is brighter? <image> <image>", ["full"], 0.3,
                                 GenerationSettings(max_new_tokens=2), query_agnostic=True).run())
 
@@ -357,3 +357,101 @@ def test_a_follow_ups_images_are_checked(families):
     assert session.turn == 0  # nothing was fed: the conversation goes on
     list(session.follow_up("and now?"))
     assert session.turn == 1 and session.states["full"].error is None
+
+
+# -- LLaVA-OneVision's own video path ---------------------------------------------------------------------------------
+
+def test_onevision_reads_a_video_on_its_own_path(families, tmp_path):
+    """OneVision: one <video> block of F pooled grids + a newline, the frames preprocessed as its video processor
+    does (here on the PIL backend), the prefill's logits those of the model's own forward with
+    pixel_values_videos, the overlay's layout one pooled grid per frame."""
+    from prefixkv_core.models.video import pooled_side, video_pixels, video_token_count
+
+    lm = families["llava-onevision"]
+    config = lm.model.config
+    path = clip(tmp_path / "dot.mp4")
+    session = Engine(lm).new_session(pictures(1), "<image> the photo, <video> the clip: what moves?", ["full"], 0.3,
+                                     GenerationSettings(max_new_tokens=1), video=str(path), frames=4)
+    list(session.run())
+    ids = session.encoded.ids[0]
+    assert int((ids == lm.video_token_id).sum()) == video_token_count(config, 4) == 4 * pooled_side(config) ** 2 + 1
+    assert session.visuals.kinds() == ["image", "frame", "frame", "frame", "frame"]
+    layout = session.image_layout
+    assert [v.name for v in layout.views][-5:] == ["frame 1", "frame 2", "frame 3", "frame 4", "video newline"]
+    assert layout.n_images == 5 and layout.n_tokens == session.prefill.image_tokens
+    # the frames' pixels: resized to the square (bicubic), rescaled, normalised with the video processor's mean/std
+    settings = lm.processor.prefixkv_video_settings
+    frames = session.images[1:]
+    side = settings["size"]
+    expected = np.stack([((np.asarray(f.resize((side, side), Image.BICUBIC), dtype=np.float32) / 255
+                           - settings["image_mean"]) / settings["image_std"]).transpose(2, 0, 1) for f in frames])
+    np.testing.assert_allclose(video_pixels(lm.processor, frames)[0].numpy(), expected, atol=2e-2)
+    with torch.inference_mode():
+        own = lm.model(**session.encoded.inputs).logits[0, -1]
+    torch.testing.assert_close(session.states["full"].first_logits, own, atol=1e-4, rtol=1e-4)
+
+
+def test_a_checkpoints_video_settings_are_read(tmp_path):
+    from prefixkv_core.testing import save_tiny_family
+
+    path = save_tiny_family(tmp_path / "ov", "llava-onevision")
+    (tmp_path / "ov" / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"height": 32, "width": 32}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    lm = M.load_model(path, device="cpu")
+    assert lm.processor.prefixkv_video_settings == {"size": 32, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache", "prefixkv", "fastv", "dart"])
+def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method):
+    from prefixkv_core.session.video_input import load_video
+
+    lm = families["llava-onevision"]
+    frames = list(load_video(str(clip(tmp_path / "dot.mp4")), 4).frames)
+    text = M.format_prompt(lm, "<image> photo <video> clip: " + PROMPT, with_image=1)
+    inputs = M.encode(lm, pictures(1), text, video=frames)
+    ids = inputs["input_ids"]
+    is_image = lm.visual_mask(ids)
+    policy = make_policy(method, 0.3)
+    with tracked_attention_enabled(lm.model):
+        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
+                                    lm.device, lm.image_token_id)
+    n = shared.prompt_len
+    compressed = shared.cache.clone()
+    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, 0.3,
+                                          policy.prefill_stats(n).window))
+    apply_plans(compressed, plans)
+    uncompressed = shared.cache.clone()
+    with tracked_attention_enabled(lm.model):
+        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
+        if drop is not None:
+            kept = compressed.layers[-1].positions[0, 0]
+            video_dropped = set(np.flatnonzero((ids[0] == lm.video_token_id).numpy()).tolist()) - set(kept.tolist())
+            assert video_dropped  # the drop reached the video's tokens
+            logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+            torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
+        engine = Engine(lm)
+        evicted = engine.forward(compressed, torch.tensor([[7]]), n, AttentionProbe())
+        masked = engine.forward(uncompressed, torch.tensor([[7]]), n,
+                                AttentionProbe(key_masks=kept_entry_masks(compressed, n)))
+    torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
+def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic):
+    """Every method on OneVision with an image and a video: batched == alone; the reductions inside the vision
+    tower (VisionZip, Downsample) say why they cannot run on the video path, the others are unaffected."""
+    lm = families["llava-onevision"]
+    path = str(clip(tmp_path / "dot.mp4"))
+    answers = []
+    for batched in (True, False):
+        session = Engine(lm).new_session(pictures(1), "what moves?", "all", 0.3,
+                                         GenerationSettings(max_new_tokens=3), video=path, frames=3,
+                                         query_agnostic=query_agnostic, batched=batched)
+        list(session.run())
+        failed = {n: s.error for n, s in session.states.items() if s.error}
+        assert set(failed) == {"visionzip", "downsample"}
+        assert all("own video path" in e for e in failed.values())
+        answers.append({n: list(s.turn_ids) for n, s in session.states.items() if s.error is None})
+        assert all(len(r["kept_per_image"]) == 4 for m, r in session.record.to_dict()["methods"].items()
+                   if m not in failed)
+    assert answers[0] == answers[1]

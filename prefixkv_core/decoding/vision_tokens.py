@@ -86,6 +86,10 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
         return None
     if isinstance(vision_inputs, torch.Tensor):
         vision_inputs = {"pixel_values": vision_inputs}
+    if vision_inputs.get("pixel_values_videos") is not None:
+        raise ValueError("this model reads the video on its own video path, which pools every frame after the "
+                         "vision tower, so a reduction inside the tower has no frames to work on; compare it on "
+                         "images, or with the frames given as images")
     config = model.config
     found = turn_image.recorded() if turn_image is not None else vision_features(model, dict(vision_inputs))
     hidden, attention, keys = found.hidden, found.attention, found.keys

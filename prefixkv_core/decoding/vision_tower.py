@@ -32,14 +32,15 @@ class VisionFeatures:
     attention: torch.Tensor | None = None  # [C, T, T] fp32: the feature layer's attention averaged over heads
     keys: torch.Tensor | None = None  # [C, T, D] fp32: its keys averaged over heads
     per_image: tuple[int, ...] = ()  # the image features of each image, in order (their sum: image's rows)
+    video: torch.Tensor | None = None  # [video tokens, H]: a video read natively (OneVision), every frame pooled
 
     @property
     def recorded(self) -> bool:
         return self.attention is not None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.image, self.hidden, self.attention, self.keys)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.image, self.hidden, self.attention, self.keys,
+                                                          self.video) if t is not None)
 
 
 def feature_layer(config) -> tuple[int, int]:
@@ -115,13 +116,32 @@ def _vision_implementation(model) -> str:
     return model.config.vision_config._attn_implementation or "sdpa"
 
 
+VIDEO_KEY = "pixel_values_videos"
+
+
+def _video_features(model, pixels: torch.Tensor | None) -> torch.Tensor | None:
+    """A natively read video's features (OneVision's `get_video_features`: every frame pooled, one newline)."""
+    if pixels is None:
+        return None
+    cfg = model.config
+    out = model.get_video_features(pixel_values_videos=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                   vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
+    return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+
+
 @torch.inference_mode()
 def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFeatures:
-    """The model's own image path once over every crop the tower encodes; with `record`, the feature layer's hidden
-    states, attention and keys too (ValueError when the tower has no single feature layer to record)."""
+    """The model's own image path once over every crop the tower encodes (and its video path over a video's
+    frames); with `record`, the feature layer's hidden states, attention and keys of the images too (ValueError
+    when the tower has no single feature layer to record)."""
+    vision_inputs = dict(vision_inputs)
+    video = _video_features(model, vision_inputs.pop(VIDEO_KEY, None))
+    if vision_inputs.get("pixel_values") is None:  # a video alone
+        empty = torch.zeros(0, video.shape[-1], dtype=video.dtype, device=video.device)
+        return VisionFeatures(empty, video=video)
     if not record:
         out = model.get_image_features(**vision_inputs, return_dict=True)
-        return VisionFeatures(torch.cat(list(out.pooler_output)), per_image=_per_image(out))
+        return VisionFeatures(torch.cat(list(out.pooler_output)), per_image=_per_image(out), video=video)
     hidden_index, layer = feature_layer(model.config)
     probe = _FeatureLayerProbe(layer, _vision_implementation(model))
     with _vision_attention(model, probe):
@@ -130,22 +150,30 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
         raise RuntimeError("the vision tower's attention was not recorded at its feature layer")
     # only the feature layer's hidden states are kept, not the tuple of every layer's
     return VisionFeatures(torch.cat(list(out.pooler_output)), out.hidden_states[hidden_index], probe.attention,
-                          probe.keys, _per_image(out))
+                          probe.keys, _per_image(out), video)
 
 
 def _per_image(out) -> tuple[int, ...]:
     return tuple(int(f.shape[0]) for f in out.pooler_output)
 
 
-def prompt_embeds(model, ids: torch.Tensor, is_image: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-    """[B, N, H]: what the model's forward feeds its language model for `ids` and these image features: the
-    tokens' embeddings, the image features scattered into the image tokens (the same arithmetic as the forward's)."""
+def prompt_embeds(model, ids: torch.Tensor, is_image: torch.Tensor, image: torch.Tensor,
+                  video: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, N, H]: what the model's forward feeds its language model for `ids` and these features: the tokens'
+    embeddings, the image features scattered into the image tokens and a video's into its video tokens (the same
+    arithmetic as the forward's). `is_image` flags both kinds."""
     embeds = model.get_input_embeddings()(ids)
-    image = image.to(embeds.device, embeds.dtype)
-    if int(is_image.sum()) != image.shape[0]:
-        raise ValueError(f"image features and image tokens do not match: {image.shape[0]} features, "
-                         f"{int(is_image.sum())} tokens")
-    return embeds.masked_scatter(is_image.unsqueeze(-1).to(embeds.device), image)
+    video_id = getattr(model.config, "video_token_id", None) if video is not None else None
+    is_video = (ids == video_id) & is_image if video_id is not None else torch.zeros_like(is_image)
+    for mask, features, what in ((is_image & ~is_video, image, "image"), (is_video, video, "video")):
+        n = int(mask.sum())
+        found = 0 if features is None else features.shape[0]
+        if n != found:
+            raise ValueError(f"{what} features and {what} tokens do not match: {found} features, {n} tokens")
+        if n:
+            embeds = embeds.masked_scatter(mask.unsqueeze(-1).to(embeds.device), features.to(embeds.device,
+                                                                                               embeds.dtype))
+    return embeds
 
 
 class TurnImage:
@@ -185,7 +213,8 @@ class TurnImage:
     def prompt_embeds(self, ids: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         """The language model's input embeddings for `ids` (made once for the turn's prompt, then reused)."""
         if self._embeds is None or not torch.equal(self._embeds[0], ids):
-            self._embeds = (ids, prompt_embeds(self.model, ids, is_image, self.features().image))
+            found = self.features()
+            self._embeds = (ids, prompt_embeds(self.model, ids, is_image, found.image, found.video))
         return self._embeds[1]
 
     def nbytes(self) -> int:

@@ -180,14 +180,22 @@ def as_image_list(image) -> list:
     return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
-def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True) -> dict:
+def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True, video: list | None = None) -> dict:
     """processor(...) -> dict of tensors on loaded.device: input_ids, attention_mask and, with images (one, or a
     list in the order their `<image>` tokens appear in `text`), every tensor the processor made for them
     (pixel_values in loaded.dtype; anyres families add image_sizes, OneVision batch_num_images).
-    `add_special_tokens=False` for text that continues a conversation (no BOS)."""
+    `add_special_tokens=False` for text that continues a conversation (no BOS). `video`: the frames of a video
+    the model reads natively (OneVision), whose one `<video>` token in `text` becomes the video's tokens, with
+    their pixel_values_videos."""
     proc = _processor(loaded)
     images = [im.convert("RGB") if getattr(im, "mode", "RGB") != "RGB" else im for im in as_image_list(image)]
     image = images or None
+    stand_in = None
+    if video:  # the processor refuses video tokens without its video processor: one stand-in token holds the place
+        from .video import VIDEO_TOKEN
+
+        stand_in = _stand_in_token(proc.tokenizer, text)
+        text = text.replace(VIDEO_TOKEN, stand_in)
     if images:
         batch = proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt",
                      **({} if add_special_tokens else {"add_special_tokens": False}))
@@ -203,7 +211,38 @@ def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = Tru
                 continue
             floating = value.is_floating_point()
             out[key] = value.to(loaded.device, loaded.dtype) if floating else value.to(loaded.device)
+    if stand_in is not None:
+        out.update(_video_tokens(loaded, proc, out, stand_in, video))
     return out
+
+
+def _stand_in_token(tokenizer, text: str) -> str:
+    """A special token of the tokenizer that is not in `text` and is neither the image nor the video token."""
+    from .video import VIDEO_TOKEN
+
+    for token in tokenizer.all_special_tokens:
+        if token not in (IMAGE_TOKEN, VIDEO_TOKEN) and token not in text and \
+                len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1:
+            return token
+    raise ModelLoadError("the tokenizer has no spare special token to place a video with")
+
+
+def _video_tokens(loaded: LoadedModel, proc, out: dict, stand_in: str, frames: list) -> dict:
+    """The encoded prompt with its stand-in token replaced by the video's tokens, and the frames' pixels."""
+    from .video import video_pixels, video_token_count
+
+    ids = out["input_ids"]
+    stand_in_id = proc.tokenizer.convert_tokens_to_ids(stand_in)
+    where = (ids[0] == stand_in_id).nonzero().flatten()
+    if where.numel() != 1:
+        raise ModelLoadError(f"a prompt takes one video; found {where.numel()} places for it")
+    at = int(where[0])
+    count = video_token_count(loaded.model.config, len(frames))
+    run = ids.new_full((1, count), int(loaded.video_token_id))
+    ids = torch.cat([ids[:, :at], run, ids[:, at + 1:]], dim=1)
+    mask = torch.ones_like(ids, dtype=out["attention_mask"].dtype)
+    pixels = video_pixels(proc, frames).to(loaded.device, loaded.dtype)
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values_videos": pixels}
 
 
 def vision_inputs(batch: dict) -> dict:

@@ -12,6 +12,7 @@ import torch
 from .errors import ModelLoadError
 from .families import FAMILY_INFO, IMAGE_TOKEN, family_of
 from .layout import ImageLayout, image_layout, max_image_tokens
+from .video import reads_video_natively
 
 
 class TextShape:
@@ -62,6 +63,7 @@ class LoadedModel(TextShape):
     random_weights: bool = False  # shapes only: speed and memory are real, outputs are noise
     notes: list[str] = field(default_factory=list)
     family: str = "llava-1.5"  # see families.FAMILY_INFO
+    video_token_id: int | None = None  # the token of a video read natively (OneVision's video path), else None
 
     @property
     def anyres(self) -> bool:
@@ -71,6 +73,11 @@ class LoadedModel(TextShape):
     def image_layout(self, width: int, height: int) -> ImageLayout:
         """Where each token of an image of this size comes from (views, patch grids, newline tokens)."""
         return image_layout(self.model.config, self.processor, int(width), int(height))
+
+    def visual_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of `ids` are visual tokens: an image's, or a video's read natively (OneVision)."""
+        mask = ids == self.image_token_id
+        return mask | (ids == self.video_token_id) if self.video_token_id is not None else mask
 
     def image_tokens(self, width: int, height: int) -> int:
         """How many tokens an image of this size takes in a prompt."""
@@ -172,4 +179,5 @@ def describe_model(
         vision_trained=vision_trained,
         notes=notes,
         family=family,
+        video_token_id=int(cfg.video_token_id) if reads_video_natively(cfg) else None,
     )

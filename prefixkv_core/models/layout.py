@@ -108,11 +108,15 @@ def strip_layout(n_tokens: int, image_size: tuple[int, int] = (0, 0)) -> ImageLa
 
 
 def join_layouts(layouts: list[ImageLayout]) -> ImageLayout:
-    """The layout of several images in one prompt: each one's views in turn, tagged with its image's index."""
+    """The layout of several images (or videos' frames) in one prompt: each one's views in turn, tagged with its
+    image's index among them all."""
     if len(layouts) == 1:
         return layouts[0]
-    views = tuple(replace(v, image=i) for i, layout in enumerate(layouts) for v in layout.views)
-    return ImageLayout(views, layouts[0].image_size, tuple(layout.image_size for layout in layouts))
+    views, sizes = [], []
+    for layout in layouts:  # a layout may hold several images already (a video's frames)
+        views += [replace(v, image=len(sizes) + v.image) for v in layout.views]
+        sizes += list(layout.sizes())
+    return ImageLayout(tuple(views), layouts[0].image_size, tuple(sizes))
 
 
 # -- the families' geometry --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from .descriptor import LoadedModel, describe_model
 from .device import avoid_cudnn_attention, place_model, resolve_device, resolve_dtype
 from .embedded import EMBEDDED_BASE, EMBEDDED_SLUG, _embedded_cache_root, embedded_dir
 from .errors import ModelLoadError
-from .processor import image_only_onevision_processor_class
+from .processor import attach_video_preprocessing, image_only_onevision_processor_class
 from .families import SUPPORTED_MODEL_TYPES, model_class, supported_text
 from .tiny import TINY_FAMILY_SPECS, TINY_MODEL_SPECS, TINY_NOTE, save_tiny_family, tiny_model_parts
 
@@ -85,11 +85,12 @@ def _load_pretrained(
 
 def load_processor(src: str, config, **kw):
     """The checkpoint's processor. OneVision's is loaded without its video processor (that one needs
-    torchvision, and the engine feeds images only)."""
+    torchvision), which is then attached where it can be built, else its settings (`video.py`)."""
     from transformers import AutoProcessor
 
     if getattr(config, "model_type", None) == "llava_onevision":
-        return image_only_onevision_processor_class().from_pretrained(src, **kw)
+        return attach_video_preprocessing(image_only_onevision_processor_class().from_pretrained(src, **kw), config,
+                                          src)
     return AutoProcessor.from_pretrained(src, **kw)
 
 

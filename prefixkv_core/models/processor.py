@@ -70,6 +70,26 @@ def image_only_onevision_processor_class():
     return ImageOnlyOnevisionProcessor
 
 
+def attach_video_preprocessing(processor, config, source: str | None = None):
+    """A model with a video path of its own (OneVision) gets its frames' preprocessing: the checkpoint's video
+    processor where transformers can build it (torchvision present), else its settings for the PIL-backend
+    steps of `video.video_pixels`. Returns the processor."""
+    from .video import reads_video_natively, video_settings
+
+    if not reads_video_natively(config):
+        return processor
+    if source is not None:
+        try:
+            from transformers import AutoVideoProcessor
+
+            processor.video_processor = AutoVideoProcessor.from_pretrained(source)
+            return processor
+        except Exception:  # no torchvision (or no video processor saved): the same steps on the PIL backend
+            pass
+    processor.prefixkv_video_settings = video_settings(source, config)
+    return processor
+
+
 def family_processor(config, tokenizer, chat_template: str):
     """The processor of a LLaVA family model built in code, set up as the released checkpoint's (its vision
     tower's resolution and patch size, feature strategy, pinpoints)."""
@@ -101,8 +121,8 @@ def family_processor(config, tokenizer, chat_template: str):
         image_processor = LlavaOnevisionImageProcessorPil(size={"height": size, "width": size},
                                                           image_grid_pinpoints=pins, resample=BICUBIC,
                                                           image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD))
-        return image_only_onevision_processor_class()(
+        return attach_video_preprocessing(image_only_onevision_processor_class()(
             image_processor=image_processor, tokenizer=tokenizer, num_image_tokens=(size // patch) ** 2,
             vision_feature_select_strategy=strategy, chat_template=chat_template, image_token=IMAGE_TOKEN,
-            vision_aspect_ratio=config.vision_aspect_ratio)
+            vision_aspect_ratio=config.vision_aspect_ratio), config)
     raise ValueError(f"no processor for model_type {config.model_type!r}")

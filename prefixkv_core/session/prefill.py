@@ -27,6 +27,7 @@ from ..policies import Budget, Policy
 from ..report.events import PrefillInfo
 from .method_state import MethodState
 from .prompt_layout import image_token_layout, question_start
+from .visuals import TurnVisuals
 from .stepping import RowStepper
 
 
@@ -56,25 +57,26 @@ class EncodedPrompt:
         return self.ids[0, self.split:].tolist()
 
 
-def encode_prompt(loaded: LoadedModel, images: list[Image.Image], prompt: str, *, chat_template: bool,
-                  query_agnostic: bool, max_new_tokens: int) -> EncodedPrompt:
-    """Encode the first turn (its images in prompt order); EngineError when it and its answer would not fit the
-    model's context."""
-    text = format_prompt(loaded, prompt, with_image=len(images)) if chat_template else prompt
-    inputs = encode(loaded, images or None, text)
+def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: bool, query_agnostic: bool,
+                  max_new_tokens: int) -> EncodedPrompt:
+    """Encode the first turn (its images and video in prompt order); EngineError when it and its answer would
+    not fit the model's context."""
+    images = visuals.images
+    text = format_prompt(loaded, visuals.prompt, with_image=len(images)) if chat_template else visuals.prompt
+    inputs = encode(loaded, images or None, text, video=visuals.frames or None)
     ids = inputs["input_ids"]
     n = ids.shape[1]
-    is_image = ids == loaded.image_token_id
+    is_image = loaded.visual_mask(ids)
     n_image = int(is_image.sum())
     if n + max_new_tokens > loaded.max_context:
-        what = "the image" if len(images) == 1 else f"{len(images)} images"
+        what = "the image" if visuals.count == 1 else f"{visuals.count} images and frames"
         raise EngineError(
             f"the prompt is {n} tokens ({n_image} for {what}) + {max_new_tokens} new tokens, "
             f"over the model's context of {loaded.max_context}: shorten the prompt, send fewer images or frames, "
             "or lower max new tokens")
-    split = question_start(loaded, images, prompt, text, ids, is_image) if query_agnostic else n
+    split = question_start(loaded, visuals, text, ids, is_image) if query_agnostic else n
     return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
-                         image_token_layout(loaded, images, is_image[0]))
+                         image_token_layout(loaded, visuals, ids[0], is_image[0]))
 
 
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:

@@ -90,12 +90,13 @@ class Session:
     @property
     def image(self) -> Image.Image | None:
         """The first turn's first image (or frame), if any."""
-        return self.visuals.images[0] if self.visuals.images else None
+        images = self.images
+        return images[0] if images else None
 
     @property
     def images(self) -> list[Image.Image]:
-        """The first turn's images then its video's frames, in the order the model reads them."""
-        return list(self.visuals.images)
+        """The first turn's images and its video's frames, in the order the model reads them."""
+        return [picture for _, picture in self.visuals.in_order()]
 
     @property
     def image_offset(self) -> int | None:
@@ -150,7 +151,7 @@ class Session:
         self._check_followup_fits(ids[0].tolist())  # before the vision tower runs
         if not visuals.count:
             return TurnInput(ids[0].tolist())
-        is_image = ids == loaded.image_token_id
+        is_image = loaded.visual_mask(ids)
 
         def embed():
             with torch.inference_mode():
@@ -201,7 +202,7 @@ class Session:
         """Encode the first turn's prompt, prefill and compress the caches of `states` (default: every method; one
         shared prefill, or each its own when `alone`) and sample each first token, on the model's thread."""
         loaded = self.engine.loaded
-        self.encoded = encode_prompt(loaded, self.visuals.images, self.visuals.prompt, chat_template=self.chat_template,
+        self.encoded = encode_prompt(loaded, self.visuals, chat_template=self.chat_template,
                                      query_agnostic=self.query_agnostic,
                                      max_new_tokens=self.generation.max_new_tokens)
         if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
@@ -239,7 +240,7 @@ class Session:
         with self._turn_lock:
             for state in self.states.values():
                 state.cache = None
-            self.visuals = TurnVisuals([], self.visuals.prompt, 0, None)
+            self.visuals = TurnVisuals([], self.visuals.prompt)
             self._drop_shared_image()
             self.stepper.reset()
             self.timing = []

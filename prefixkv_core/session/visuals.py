@@ -1,12 +1,13 @@
-"""What a turn shows the model: its images and a video's sampled frames, in the order the model reads them, and
-the prompt placing them. Checked before anything is encoded: marker counts, and whether they fit the context.
+"""What a turn shows the model: its images and a video's sampled frames, and the prompt placing them. Checked
+before anything is encoded: marker counts, and whether they fit the context.
 
-A video's frames are read as images (the way LLaVA-Interleave reads video: its frames as a run of images), after
-the turn's images. Without markers every image and frame comes before the prompt's text; `<image>` markers place
-the images one each, and a `<video>` marker the frames."""
+A video is read the way its family reads one: LLaVA-OneVision on its own video path (one `<video>` block, every
+frame pooled: `models/video.py`), the other families as a run of images after the turn's images (the way
+LLaVA-Interleave reads video). Without markers every image, then the video, comes before the prompt's text;
+`<image>` markers place the images (one each), and a `<video>` marker the video."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
@@ -14,72 +15,94 @@ from PIL import Image
 from .. import limits
 from ..errors import EngineError
 from ..models import IMAGE_TOKEN, image_markers
+from ..models.video import VIDEO_TOKEN, reads_video_natively, video_token_count
 from .image_input import MAX_VISUALS
 
-VIDEO_MARKER = "<video>"
+VIDEO_MARKER = VIDEO_TOKEN
 
 
 @dataclass
 class TurnVisuals:
-    """A turn's images then its video's frames (`images`, in the model's reading order) and the prompt as the
-    model reads it (a `<video>` marker replaced by one `<image>` marker per frame)."""
+    """A turn's visuals and the prompt as the model reads it. `images`: what is encoded as images, in order (the
+    turn's images, then a video's frames where its family reads them as images, the prompt's `<video>` marker
+    then replaced by one `<image>` marker per frame); `frames`: a video read natively, its frames apart."""
 
     images: list[Image.Image]
     prompt: str
-    n_images: int = 0  # of `images`, those given as images (the rest are the video's frames)
+    n_images: int = 0  # of `images`, those given as images (the rest are a video's frames)
     video: Any = None  # the VideoClip the frames came from
+    frames: list[Image.Image] = field(default_factory=list)
 
     @property
     def count(self) -> int:
-        return len(self.images)
+        return len(self.images) + len(self.frames)
+
+    @property
+    def native_video(self) -> bool:
+        return bool(self.frames)
+
+    def in_order(self) -> list[tuple[str, Image.Image]]:
+        """Every image and frame as ("image" | "frame", picture), in the order the model reads them."""
+        given = [("image", im) for im in self.images[:self.n_images]]
+        frames = [("frame", im) for im in self.images[self.n_images:] + self.frames]
+        if not frames:
+            return given
+        at = self.prompt.find(VIDEO_MARKER) if self.native_video else -1
+        before = image_markers(self.prompt[:at]) if at >= 0 and image_markers(self.prompt) else len(given)
+        return given[:before] + frames + given[before:]
 
     def kinds(self) -> list[str]:
-        """Per visual: "image" or "frame"."""
-        return ["image"] * self.n_images + ["frame"] * (self.count - self.n_images)
+        return [kind for kind, _ in self.in_order()]
 
     def describe(self) -> dict:
         out: dict[str, Any] = {"images": [list(im.size) for im in self.images[:self.n_images]]}
         if self.video is not None:
-            out["video"] = self.video.describe()
+            out["video"] = {**self.video.describe(), "read_as": "video" if self.native_video else "images"}
         return out
 
 
-def _place(prompt: str, n_images: int, n_frames: int) -> str:
-    """The prompt with its markers checked and a `<video>` marker expanded (EngineError on a mismatch)."""
+def _place(prompt: str, n_images: int, n_frames: int, native: bool) -> str:
+    """The prompt with its markers checked; a `<video>` marker expanded to the frames' `<image>` markers unless the
+    video is read natively, where it stays (and is added before the text when there are no markers)."""
     marked_images, marked_videos = image_markers(prompt), prompt.count(VIDEO_MARKER)
     if marked_videos and not n_frames:
         raise EngineError(f"the prompt has a {VIDEO_MARKER} marker but no video was given")
     if marked_videos > 1:
         raise EngineError(f"the prompt has {marked_videos} {VIDEO_MARKER} markers; a turn takes one video")
     if not marked_images and not marked_videos:
-        return prompt
+        return f"{VIDEO_MARKER}\n{prompt}" if native and n_frames else prompt
     if marked_images != n_images:
         raise EngineError(f"the prompt has {marked_images} {IMAGE_TOKEN} marker(s) for {n_images} image(s): "
                           "put one marker where each image goes, or none to put them all first")
     if n_frames and not marked_videos:
         raise EngineError(f"the prompt places its images with markers: place the video with a {VIDEO_MARKER} "
                           "marker too")
-    return prompt.replace(VIDEO_MARKER, IMAGE_TOKEN * n_frames)
+    return prompt if native else prompt.replace(VIDEO_MARKER, IMAGE_TOKEN * n_frames)
 
 
-def _check_fits(loaded, prompt: str, images: list[Image.Image], n_images: int, max_new_tokens: int) -> None:
+def _check_fits(loaded, visuals: TurnVisuals, max_new_tokens: int) -> None:
     """EngineError, before any encoding, when the images and frames would not fit the model's context, naming
     how many of them would."""
-    if getattr(loaded, "processor", None) is None or len(images) < 2:
+    if getattr(loaded, "processor", None) is None or visuals.count < 2:
         return  # one image: the encoded prompt is checked as it is (the message names its tokens)
-    sizes = [im.size for im in images]
-    total = limits.prompt_tokens(loaded, prompt, len(images), image_sizes=sizes) + max_new_tokens
+    config = loaded.model.config
+    per_visual = [limits.image_tokens(loaded, im.size) for im in visuals.images]
+    text_prompt = visuals.prompt.replace(VIDEO_MARKER, "") if visuals.native_video else visuals.prompt
+    text = limits.prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + max_new_tokens
+    if visuals.native_video:  # the frames pooled, then one newline: about the same per frame
+        per_visual += [video_token_count(config, len(visuals.frames)) // len(visuals.frames)] * len(visuals.frames)
+    total = text + sum(per_visual)
     if total <= loaded.max_context:
         return
-    text = total - sum(limits.image_tokens(loaded, s) for s in sizes)
     fit, used = 0, text
-    for size in sizes:
-        used += limits.image_tokens(loaded, size)
+    for tokens in per_visual:
+        used += tokens
         if used > loaded.max_context:
             break
         fit += 1
-    what = f"{n_images} images" if n_images == len(images) else \
-        f"{n_images} images and {len(images) - n_images} frames" if n_images else f"{len(images)} frames"
+    n_frames = visuals.count - visuals.n_images
+    what = f"{visuals.n_images} images and {n_frames} frames" if visuals.n_images and n_frames else \
+        f"{n_frames} frames" if n_frames else f"{visuals.n_images} images"
     raise EngineError(f"{what} take {total - text} tokens; with the text and {max_new_tokens} new tokens that is "
                       f"{total}, over the model's context of {loaded.max_context}: at most {fit} of them fit "
                       "(send fewer images, fewer frames or smaller images)")
@@ -98,11 +121,15 @@ def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, f
         from .video_input import check_frames
 
         check_frames(frames)
-    visuals = images + (list(clip.frames) if clip is not None else [])
-    if len(visuals) > MAX_VISUALS:
-        raise EngineError(f"{len(images)} images and {len(visuals) - len(images)} frames in one turn; the limit "
-                          f"is {MAX_VISUALS} in all")
-    placed = _place(prompt, len(images), len(visuals) - len(images))
+    frame_list = list(clip.frames) if clip is not None else []
+    if len(images) + len(frame_list) > MAX_VISUALS:
+        raise EngineError(f"{len(images)} images and {len(frame_list)} frames in one turn; the limit is "
+                          f"{MAX_VISUALS} in all")
+    config = getattr(getattr(loaded, "model", None), "config", None)
+    native = bool(frame_list) and config is not None and reads_video_natively(config)
+    placed = _place(prompt, len(images), len(frame_list), native)
+    visuals = TurnVisuals(images if native else images + frame_list, placed, len(images), clip,
+                          frame_list if native else [])
     if first_turn:
-        _check_fits(loaded, placed, visuals, len(images), max_new_tokens)
-    return TurnVisuals(visuals, placed, len(images), clip)
+        _check_fits(loaded, visuals, max_new_tokens)
+    return visuals
