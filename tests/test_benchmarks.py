@@ -430,3 +430,22 @@ def test_the_hardware_bound_counts_batched_prefills_then_one_batched_decode():
     assert hardware_bound_s(4, prefill_s=0.5, alone_s=2.0, prefill_ceiling=1.0, ceiling=2.0) == pytest.approx(5.0)
     # batching slower than taking turns: taking turns is the bound
     assert hardware_bound_s(4, prefill_s=1.0, alone_s=3.0, prefill_ceiling=0.9, ceiling=0.5) == pytest.approx(12.0)
+
+
+def test_long_context_reports_each_methods_kv_share_of_a_native_video(tmp_path, capsys):
+    """benchmarks/long_context.py on a tiny OneVision: the video read on its own path (F pooled grids + a
+    newline), each method's KV bytes over Full's from the record (the tensors' bytes), the comparison's wall time
+    over Full alone's, and a prefill peak (or n/a where the platform cannot say)."""
+    from benchmarks import long_context
+
+    out = tmp_path / "long.json"
+    assert long_context.main(["--random-weights", "tiny-llava-onevision", "--frames", "3", "--methods",
+                              "full,h2o,snapkv,fastv", "--new-tokens", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "whole comparison / Full alone" in printed and "| h2o |" in printed
+    result = json.loads(out.read_text())["results"][0]
+    assert result["frames"] == 3 and result["video_tokens"] == 3 * 2 * 2 + 1
+    assert result["methods"]["full"]["kv_share"] == 1.0
+    assert all(0 < result["methods"][m]["kv_share"] < 1 for m in ("h2o", "snapkv", "fastv"))
+    assert result["comparison_over_full"] == pytest.approx(
+        result["comparison_s"][0] / result["full_alone_s"][0])
