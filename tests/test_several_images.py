@@ -438,8 +438,7 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
 
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
 def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic):
-    """Every method on OneVision with an image and a video: batched == alone; the reductions inside the vision
-    tower (VisionZip, Downsample) say why they cannot run on the video path, the others are unaffected."""
+    """Every method on OneVision with an image and a video: batched == alone."""
     lm = families["llava-onevision"]
     path = str(clip(tmp_path / "dot.mp4"))
     answers = []
@@ -448,10 +447,34 @@ def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic)
                                          GenerationSettings(max_new_tokens=3), video=path, frames=3,
                                          query_agnostic=query_agnostic, batched=batched)
         list(session.run())
-        failed = {n: s.error for n, s in session.states.items() if s.error}
-        assert set(failed) == {"visionzip", "downsample"}
-        assert all("own video path" in e for e in failed.values())
-        answers.append({n: list(s.turn_ids) for n, s in session.states.items() if s.error is None})
-        assert all(len(r["kept_per_image"]) == 4 for m, r in session.record.to_dict()["methods"].items()
-                   if m not in failed)
+        assert not {n: s.error for n, s in session.states.items() if s.error}
+        answers.append({n: list(s.turn_ids) for n, s in session.states.items()})
+        assert all(len(r["kept_per_image"]) == 4 for r in session.record.to_dict()["methods"].values())
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("method", ["visionzip", "downsample"])
+def test_vision_reductions_reduce_every_frame_of_a_native_video(families, tmp_path, method):
+    """On OneVision's own video path VisionZip and Downsample plan each frame from the tower's feature layer (their
+    tokens replace the frame's pooled grid), keep the video's newline token, and leave the image alone but for
+    its own share."""
+    lm = families["llava-onevision"]
+    session = Engine(lm).new_session(pictures(1), "<image> photo <video> clip: what moves?", [method], 0.3,
+                                     GenerationSettings(max_new_tokens=2), video=str(clip(tmp_path / "dot.mp4")),
+                                     frames=4, knobs={method: {"budget_of": "image"}})
+    list(session.run())
+    state = session.states[method]
+    assert state.error is None, state.error
+    sources = state.policy.image_token_sources(state.policy_state)
+    ranges = session.image_layout.image_ranges()
+    assert sources.original_tokens == ranges[-1][1] == session.prefill.image_tokens
+    fed = np.bincount(sources.images, minlength=5)
+    assert all(f > 0 for f in fed) and sources.tokens < sources.original_tokens
+    for i, (start, stop) in enumerate(ranges):  # every LM token stands for tokens of its own image or frame
+        for cells, image in zip(sources.cells, sources.images):
+            if image == i:
+                assert np.all((cells >= start) & (cells < stop))
+    cache = state.cache.layers[0]
+    video_fed = int((cache.positions[0, 0][cache.is_image[0, 0]] >= int(sources.positions[fed[0]])).sum())
+    assert video_fed == fed[1:].sum()  # the frames' tokens and the newline token reached the language model
+    assert session.record.to_dict()["methods"][method]["kept_per_image"][1:] != [1.0] * 4

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..models.layout import crop_patches
+from ..models.layout import CropPatches, crop_patches
 from ..policies.base import Policy
 from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan
 from .vision_tower import TurnImage, vision_features
@@ -74,22 +74,75 @@ def _crops_per_image(config, sizes, per_row: int, n_images: int) -> list[int]:
     return counts
 
 
+@dataclass
+class _Segment:
+    """One image, or a natively read video, of a prompt row: its tokens, the crops of it the tower encoded (a
+    video: its frames), where their patches land among its tokens, and how many images (frames) it counts for."""
+
+    tokens: int
+    crops: slice
+    patches: CropPatches | None
+    pictures: int = 1
+    video: bool = False
+
+
+def _video_patches(config, frames: int) -> CropPatches:
+    """Per frame, the video token each tower patch feeds after OneVision's pooling (the pooled cell it falls in)."""
+    from ..models.video import pooled_side
+
+    vc = config.vision_config
+    side = int(vc.image_size) // int(vc.patch_size)
+    pooled = pooled_side(config)
+    flat = np.arange(side * side)
+    r, c = np.divmod(flat, side)
+    cell = (r * pooled // side) * pooled + (c * pooled // side)
+    return CropPatches(tuple(k * pooled * pooled + cell for k in range(frames)), (flat,) * frames,
+                       tuple(range(frames)))
+
+
+def _segments(config, ids: torch.Tensor, found, sizes, rows: int, image_id: int, video_id: int | None
+              ) -> list[_Segment]:
+    """The images and the video of row 0 in prompt order (every row holds the same)."""
+    per_image = list(found.per_image)
+    n_images = len(per_image) // rows if per_image and len(per_image) % rows == 0 else len(per_image)
+    per_image = per_image[:n_images]
+    image_crops = (found.hidden.shape[0] - found.video_frames * rows) // rows
+    counts = _crops_per_image(config, sizes, image_crops, n_images) if n_images else []
+    segments, crop_at = [], 0
+    vc = config.vision_config
+    for i, (n_tok, n_crops) in enumerate(zip(per_image, counts)):
+        height, width = (int(x) for x in sizes[i]) if sizes is not None else (vc.image_size, vc.image_size)
+        patches = crop_patches(config, width, height)
+        segments.append(_Segment(n_tok, slice(crop_at, crop_at + n_crops),
+                                 patches if len(patches.tokens) == n_crops else None))
+        crop_at += n_crops
+    if found.video_frames:
+        frames = found.video_frames // rows
+        video = _Segment(found.video.shape[0] // rows, slice(crop_at, crop_at + frames), _video_patches(config, frames),
+                         frames, True)
+        first = int((ids[0] == video_id).nonzero()[0])
+        images_before = int((ids[0, :first] == image_id).sum())  # the images whose tokens come before the video's
+        at, k = 0, 0
+        while k < len(segments) and at + segments[k].tokens <= images_before:
+            at += segments[k].tokens
+            k += 1
+        segments.insert(k, video)
+    return segments
+
+
 @torch.inference_mode()
 def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs,
                  image_token_id: int, turn_image: TurnImage | None = None) -> ReducedPrompt | None:
     """The prompt as the language model sees it after `policy`'s vision plan, or None when the policy has none for
-    these images (it then sees them as the model's own path encodes them). Several images (or a video's frames)
-    are each reduced on their own, each keeping its part of the budget in proportion to its tokens, and the text
+    these images (it then sees them as the model's own path encodes them). Several images are each reduced on
+    their own, and so is every frame of a natively read video (OneVision's: the plan then replaces the frame's
+    pooling, its newline token stays), each keeping its part of the budget in proportion to its tokens; the text
     between them stays. `turn_image`: the turn's images already through the tower (its recorded pass and the
     prompt's embeddings are read from it), else a pass of its own. Every row holds the same images."""
     if not has_vision_plan(policy):
         return None
     if isinstance(vision_inputs, torch.Tensor):
         vision_inputs = {"pixel_values": vision_inputs}
-    if vision_inputs.get("pixel_values_videos") is not None:
-        raise ValueError("this model reads the video on its own video path, which pools every frame after the "
-                         "vision tower, so a reduction inside the tower has no frames to work on; compare it on "
-                         "images, or with the frames given as images")
     config = model.config
     found = turn_image.recorded() if turn_image is not None else vision_features(model, dict(vision_inputs))
     hidden, attention, keys = found.hidden, found.attention, found.keys
@@ -97,40 +150,35 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
     embedded = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None
     rows, n = ids.shape
     per_row = hidden.shape[0] // rows
-    tokens_per_image = list(found.per_image) or [int(is_image[0].sum())]
-    n_images = len(tokens_per_image) // rows if len(tokens_per_image) % rows == 0 else len(tokens_per_image)
-    tokens_per_image = tokens_per_image[:n_images]
     vc = config.vision_config
     side = int(vc.image_size) // int(vc.patch_size)
     has_cls = hidden.shape[1] == side * side + 1
     projector = model.model.multi_modal_projector
     embed = model.get_input_embeddings()
-    sizes = vision_inputs.get("image_sizes")
-    crop_counts = _crops_per_image(config, sizes, per_row, n_images)
+    video_id = getattr(config, "video_token_id", None) if found.video_frames else None
+    segments = _segments(config, ids, found, vision_inputs.get("image_sizes"), rows, image_token_id, video_id)
+    total = sum(seg.tokens for seg in segments)
     out_ids, out_flags, out_embeds, record = [], [], [], None
     for r in range(rows):
         flags = is_image[r]
         where = flags.nonzero().flatten()
-        if where.numel() != sum(tokens_per_image):
-            raise ValueError(f"image features and image tokens do not match: {sum(tokens_per_image)} features, "
+        if where.numel() != total:
+            raise ValueError(f"image features and image tokens do not match: {total} features, "
                              f"{where.numel()} tokens")
         text = embedded[r] if embedded is not None else embed(ids[r:r + 1])[0]
         pieces_ids, pieces_flags, pieces_embeds, records = [], [], [], []
-        at, token_at, crop_at = 0, 0, r * per_row
-        for i, (n_tok, n_crops) in enumerate(zip(tokens_per_image, crop_counts)):
-            start, stop = int(where[token_at]), int(where[token_at + n_tok - 1]) + 1
-            if stop - start != n_tok:
+        at, token_at = 0, 0
+        for seg in segments:
+            start, stop = int(where[token_at]), int(where[token_at + seg.tokens - 1]) + 1
+            if stop - start != seg.tokens:
                 raise ValueError("a vision-side reduction needs each image's tokens as one block")
-            crops = slice(crop_at, crop_at + n_crops)
-            plan = policy.vision_plan(VisionCrops(attention[crops], keys[crops], has_cls, n, n_tok,
-                                                  where.numel() if n_images > 1 else None))
+            n_crops = seg.crops.stop - seg.crops.start
+            crops = slice(r * per_row + seg.crops.start, r * per_row + seg.crops.stop)
+            plan = policy.vision_plan(VisionCrops(attention[crops], keys[crops], has_cls, n, seg.tokens,
+                                                  total if len(segments) > 1 else None))
             if plan is None:
                 return None
-            height, width = (int(x) for x in sizes[(r * n_images + i) if sizes.shape[0] > n_images else i]) \
-                if sizes is not None else (vc.image_size, vc.image_size)
-            patches = crop_patches(config, width, height)
-            if len(patches.tokens) != n_crops:  # a layout we cannot place: keep the order, no overlay cells
-                patches = None
+            patches = seg.patches
             views = patches.views if patches is not None else (0,) * n_crops
             raster = patches.raster if patches is not None else tuple(np.arange(side * side) for _ in range(n_crops))
             order = _order(plan, views, raster, has_cls)
@@ -138,12 +186,16 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
             merged = [plan.crops[c].weights.to(feats.device) @ feats[c] for c in range(n_crops)]
             image = torch.stack([merged[c][k] for c, k in order])
             image = image if plan.projected else projector(image.to(hidden.dtype)[None])[0]
+            token = image_token_id
+            if seg.video:  # the video's newline token (its last feature) closes it, as on the model's own path
+                image = torch.cat([image, found.video[(r + 1) * seg.tokens - 1:(r + 1) * seg.tokens].float()])
+                token = video_id
             pieces_embeds += [text[at:start], image.to(text.dtype)]
-            pieces_ids += [ids[r, at:start], ids.new_full((len(order),), image_token_id)]
-            pieces_flags += [flags[at:start], flags.new_ones(len(order))]
+            pieces_ids += [ids[r, at:start], ids.new_full((image.shape[0],), token)]
+            pieces_flags += [flags[at:start], flags.new_ones(image.shape[0])]
             if r == 0:
-                records.append(_record(plan, order, patches, has_cls, n_tok, n_crops))
-            at, token_at, crop_at = stop, token_at + n_tok, crop_at + n_crops
+                records.append((_record(plan, order, patches, has_cls, seg.tokens, n_crops, seg.video), seg.pictures))
+            at, token_at = stop, token_at + seg.tokens
         out_embeds.append(torch.cat(pieces_embeds + [text[at:]]))
         out_ids.append(torch.cat(pieces_ids + [ids[r, at:]]))
         out_flags.append(torch.cat(pieces_flags + [flags[at:]]))
@@ -152,23 +204,30 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
     return ReducedPrompt(torch.stack(out_ids), torch.stack(out_flags), torch.stack(out_embeds), record)
 
 
-def _join_records(records: list[ImageTokenSources], positions: np.ndarray) -> ImageTokenSources:
-    """One record for the prompt's images: each image's cells shifted past the images before it."""
-    kinds, cells, offset = [], [], 0
-    for rec in records:
+def _join_records(records: list[tuple[ImageTokenSources, int]], positions: np.ndarray) -> ImageTokenSources:
+    """One record for the prompt's images: each image's (video's) cells shifted past the images before it, and
+    each LM token's image (frame) counted among them all."""
+    kinds, cells, images, offset, pictures = [], [], [], 0, 0
+    for rec, count in records:
         kinds += rec.kinds
         cells += [c + offset for c in rec.cells]
+        images.append(rec.images + pictures)
         offset += rec.original_tokens
+        pictures += count
     counts = {kind: kinds.count(kind) for kind in KINDS}
-    images = np.concatenate([np.full(rec.tokens, i) for i, rec in enumerate(records)])
-    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec in records), counts, positions, images)
+    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec, _ in records), counts, positions,
+                             np.concatenate(images))
 
 
-def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crops: int) -> ImageTokenSources:
-    kinds, cells = [], []
+def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crops: int,
+            video: bool = False) -> ImageTokenSources:
+    """What each LM token of one image (a video: of its frames, then its newline token) stands for; `images`: the
+    frame each came from (0 for an image)."""
+    kinds, cells, images = [], [], []
     for c, k in order:
         kind = plan.crops[c].kinds[k]
         kinds.append(kind)
+        images.append(c if video else 0)
         if kind == "cls" or patches is None:
             cells.append(np.zeros(0, dtype=np.int64))
             continue
@@ -176,5 +235,9 @@ def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crop
         sources = sources[sources >= 0]
         tokens = patches.tokens[c][sources]
         cells.append(np.unique(tokens[tokens >= 0]))
+    if video:  # the newline token: kept as it is, standing for itself
+        kinds.append("dominant")
+        cells.append(np.array([original - 1]))
+        images.append(crops - 1)
     counts = {kind: kinds.count(kind) for kind in KINDS}
-    return ImageTokenSources(kinds, cells, original, crops, counts)
+    return ImageTokenSources(kinds, cells, original, crops, counts, images=np.array(images, dtype=np.int64))

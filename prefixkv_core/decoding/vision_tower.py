@@ -28,11 +28,13 @@ class VisionFeatures:
     """One pass of the vision tower over a prompt's images (every crop it encoded)."""
 
     image: torch.Tensor  # [image tokens, H]: the model's own image features, in its image tokens' order
-    hidden: torch.Tensor | None = None  # [C, T, Hv]: the feature layer's hidden states, CLS included
+    hidden: torch.Tensor | None = None  # [C, T, Hv]: the feature layer's hidden states, CLS included (the
+    # images' crops, then a natively read video's frames)
     attention: torch.Tensor | None = None  # [C, T, T] fp32: the feature layer's attention averaged over heads
     keys: torch.Tensor | None = None  # [C, T, D] fp32: its keys averaged over heads
     per_image: tuple[int, ...] = ()  # the image features of each image, in order (their sum: image's rows)
     video: torch.Tensor | None = None  # [video tokens, H]: a video read natively (OneVision), every frame pooled
+    video_frames: int = 0  # its frames: the last crops of hidden/attention/keys when recorded
 
     @property
     def recorded(self) -> bool:
@@ -119,29 +121,46 @@ def _vision_implementation(model) -> str:
 VIDEO_KEY = "pixel_values_videos"
 
 
-def _video_features(model, pixels: torch.Tensor | None) -> torch.Tensor | None:
-    """A natively read video's features (OneVision's `get_video_features`: every frame pooled, one newline)."""
-    if pixels is None:
-        return None
+def _video_pass(model, pixels: torch.Tensor, record: bool):
+    """A natively read video through OneVision's `get_video_features` (every frame pooled, one newline) -> (its
+    features [video tokens, H], and with `record` the feature layer of every frame as crops: hidden states,
+    attention and keys, else Nones)."""
     cfg = model.config
-    out = model.get_video_features(pixel_values_videos=pixels, vision_feature_layer=cfg.vision_feature_layer,
-                                   vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
-    return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+    kwargs = dict(pixel_values_videos=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                  vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
+    if not record:
+        out = model.get_video_features(**kwargs)
+        return out.pooler_output.reshape(-1, out.pooler_output.shape[-1]), None, None, None
+    hidden_index, layer = feature_layer(cfg)
+    probe = _FeatureLayerProbe(layer, _vision_implementation(model))
+    with _vision_attention(model, probe):
+        out = model.get_video_features(**kwargs)
+    features = out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+    return features, out.hidden_states[hidden_index], probe.attention, probe.keys
+
+
+def _joined(*parts: torch.Tensor | None) -> torch.Tensor | None:
+    found = [p for p in parts if p is not None]
+    return torch.cat(found) if found else None
 
 
 @torch.inference_mode()
 def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFeatures:
     """The model's own image path once over every crop the tower encodes (and its video path over a video's
-    frames); with `record`, the feature layer's hidden states, attention and keys of the images too (ValueError
-    when the tower has no single feature layer to record)."""
+    frames); with `record`, the feature layer's hidden states, attention and keys too, the images' crops then the
+    video's frames (ValueError when the tower has no single feature layer to record)."""
     vision_inputs = dict(vision_inputs)
-    video = _video_features(model, vision_inputs.pop(VIDEO_KEY, None))
+    pixels_videos = vision_inputs.pop(VIDEO_KEY, None)
+    video, v_hidden, v_attention, v_keys = (_video_pass(model, pixels_videos, record) if pixels_videos is not None
+                                            else (None, None, None, None))
+    frames = 0 if pixels_videos is None else int(pixels_videos.shape[0] * pixels_videos.shape[1])
     if vision_inputs.get("pixel_values") is None:  # a video alone
         empty = torch.zeros(0, video.shape[-1], dtype=video.dtype, device=video.device)
-        return VisionFeatures(empty, video=video)
+        return VisionFeatures(empty, v_hidden, v_attention, v_keys, (), video, frames)
     if not record:
         out = model.get_image_features(**vision_inputs, return_dict=True)
-        return VisionFeatures(torch.cat(list(out.pooler_output)), per_image=_per_image(out), video=video)
+        return VisionFeatures(torch.cat(list(out.pooler_output)), per_image=_per_image(out), video=video,
+                              video_frames=frames)
     hidden_index, layer = feature_layer(model.config)
     probe = _FeatureLayerProbe(layer, _vision_implementation(model))
     with _vision_attention(model, probe):
@@ -149,8 +168,9 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
     if probe.attention is None or probe.calls != int(model.config.vision_config.num_hidden_layers):
         raise RuntimeError("the vision tower's attention was not recorded at its feature layer")
     # only the feature layer's hidden states are kept, not the tuple of every layer's
-    return VisionFeatures(torch.cat(list(out.pooler_output)), out.hidden_states[hidden_index], probe.attention,
-                          probe.keys, _per_image(out), video)
+    return VisionFeatures(torch.cat(list(out.pooler_output)), _joined(out.hidden_states[hidden_index], v_hidden),
+                          _joined(probe.attention, v_attention), _joined(probe.keys, v_keys), _per_image(out), video,
+                          frames)
 
 
 def _per_image(out) -> tuple[int, ...]:
