@@ -291,7 +291,14 @@ def test_registry_and_errors():
         "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
         "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction",
         "random": "KV eviction", "downsample": "prefill token reduction",
-        "dart": "prefill token reduction", "vlcache": "KV eviction"}
+        "dart": "prefill token reduction", "vlcache": "KV eviction", "random_drop": "prefill token reduction"}
+    # each method names the chance control of its own kind; the controls name none
+    assert {d["name"]: d["control"] for d in describe()} == {
+        **{m: "random" for m in ("local", "h2o", "snapkv", "adakv", "pyramidkv", "elastic", "lookm", "prefixkv",
+                                 "vlcache")},
+        **{m: "random_drop" for m in ("fastv", "dart", "visionzip")},
+        **{m: None for m in ("full", "zipvl", "random", "downsample", "random_drop")}}
+    assert {d["name"] for d in describe() if d["is_control"]} == {"random", "random_drop", "downsample"}
 
 
 def test_a_method_declares_a_known_stage():

@@ -1,9 +1,11 @@
-"""Random draws from the comparison's seed: the same seed keeps the same prompt entries (batched, alone, in both
-budget and query modes), another seed keeps others; one draw per layer, shared by every KV head."""
+"""Random draws from the comparison's seed and the request: the same seed and request keep the same prompt entries
+(batched, alone, in both budget and query modes), another seed or another question keeps others; one draw per
+layer, shared by every KV head. The image-token control (random_drop) draws the same way."""
 import pytest
 import torch
 
 from prefixkv_core import Engine, GenerationSettings
+from prefixkv_core.policies.base import draw_seed
 from prefixkv_core.policies.random_pruning import draw
 
 PROMPT = "Describe the image in a few words."
@@ -39,15 +41,34 @@ def test_the_same_seed_draws_the_same_entries_and_another_seed_others(tiny_llama
     for kept in _prompt_kept(first):  # round(r·N) per layer, the sink and the last prompt token among them
         assert len(kept) == round(0.4 * n) and kept[0] == 0 and kept[-1] == n - 1
     state = first.states["random"]
-    assert {f.key: f.value for f in state.policy.facts(state.policy_state)}["seed"] == 5  # shown in the panel
+    shown = {f.key: f.value for f in state.policy.facts(state.policy_state)}["seed"]  # shown in the panel
+    assert shown == draw_seed(5, first.visuals.fingerprint()) == state.policy.draw_seed
+
+
+def test_every_question_gets_a_draw_of_its_own(tiny_llama, noise_image):
+    """The draw depends on the request (prompt and pixels): two questions about one image, or one question about
+    two images, keep different entries at the same seed; the fingerprint of one request is stable."""
+    settings = GenerationSettings(max_new_tokens=1, seed=5)
+    engine = Engine(tiny_llama)
+
+    def kept(image, prompt):
+        session = engine.new_session(image, prompt, ["random"], 0.4, settings)
+        list(session.run())
+        return _prompt_kept(session), session.visuals.fingerprint()
+
+    base, key = kept(noise_image, PROMPT)
+    assert kept(noise_image, PROMPT) == (base, key)
+    assert kept(noise_image, PROMPT.replace("few", "couple of"))[0] != base
+    other = noise_image.transpose(0)
+    assert kept(other, PROMPT)[0] != base
 
 
 def test_the_draw_is_the_documented_one(tiny_llama, noise_image):
     """Layer l keeps the sink, the last prompt token and the others with the highest noise of row l of one
-    CPU draw of [L, N] seeded with the comparison's seed."""
+    CPU draw of [L, N] seeded with the comparison's seed mixed with the request's fingerprint."""
     session = _run(tiny_llama, noise_image, 11, budget=0.3)
     n, layers = session.prefill.prompt_tokens, tiny_llama.num_layers
-    noise = draw(11, layers, n)
+    noise = draw(draw_seed(11, session.visuals.fingerprint()), layers, n)
     capacity = round(0.3 * n)
     for i, kept in enumerate(_prompt_kept(session)):
         others = sorted(range(1, n - 1), key=lambda j: -float(noise[i, j]))[: capacity - 2]
@@ -78,3 +99,33 @@ def test_the_seed_is_not_a_knob(tiny_llama):
         make_policy("random", 0.3, seed=4)
     assert set(make_policy("random", 0.3).knobs()) == {"sinks", "recent"}
     assert torch.equal(draw(1, 2, 5), draw(1, 2, 5)) and not torch.equal(draw(1, 2, 5), draw(2, 2, 5))
+
+
+def test_random_drop_draws_image_tokens_only_once_for_every_later_layer(tiny_llama, noise_image):
+    """random_drop: layers 0 … K-1 hold every token; layers K and later the text and one drawn set of image tokens
+    (the same in every later layer), drawn from the seed and the request; budget_of=image keeps r of them."""
+    from prefixkv_core.policies.random_drop import image_draw
+
+    settings = GenerationSettings(max_new_tokens=2, seed=9)
+    session = Engine(tiny_llama).new_session(noise_image, PROMPT, ["random_drop"], 0.5, settings,
+                                             knobs={"random_drop": {"budget_of": "image"}})
+    list(session.run())
+    state = session.states["random_drop"]
+    assert state.error is None
+    pre = session.prefill
+    n, image = pre.prompt_tokens, [i for i, f in enumerate(pre.is_image) if f]
+    kept = _prompt_kept(session, "random_drop")
+    layer = state.policy.layer
+    assert all(k == list(range(n)) for k in kept[:layer])
+    later = {tuple(k) for k in kept[layer:]}
+    assert len(later) == 1
+    held = set(later.pop())
+    assert set(range(n)) - set(image) <= held  # every text token stays
+    noise = image_draw(draw_seed(9, session.visuals.fingerprint()), n)
+    chosen = sorted(image, key=lambda i: -float(noise[i]))[: round(0.5 * len(image))]
+    assert held & set(image) == set(chosen)
+    assert state.policy.control is None and state.policy.is_control
+    from prefixkv_core.policies import REGISTRY
+
+    assert REGISTRY["fastv"].control == REGISTRY["dart"].control == REGISTRY["visionzip"].control == "random_drop"
+    assert REGISTRY["snapkv"].control == "random" and REGISTRY["random"].is_control

@@ -23,6 +23,7 @@ from .local import LocalPolicy
 from .lookm import LookMPolicy
 from .prefixkv import PrefixKVPolicy
 from .pyramidkv import PyramidKVPolicy
+from .random_drop import RandomDropPolicy
 from .random_pruning import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .visionzip import VisionZipPolicy
@@ -103,7 +104,7 @@ def unregister(name: str) -> None:
 
 _BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
              LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy,
-             RandomPolicy, DownsamplePolicy, DARTPolicy, VLCachePolicy)
+             RandomPolicy, DownsamplePolicy, DARTPolicy, VLCachePolicy, RandomDropPolicy)
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)

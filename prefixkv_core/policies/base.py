@@ -155,6 +155,20 @@ class ResolveContext:
     num_layers: int
     budget: float
     seed: int = 0  # the comparison's seed (`GenerationSettings.seed`), for methods that draw at random
+    # a fingerprint of the request (its prompt, images and frames): the methods that draw at random draw from it
+    # and the seed together (`draw_seed`), so every question gets a draw of its own and a request its same draw
+    request: int = 0
+
+
+def draw_seed(seed: int, request: int) -> int:
+    """The seed of a random draw for one request: the comparison's seed mixed with the request's fingerprint
+    (0: the seed itself)."""
+    if not request:
+        return int(seed)
+    import hashlib
+
+    digest = hashlib.sha256(f"{int(seed)}:{int(request)}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
 
 
 class Prefilled(NamedTuple):
@@ -179,6 +193,11 @@ class Policy:
     stage: ClassVar[str] = "KV eviction"  # one of STAGES: where in inference this method saves memory
     sink_tokens: ClassVar[int] = 1
     roles: ClassVar[tuple[str, ...]] = ()  # any of ROLES this method plays in a comparison
+    # the chance control of this method's own kind, which its table lines are read against: the KV-eviction
+    # Random for the methods that keep cache entries, the image-token drop for those that drop image tokens;
+    # None for a control itself and for the methods no control is drawn for
+    control: ClassVar[str | None] = "random"
+    is_control: ClassVar[bool] = False
     # knobs the benchmarks also take as a flag of their own, --<method>-<knob> (method_args.add_knob_flags): knob
     # -> what its default, "auto", picks for the model (`auto_knob` picks it)
     flag_knobs: ClassVar[dict[str, str]] = {}
@@ -304,7 +323,8 @@ class Policy:
                 "integer": info.integer, "sequence": info.sequence, "editable": info.editable,
             })
         return {"name": cls.name, "label": cls.label, "summary": cls.summary, "schedule": cls.schedule,
-                "stage": cls.stage, "uses_budget": cls.uses_budget, "roles": list(cls.roles), "colour": cls.colour, "knobs": cls.knobs(), "knob_details": details}
+                "stage": cls.stage, "uses_budget": cls.uses_budget, "roles": list(cls.roles), "colour": cls.colour,
+                "control": cls.control, "is_control": cls.is_control, "knobs": cls.knobs(), "knob_details": details}
 
 
 def budget_count(ratio: float, n: int, min_keep: int = 1) -> int:

@@ -74,6 +74,8 @@ class DownsamplePolicy(Policy):
     Visual Token Compression Methods" (Liao et al., 2025, VTC-Bench), https://arxiv.org/abs/2510.07143"""
 
     name = "downsample"
+    control = None
+    is_control = True
     label = "Downsample"
     summary = ("A control: each crop's patch grid is average-pooled to a smaller grid (side ≈ √r'·side), so the "
                "language model sees fewer image tokens, none chosen by importance. Prompt only.")

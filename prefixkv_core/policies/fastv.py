@@ -22,7 +22,7 @@ import torch
 from ..kv.attention import StatRequest
 from ..models.embedded import EMBEDDED_SLUG
 from .base import (Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, TokenDrop,
-                   knob)
+                   draw_seed, knob)
 
 BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
@@ -105,6 +105,7 @@ class ImageDropPolicy(Policy):
 
     schedule = "prompt only"
     stage = "prefill token reduction"
+    control = "random_drop"
 
     layer: int = knob(2, help="K: layers 0 … K-1 see every token; layers K and later never see the dropped image "
                               "tokens", low=1, high=1024, integer=True)
@@ -179,12 +180,15 @@ class FastVPolicy(ImageDropPolicy):
     layer: int = knob(2, help="K: layers 0 … K-1 see every token; layer K-1 ranks the image tokens and layers K and "
                               "later never see the dropped ones", low=1, high=1024, integer=True)
     rank: str = knob("last_query", help=RANK_HELP, choices=RANKS)
-    # not knobs, set by `resolve`: the comparison's seed (the random ranking's draw) and the model's slug
+    # not knobs, set by `resolve`: the comparison's seed and the request's fingerprint (the random ranking's
+    # draw, `draw_seed`) and the model's slug
     seed: int = field(default=0, kw_only=True)
+    request: int = field(default=0, kw_only=True)
     model_slug: str = field(default="", kw_only=True)
 
     def resolve(self, context: ResolveContext) -> "FastVPolicy":
-        return dataclasses.replace(self, seed=int(context.seed), model_slug=context.model_slug)
+        return dataclasses.replace(self, seed=int(context.seed), request=int(context.request),
+                                   model_slug=context.model_slug)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
         # layer K-1's last query ranks the image tokens; the column sums are always recorded
@@ -205,4 +209,4 @@ class FastVPolicy(ImageDropPolicy):
         if self.rank == "last_query" and layer_stats.get("last_query") is None:
             raise PolicyError("FastV ranks the image tokens by the last query's attention of layer K-1, recorded by "
                               "its own prefill (runner.own_prefill)")
-        return fastv_keep(rank_scores(layer_stats, self.rank, self.seed), is_image, keep)
+        return fastv_keep(rank_scores(layer_stats, self.rank, draw_seed(self.seed, self.request)), is_image, keep)

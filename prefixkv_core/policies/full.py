@@ -12,6 +12,7 @@ class FullPolicy(Policy):
     Paper: "Attention Is All You Need" (Vaswani et al., 2017), https://arxiv.org/abs/1706.03762"""
 
     name = "full"
+    control = None
     label = "Full"
     summary = "No compression; must match plain generation token for token."
     colour = "#222222"  # black: the reference stands out in every figure

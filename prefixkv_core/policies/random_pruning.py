@@ -9,8 +9,9 @@ Each layer keeps round(r·N) prompt entries: the always-kept ones (the first `si
 `recent` prompt tokens; by default only the attention sink and the last prompt token, which every method here
 keeps) and a uniform random sample of the others. One draw per layer, shared by every KV head (the literature's
 random pruning drops tokens, not heads' entries), from a generator seeded with the comparison's seed
-(`GenerationSettings.seed`, handed over by `resolve`), so the same seed draws the same entries, batched or
-alone. Prompt only: generated tokens are all kept (as SnapKV does); the equal-memory mode evicts the prompt by
+(`GenerationSettings.seed`, handed over by `resolve`) mixed with the request's fingerprint (its prompt, images
+and frames: `ResolveContext.request`), so every question gets a draw of its own and the same request and seed
+draw the same entries, batched or alone. Prompt only: generated tokens are all kept (as SnapKV does); the equal-memory mode evicts the prompt by
 the same draw.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, ResolveContext, budget_count, knob
+from .base import (Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, ResolveContext, budget_count, draw_seed,
+                   knob)
 from .eviction_order import ranked
 
 SINKS_HELP = ("leading prompt tokens always kept (1: only the attention sink, which every method keeps; "
@@ -66,6 +68,8 @@ class RandomPolicy(Policy):
     UniPruneBench), https://arxiv.org/abs/2511.02650"""
 
     name = "random"
+    control = None
+    is_control = True
     label = "Random"
     summary = ("A control: each layer keeps round(r·N) prompt entries drawn uniformly at random (the sink and the "
                "last prompt token always), one draw per layer from the comparison's seed. Compresses the prompt "
@@ -76,21 +80,27 @@ class RandomPolicy(Policy):
 
     sinks: int = knob(1, help=SINKS_HELP, low=1, high=64, integer=True)
     recent: int = knob(1, help=RECENT_HELP, low=1, high=4096, integer=True)
-    # the draw's seed: not a knob, the comparison's seed (`ResolveContext.seed`), set by `resolve`
+    # not knobs, set by `resolve`: the comparison's seed (`ResolveContext.seed`) and the request's fingerprint,
+    # which together seed the draw (`draw_seed`)
     seed: int = field(default=0, kw_only=True)
+    request: int = field(default=0, kw_only=True)
 
     def resolve(self, context: ResolveContext) -> "RandomPolicy":
-        return dataclasses.replace(self, seed=int(context.seed))
+        return dataclasses.replace(self, seed=int(context.seed), request=int(context.request))
+
+    @property
+    def draw_seed(self) -> int:
+        return draw_seed(self.seed, self.request)
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n = view.prompt_len
         capacity = budget_count(self.budget, n, min_keep=2)
         sinks, recent = forced_counts(self.sinks, self.recent, capacity)
-        state = RandomState(seed=self.seed, forced=(sinks, recent))
+        state = RandomState(seed=self.draw_seed, forced=(sinks, recent))
         if (sinks, recent) != (self.sinks, self.recent):
             state.notes.append(f"sinks {self.sinks} + recent {self.recent} do not fit in the budget of {capacity} "
                                f"entries per layer: kept {sinks} + {recent}")
-        noise = draw(self.seed, view.num_layers, n)
+        noise = draw(self.draw_seed, view.num_layers, n)
         plans = []
         for i in range(view.num_layers):
             positions = view.layer(i).positions[:, :1]
@@ -101,7 +111,7 @@ class RandomPolicy(Policy):
         """The same draw orders the prompt's eviction (held at r·N_t in equal-memory mode)."""
         n = view.prompt_len
         sinks, recent = state.forced
-        noise = draw(self.seed, view.num_layers, n)
+        noise = draw(self.draw_seed, view.num_layers, n)
         pos = torch.arange(n)
         first = (pos < sinks) | (pos >= n - recent)
         device = view.layer(0).positions.device
@@ -115,7 +125,8 @@ class RandomPolicy(Policy):
         out = super().facts(state)
         if isinstance(state, RandomState):
             sinks, recent = state.forced
-            out.append(Fact("seed", "seed", state.seed, fmt="d", unit=" (one draw per layer, shared by its KV heads)"))
+            out.append(Fact("seed", "draw", state.seed, fmt="d",
+                            unit=f" (seed {self.seed} and this request; one draw per layer, shared by its KV heads)"))
             out.append(Fact("always_kept", "always kept", sinks + recent, fmt="d",
                             unit=f" entries per layer ({sinks} first, {recent} newest prompt)"))
         return out

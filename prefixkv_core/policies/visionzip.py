@@ -97,6 +97,7 @@ class VisionZipPolicy(Policy):
     Language Models" (Yang et al., CVPR 2025), https://arxiv.org/abs/2412.04467"""
 
     name = "visionzip"
+    control = "random_drop"
     label = "VisionZip"
     summary = ("Prefill token reduction in the vision tower: per crop, the most attended tokens stay and the rest "
                "are merged into a few contextual tokens, so the language model sees fewer image tokens.")

@@ -56,6 +56,7 @@ class ZipVLPolicy(Policy):
     Compression" (He et al., 2024), https://arxiv.org/abs/2410.08584"""
 
     name = "zipvl"
+    control = None  # it keeps every entry: no draw of entries to compare with
     label = "ZipVL"
     summary = ("Keeps every token; important tokens (the fewest holding τ of the attention, per layer) at "
                "4 bit, the rest at 2 bit. The budget slider does not apply: τ sets the trade-off.")

@@ -128,17 +128,18 @@ class Engine:
         generation = generation or GenerationSettings()
         generation.validate()
         knobs = knobs or {}
-        # what a policy may need before it runs (e.g. offline PrefixKV's calibrated ratios, Random's seed)
+        visuals = gather_visuals(self.loaded, prompt, load_images(image), video, frames,
+                                 max_new_tokens=generation.max_new_tokens)
+        # what a policy may need before it runs (e.g. offline PrefixKV's calibrated ratios, Random's seed and the
+        # request it draws for)
         context = ResolveContext(self.loaded.slug, self.loaded.name, self.loaded.num_layers, budget,
-                                 seed=generation.seed)
+                                 seed=generation.seed, request=visuals.fingerprint())
         policies = {}
         for name in names:
             try:
                 policies[name] = make_policy(name, budget, budget_mode, **dict(knobs.get(name, {}))).resolve(context)
             except (PolicyError, TypeError) as exc:
                 raise EngineError(str(exc)) from None
-        visuals = gather_visuals(self.loaded, prompt, load_images(image), video, frames,
-                                 max_new_tokens=generation.max_new_tokens)
         return Session(self, visuals, prompt, policies, budget, generation, knobs,
                        chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic,
                        time_alone=time_alone or not batched, batched=batched)

@@ -54,6 +54,17 @@ class TurnVisuals:
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.in_order()]
 
+    def fingerprint(self) -> int:
+        """A 64-bit fingerprint of the request: the prompt and every image's and frame's pixels (what the methods
+        that draw at random draw from, with the comparison's seed)."""
+        import hashlib
+
+        h = hashlib.sha256(self.prompt.encode())
+        for _, picture in self.in_order():
+            h.update(f"{picture.size}{picture.mode}".encode())
+            h.update(picture.tobytes())
+        return int.from_bytes(h.digest()[:8], "little") or 1
+
     def describe(self) -> dict:
         out: dict[str, Any] = {"images": [list(im.size) for im in self.images[:self.n_images]]}
         if self.video is not None:
