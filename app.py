@@ -7,7 +7,7 @@
 Every flag also reads an environment variable (PREFIXKV_MODEL, PREFIXKV_DEVICE, PREFIXKV_DTYPE,
 PREFIXKV_HOST, PORT, PREFIXKV_METHODS, PREFIXKV_MAX_NEW_TOKENS_LIMIT, and the limits: PREFIXKV_MAX_PROMPT_CHARS,
 PREFIXKV_MAX_PROMPT_TOKENS, PREFIXKV_MAX_RUN_TOKENS, PREFIXKV_MAX_IMAGE_MB, PREFIXKV_MAX_IMAGE_MEGAPIXELS,
-PREFIXKV_MAX_SESSIONS, PREFIXKV_SESSION_IDLE_MINUTES, PREFIXKV_CACHE_LIMIT_MB, PREFIXKV_MEMORY_LIMIT_MB,
+PREFIXKV_MAX_VIDEO_MB, PREFIXKV_MAX_VIDEO_MEGAPIXELS, PREFIXKV_MAX_SESSIONS, PREFIXKV_SESSION_IDLE_MINUTES, PREFIXKV_CACHE_LIMIT_MB, PREFIXKV_MEMORY_LIMIT_MB,
 PREFIXKV_QUEUE_SIZE), which is how the Docker image / a Hugging Face Space sets them. No share link is ever
 opened.
 """
@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="image size however it arrives: upload, data URL or API file (default 10)")
     g.add_argument("--max-image-megapixels", type=_positive(float),
                    default=_env("PREFIXKV_MAX_IMAGE_MEGAPIXELS", "40"), help="decoded image size (default 40)")
+    g.add_argument("--max-video-mb", type=_positive(float), default=_env("PREFIXKV_MAX_VIDEO_MB", "64"),
+                   help="video file size, uploads only (default 64)")
+    g.add_argument("--max-video-megapixels", type=_positive(float),
+                   default=_env("PREFIXKV_MAX_VIDEO_MEGAPIXELS", "100"),
+                   help="a video's sampled frames together, frames x width x height, read from its header before "
+                        "decoding (default 100)")
     g.add_argument("--max-sessions", type=_positive(int), default=_env("PREFIXKV_MAX_SESSIONS", "6"),
                    help="conversations that keep their KV caches for follow-ups; least recently used dropped "
                         "first (default 6)")
@@ -108,7 +114,8 @@ def build_limits(args: argparse.Namespace, loaded):
 
     return Limits(max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
                   max_run_tokens=args.max_run_tokens, max_image_bytes=int(args.max_image_mb * MB),
-                  max_image_pixels=int(args.max_image_megapixels * 1e6), max_sessions=args.max_sessions,
+                  max_image_pixels=int(args.max_image_megapixels * 1e6), max_video_bytes=int(args.max_video_mb * MB),
+                  max_video_pixels=int(args.max_video_megapixels * 1e6), max_sessions=args.max_sessions,
                   idle_s=args.session_idle_minutes * 60, max_batch_users=args.max_batch_users,
                   cache_limit_bytes=ceiling(args.cache_limit_mb, lambda: default_cache_limit(loaded)),
                   memory_limit_bytes=ceiling(args.memory_limit_mb, default_memory_limit))
@@ -144,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     from ui.app_builder import build_app, launch_kwargs
 
     limits = build_limits(args, loaded)
-    log.info("limits: prompt %d characters / %d tokens, conversation %d tokens, image %s, %d conversations "
-             "holding caches (idle %.0f min), cache limit %s, memory limit %s, %d users decoded at once",
+    log.info("limits: prompt %d characters / %d tokens, conversation %d tokens, image %s, video %s, %d "
+             "conversations holding caches (idle %.0f min), cache limit %s, memory limit %s, %d users decoded at once",
              limits.max_prompt_chars, limits.max_prompt_tokens, limits.max_run_tokens, limits.image_limit_text,
+             f"{limits.max_video_bytes / 2**20:g} MB and {limits.max_video_pixels / 1e6:g} megapixels of frames",
              limits.max_sessions, limits.idle_s / 60, _mb(limits.cache_limit_bytes), _mb(limits.memory_limit_bytes),
              limits.max_batch_users)
     demo = build_app(Engine(loaded), methods=methods, max_new_tokens_limit=args.max_new_tokens_limit, limits=limits,

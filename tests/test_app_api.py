@@ -99,3 +99,43 @@ def test_two_users_are_served_one_after_the_other(url, api_client):
         t.join(150)
     assert results["a"][-1]["prompts"] == ["first user"] and results["b"][-1]["prompts"] == ["second user"]
     assert results["a"][-1]["finished"] and results["b"][-1]["finished"]
+
+
+def test_several_images_and_a_video_through_the_api(url, image_file, api_client, tmp_path):
+    """The gallery's images after the image, then a video's frames: one comparison over all of them, the overlay
+    drawing each, the record naming each one's kept share; a follow-up stays text-only."""
+    from gradio_client import handle_file
+
+    from ui.visual_panel import MULTI_ASSETS, VIDEO_ASSETS
+
+    client = api_client(url)
+    names = [p["parameter_name"] for p in
+             client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/compare"]["parameters"]]
+    assert {"images", "video", "frames"} <= set(names)
+    sets = sorted(MULTI_ASSETS.glob("*.png"))[:3]
+    final = client.predict(handle_file(image_file), "Which image shows a green cross?", ["full", "h2o"], 0.3, 4,
+                           images=[{"image": handle_file(str(p))} for p in sets], api_name="/compare")
+    results = final[-1]
+    assert results["finished"] and results["prefill"]["image_tokens"] == 16 * 4
+    assert len(results["visuals"]["images"]) == 4 and "video" not in results["visuals"]
+    assert len(results["methods"]["h2o"]["kept_per_image"]) == 4
+    gallery = final[1 + 2 * len(METHODS) + 5]
+    assert len(gallery) == 2 and "image 4" in gallery[1]["caption"]
+    follow = client.predict("And the second one?", api_name="/follow_up")
+    assert follow[-1]["prompts"][-1] == "And the second one?"
+
+    clip = VIDEO_ASSETS / "clip-0.mp4"
+    final = client.predict(None, "What shape appears last?", ["full", "snapkv"], 0.3, 3, video=handle_file(str(clip)),
+                           frames=5, api_name="/compare")
+    results = final[-1]
+    assert results["finished"] and results["visuals"]["video"]["frames"] == 5
+    assert results["prefill"]["image_tokens"] == 16 * 5 and len(results["methods"]["snapkv"]["kept_per_image"]) == 5
+    caption = final[1 + 2 * len(METHODS) + 5][0]["caption"]
+    assert "frames 0.0 s" in caption
+
+    # a corrupt video: a message, and the app keeps serving
+    bad = tmp_path / "broken.mp4"
+    bad.write_bytes(clip.read_bytes()[:1500])
+    with pytest.raises(Exception, match="video: not a readable video"):
+        client.predict(None, "hi", ["full"], 0.3, 2, video=handle_file(str(bad)), api_name="/compare")
+    assert client.predict(None, "hello", ["full"], 0.3, 2, api_name="/compare")[-1]["finished"]

@@ -89,3 +89,37 @@ def test_browser_run_charts_slider_export_and_error(url, tmp_path):
             assert shot.stat().st_size > 50_000
         finally:
             browser.close()
+
+
+def test_browser_several_images_and_a_video(url):
+    """The video input and the gallery are on the page; the clip example shows the Frames slider; the image-set
+    example fills the gallery, and a comparison over it draws every image in the overlay."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        try:
+            page.goto(url, wait_until="domcontentloaded")
+            expect(page.locator("#video-input")).to_be_visible(timeout=60_000)
+            expect(page.locator("#images-input")).to_be_visible()
+            expect(page.locator("#frames")).to_be_hidden()
+            sets = page.get_by_text("Several images · a video clip").locator("xpath=..")
+            sets.scroll_into_view_if_needed()
+            sets.locator("tbody tr, .gallery-item, button").last.click()  # the clip
+            expect(page.locator("#frames")).to_be_visible(timeout=20_000)
+            expect(page.locator("#prompt textarea")).to_have_value("What shape appears last?")
+            sets.locator("tbody tr, .gallery-item, button").first.click()  # the image set
+            expect(page.locator("#images-input img")).to_have_count(4, timeout=20_000)
+            expect(page.locator("#frames")).to_be_hidden(timeout=20_000)
+            page.locator("#max-new input[type=number]").fill("3")
+            page.locator("#max-new input[type=number]").press("Enter")
+            page.locator("#run").click()
+            expect(page.locator("#status-line")).to_contain_text("Done", timeout=90_000)
+            gallery = page.locator("#overlay")
+            gallery.scroll_into_view_if_needed()
+            expect(gallery.locator("img")).to_have_count(3, timeout=30_000)
+            expect(gallery).to_contain_text("image 4")
+            assert "Traceback" not in page.content()
+        finally:
+            browser.close()

@@ -44,6 +44,6 @@ def test_main_builds_and_launches_without_share(app_module, monkeypatch):
     assert app_module.main(["--model", "tiny-llama", "--port", "7901", "--methods", "full,h2o,prefixkv",
                             "--max-new-tokens-limit", "16"]) == 0
     assert seen["server_name"] == "127.0.0.1" and seen["server_port"] == 7901 and seen["share"] is False
-    assert seen["max_file_size"] == "10mb"
+    assert seen["max_file_size"] == "64mb"  # the larger of the image (10 MB) and video (64 MB) limits
     assert seen["blocks"].controller.methods == ["full", "h2o", "prefixkv"]
     assert seen["blocks"].controller.limit == 16

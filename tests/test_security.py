@@ -22,13 +22,17 @@ from PIL import Image
 
 from prefixkv_core import METHODS, Engine
 from prefixkv_core.limits import IMAGE_REFUSED, MB, LimitError, Limits
+from prefixkv_core.session.video_input import VIDEO_REFUSED
 from prefixkv_core.testing import wait_until
 
 SECRET_RGB = (255, 0, 255)  # no tiny-model overlay or test image is pure magenta
 # one run at a time: the queue's behaviour (a second user waits, Stop cancels it) is tested with this server
 LIMITS = Limits(max_image_bytes=300_000, max_image_pixels=250_000, max_prompt_tokens=256, max_run_tokens=1024,
-                max_sessions=3, idle_s=600, cache_limit_bytes=None, memory_limit_bytes=None, max_batch_users=1)
+                max_sessions=3, idle_s=600, cache_limit_bytes=None, memory_limit_bytes=None, max_batch_users=1,
+                max_video_bytes=200_000, max_video_pixels=5_000_000)
 REFUSED = f"image: {IMAGE_REFUSED}"
+VIDEO_REFUSED_AS_SENT = f"video: {VIDEO_REFUSED}"
+CLIP = Path(__file__).resolve().parent.parent / "assets" / "videos" / "clip-0.mp4"
 
 
 # -- fixtures and helpers ------------------------------------------------------------------------------------
@@ -189,6 +193,119 @@ def test_gradio_file_route_refuses_paths_outside_the_examples(server, secret):
     assert httpx.get(server.api + "file=" + str(ASSETS / "chelsea.jpg")).status_code == 200
 
 
+def test_server_files_named_as_more_images_or_a_video_are_refused_with_one_message(server, secret, tmp_path):
+    """The gallery and the video input hold the image's line: a path that was not uploaded (with Gradio's marker or
+    without, through a symlink, missing, a folder, a device, not a video) gets one sentence per input, nothing else
+    is opened, and nothing streams back."""
+    upload = _upload_dir()
+    link = upload / f"link-{os.getpid()}.mp4"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(secret)
+    meta = {"_type": "gradio.FileData"}
+    try:
+        paths = [{"path": secret}, {"path": secret, "meta": meta}, {"path": str(link)}, {"path": str(link), "meta": meta},
+                 {"path": "/nonexistent/clip.mp4"}, {"path": str(tmp_path)}, {"path": "/dev/zero"},
+                 {"path": "/etc/passwd"}, {"path": "https://example.com/huge.mp4", "meta": meta},
+                 {"path": str(upload / ".." / Path(secret).relative_to("/")), "meta": meta}]
+        for field, wrap, expected in (("video", lambda p: p, VIDEO_REFUSED_AS_SENT),
+                                      ("images", lambda p: [{"image": p}], f"images: {IMAGE_REFUSED}")):
+            messages = set()
+            for payload in paths:
+                kind, message = _raw(server, "compare", _inputs(server, prompt="hi", methods=["full"],
+                                                                max_new_tokens=2, **{field: wrap(payload)}))
+                assert kind == "error", (field, payload)
+                messages.add(message)
+            assert messages == {expected}
+    finally:
+        link.unlink()
+    # a text file uploaded properly but named .mp4, and a truncated clip: not a video, the same sentence
+    fake = upload / f"fake-{os.getpid()}.mp4"
+    fake.write_bytes(b"hello, not a video")
+    cut = upload / f"cut-{os.getpid()}.mp4"
+    cut.write_bytes(CLIP.read_bytes()[:2000])
+    try:
+        for bad in (fake, cut):
+            kind, message = _raw(server, "compare", _inputs(server, prompt="hi", methods=["full"], max_new_tokens=2,
+                                                            video={"path": str(bad), "meta": meta}))
+            assert (kind, message) == ("error", VIDEO_REFUSED_AS_SENT)
+    finally:
+        fake.unlink()
+        cut.unlink()
+
+    client = server.client()  # through gradio_client: nothing comes back
+    job = client.submit(None, "Describe.", ["full"], 0.3, 2, video={"path": secret}, api_name="/compare")
+    with pytest.raises(Exception, match="not a readable video"):
+        job.result(timeout=60)
+    assert job.outputs() == []
+    client.close()
+    from ui.controller import SessionBox  # a direct call: the controller checks paths itself
+
+    with pytest.raises(Exception, match="video: not a readable video"):
+        list(server.ctl.compare(None, "hi", ["full"], 0.3, 2, box=SessionBox(), video=secret))
+    with pytest.raises(Exception, match="image 2 of 2: not a readable image"):
+        list(server.ctl.compare(None, "hi", ["full"], 0.3, 2, box=SessionBox(), images=[Image.new("RGB", (8, 8)), secret]))
+
+
+def test_video_limits_are_checked_before_decoding(server):
+    """Bytes from the file's size, before it is opened as a video (random bytes over the limit are refused for
+    their size, not for what they are); the frames' pixels from the stream's header; the upload route holds a
+    video to the larger of the two file limits."""
+    meta = {"_type": "gradio.FileData"}
+    big = _upload_dir() / f"big-{os.getpid()}.mp4"
+    big.write_bytes(os.urandom(250_000))
+    try:
+        kind, message = _raw(server, "compare", _inputs(server, prompt="hi", methods=["full"], max_new_tokens=2,
+                                                        video={"path": str(big), "meta": meta}))
+        assert kind == "error" and message.startswith("video: the video is 0.2 MB; the limit is 0.190735 MB")
+    finally:
+        big.unlink()
+    from ui.controller import SessionBox
+
+    with pytest.raises(Exception, match=r"video: the video is 0\.0 MB; the limit is 0\.00476837 MB"):
+        _with_limits(server, max_video_bytes=5_000)  # a real clip, over a smaller limit: refused the same way
+    # 40 frames of 384 x 384 are 5.9 megapixels: over this server's 5, refused from the header
+    with pytest.raises(Exception, match=r"40 frames of 384×384 pixels are 6 megapixels; the limit is 5: ask for at most "
+                                        r"33 frames"):
+        list(server.ctl.compare(None, "hi", ["full"], 0.3, 2, box=SessionBox(), video=str(CLIP), frames=40))
+    r = httpx.post(server.api + "upload", files={"files": ("big.mp4", b"\0" * 310_000, "video/mp4")})
+    assert r.status_code == 413
+
+
+def _with_limits(server, **changes):
+    """A compare on this server's model with other limits (a direct call: the controller's own checks)."""
+    from dataclasses import replace
+
+    from ui.app_builder import build_app
+    from ui.controller import SessionBox
+
+    ctl = build_app(server.ctl.engine, max_new_tokens_limit=8, limits=replace(LIMITS, **changes)).controller
+    try:
+        list(ctl.compare(None, "hi", ["full"], 0.3, 2, box=SessionBox(), video=str(CLIP)))
+    finally:
+        ctl.registry.close()
+
+
+def test_a_video_and_several_images_that_are_allowed_work_and_show_no_secret_pixel(server, secret, noise_file):
+    from gradio_client import handle_file
+
+    from ui.visual_panel import MULTI_ASSETS
+
+    client = server.client()
+    out = client.predict(None, "Which image?", ["full", "h2o"], 0.3, 2,
+                         images=[{"image": handle_file(noise_file)}, {"image": {"path": str(MULTI_ASSETS / "multi-0-1.png")}},
+                                 {"image": {"url": _data_url(Image.open(noise_file))}}],
+                         video=handle_file(str(CLIP)), frames=3, api_name="/compare")
+    results = out[-1]
+    assert results["finished"] and results["prefill"]["image_tokens"] == 16 * 6
+    assert len(results["visuals"]["images"]) == 3 and results["visuals"]["video"]["frames"] == 3
+    for item in out[1 + 2 * len(METHODS) + 5]:
+        url = item["image"]["url"]
+        image = Image.open(io.BytesIO(httpx.get(url if url.startswith("http") else server.url + url).content))
+        assert not _has_secret_pixels(image)
+    client.close()
+
+
 # -- 3. one size limit for every way an image arrives --------------------------------------------------------
 
 def test_image_limits_apply_to_uploads_data_urls_and_file_objects(server):
@@ -276,6 +393,13 @@ TYPE_CASES = [
     (dict(zipvl__tau=7), "zipvl__tau must be a number"),
     (dict(image="abc"), "image must be null, a file object from the upload route"),
     (dict(image=123), "image must be null, a file object from the upload route"),
+    (dict(images="abc"), "images must be null or a list of"),
+    (dict(images=[{"image": 5}]), "images must be null or a list of"),
+    (dict(video=123), "video must be null or a file object from the upload route"),
+    (dict(frames=0), "frames must be a whole number from 1 to 64, got 0"),
+    (dict(frames=65), "frames must be a whole number from 1 to 64, got 65"),
+    (dict(frames=2.5), "frames must be a whole number from 1 to 64, got 2.5"),
+    (dict(frames="x"), "frames must be a whole number from 1 to 64, got 'x'"),
 ]
 
 
@@ -581,7 +705,8 @@ def test_registry_keeps_at_most_max_sessions_and_releases_on_disconnect():
 # -- the settings ------------------------------------------------------------------------------------------
 
 LIMIT_VARS = ("PREFIXKV_MAX_PROMPT_CHARS", "PREFIXKV_MAX_PROMPT_TOKENS", "PREFIXKV_MAX_RUN_TOKENS",
-              "PREFIXKV_MAX_IMAGE_MB", "PREFIXKV_MAX_IMAGE_MEGAPIXELS", "PREFIXKV_MAX_SESSIONS",
+              "PREFIXKV_MAX_IMAGE_MB", "PREFIXKV_MAX_IMAGE_MEGAPIXELS", "PREFIXKV_MAX_VIDEO_MB",
+              "PREFIXKV_MAX_VIDEO_MEGAPIXELS", "PREFIXKV_MAX_SESSIONS",
               "PREFIXKV_SESSION_IDLE_MINUTES", "PREFIXKV_CACHE_LIMIT_MB", "PREFIXKV_MEMORY_LIMIT_MB",
               "PREFIXKV_QUEUE_SIZE")
 
@@ -599,13 +724,17 @@ def test_limits_come_from_flags_and_environment(tiny_llama, monkeypatch):
                                                                               6, 600)
     assert limits.cache_limit_bytes == default_cache_limit(tiny_llama) > 0
     assert limits.memory_limit_bytes == default_memory_limit()
+    assert (limits.max_video_bytes, limits.max_video_pixels) == (64 * MB, 100_000_000)
 
     monkeypatch.setenv("PREFIXKV_MAX_SESSIONS", "2")
     monkeypatch.setenv("PREFIXKV_CACHE_LIMIT_MB", "off")
     monkeypatch.setenv("PREFIXKV_MEMORY_LIMIT_MB", "512")
-    args = app.parse_args(["--max-image-mb", "2.5", "--session-idle-minutes", "0.5", "--queue-size", "8"])
+    monkeypatch.setenv("PREFIXKV_MAX_VIDEO_MEGAPIXELS", "20")
+    args = app.parse_args(["--max-image-mb", "2.5", "--session-idle-minutes", "0.5", "--queue-size", "8",
+                           "--max-video-mb", "16"])
     limits = app.build_limits(args, tiny_llama)
     assert (limits.max_sessions, limits.cache_limit_bytes, limits.memory_limit_bytes) == (2, None, 512 * MB)
+    assert (limits.max_video_bytes, limits.max_video_pixels) == (16 * MB, 20_000_000)
     assert (limits.max_image_bytes, limits.idle_s, args.queue_size) == (int(2.5 * MB), 30.0, 8)
     for bad in (["--max-sessions", "0"], ["--cache-limit-mb", "lots"], ["--max-prompt-tokens", "-5"]):
         with pytest.raises(SystemExit):
@@ -622,13 +751,15 @@ def test_main_launches_with_the_limits(monkeypatch):
     seen = {}
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: seen.update(kwargs, blocks=self))
     assert app.main(["--model", "tiny-llama", "--max-image-mb", "2", "--max-sessions", "3", "--queue-size", "5",
-                     "--memory-limit-mb", "off"]) == 0
+                     "--memory-limit-mb", "off", "--max-video-mb", "1"]) == 0
     demo = seen["blocks"]
-    assert seen["max_file_size"] == "2mb" and demo.limits.max_image_bytes == 2 * MB
+    assert seen["max_file_size"] == "2mb" and demo.limits.max_image_bytes == 2 * MB  # the larger file limit
+    assert demo.limits.max_video_bytes == 1 * MB
     assert demo.controller.registry.limits.max_sessions == 3 and demo.limits.memory_limit_bytes is None
     assert demo._queue.max_size == 5
     (middleware,) = seen["app_kwargs"]["middleware"]
     assert middleware.kwargs["max_bytes"] == 2 * MB * 4 // 3 + 1 + MB  # one image as base64 text, and the rest
+    assert middleware.kwargs["upload_max_bytes"] == 16 * 2 * MB + MB  # the upload route: a selection of images
     demo.controller.registry.close()
 
 

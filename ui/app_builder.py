@@ -26,13 +26,13 @@ from prefixkv_core.report.leaderboard_store import LeaderboardStore
 from .controller import ENGINE_QUEUE, BoxReaper, Controller, SessionBox
 from .export import ALL_FORMATS
 from .export_store import ExportStore
-from .http_limits import BodySizeLimit, body_limit_for
-from .inputs import (DEFAULT_LIMITS, MAX_SEED, checked_image, example_images, guard_input, guard_requests,
-                     knob_specs, upload_folder)
+from .http_limits import BodySizeLimit, body_limit_for, upload_limit_for
+from .inputs import DEFAULT_LIMITS, MAX_SEED, example_images, guard_input, guard_requests, knob_specs, upload_folder
 from .leaderboard_tab import leaderboard_tab
 from .panels import status_line
 from .sessions import SessionRegistry
 from .theme import css, gradio_theme
+from .visual_panel import MULTI_ASSETS, PROMPT_INFO, VIDEO_ASSETS, visual_inputs, wire_visual_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets" / "images"
@@ -72,6 +72,9 @@ slider previews the threshold for the new budget.
 share of KV heads that still hold it at the chosen layer (dark = evicted everywhere). VisionZip feeds the
 language model fewer image tokens: its dominant patches are lit, the patches merged into its contextual
 tokens half lit and hatched; Downsample's pooled tokens draw every patch they average half lit and hatched.
+With several images, each is drawn with its own views, and a video's frames as a strip of small tiles; the
+bar under each tile is filled to the share of that image's (that frame's) tokens held at the layer, and the
+caption lists every share.
 
 **KV-cache size while decoding / per-token latency.** Per generated token over all turns: cache
 megabytes; and the latency: in the batched run the shared forward once, over each method's own policy time;
@@ -106,6 +109,8 @@ def _equal_memory_info(described: list[dict[str, Any]]) -> str:
             "off: each as published (they compress the prompt once, then the cache grows)")
 
 
+FOLLOW_UP_INFO = ("text only: the methods keep the images and video of the comparison; images or a video "
+                  "chosen since are not sent (press Compare to start over with them)")
 QUERY_AGNOSTIC_INFO = ("on: the image is compressed before the question is read, then the question is fed and "
                       "answered on the compressed cache, as in a chat about one image; off: compressed with the "
                       "question in view (favours query-aware methods such as SnapKV)")
@@ -128,7 +133,8 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     specs = knob_specs(described, offered)
     examples_folder = Path(examples_dir) if examples_dir else ASSETS
     ctl = Controller(engine, offered, limit, specs, limits=limits, registry=SessionRegistry(limits),
-                     exports=ExportStore(), image_roots=lambda: [upload_folder(), str(examples_folder)],
+                     exports=ExportStore(),
+                     image_roots=lambda: [upload_folder(), str(examples_folder), str(MULTI_ASSETS), str(VIDEO_ASSETS)],
                      leaderboard=leaderboard)
     examples = example_images(examples_folder, scenes_first=engine.loaded.slug == EMBEDDED_SLUG)
 
@@ -162,16 +168,13 @@ def _request_inputs(page: SimpleNamespace, ctl: Controller, limits: Limits, desc
                     specs: list, chosen: list[str], limit: int, examples: list) -> None:
     """The top row: the image, the prompt, the methods, the budget and switches, sampling, each method's knobs
     and the Compare / Stop / Clear buttons."""
+    page.prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, max_lines=8, info=PROMPT_INFO,
+                             max_length=limits.max_prompt_chars, elem_id="prompt", render=False)
     with gr.Row(equal_height=False):
         with gr.Column(scale=4, min_width=300):
-            page.image = checked_image(limits, ctl.image_roots, label="Image", height=300,
-                                       sources=["upload", "clipboard"], elem_id="image-input")
-            if examples:
-                gr.Examples(examples=[[p] for p in examples], inputs=[page.image], label="Example images",
-                            examples_per_page=12)
+            visual_inputs(page, limits, ctl.image_roots, examples)
         with gr.Column(scale=5, min_width=340):
-            page.prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, max_lines=8,
-                                     max_length=limits.max_prompt_chars, elem_id="prompt")
+            page.prompt.render()
             page.method_box = gr.CheckboxGroup(choices=[(ctl.labels[m], m) for m in ctl.methods], value=chosen,
                                                label="Methods", elem_id="methods")
             page.budget = gr.Slider(0.05, 1.0, value=0.3, step=0.05, elem_id="budget",
@@ -232,7 +235,7 @@ def _method_panels(page: SimpleNamespace, ctl: Controller, limits: Limits, chose
     with gr.Row(equal_height=True):
         page.followup = gr.Textbox(label="Follow-up question: every method continues on its own compressed cache",
                                    scale=5, max_length=limits.max_prompt_chars, elem_id="followup",
-                                   placeholder="e.g. What colours stand out?")
+                                   placeholder="e.g. What colours stand out?", info=FOLLOW_UP_INFO)
         page.ask_btn = gr.Button("Ask every method", scale=1, elem_id="ask")
 
 
@@ -292,13 +295,14 @@ def _wire_events(page: SimpleNamespace, ctl: Controller) -> None:
     assert len(outputs) == len(ctl.output_keys)
     compare_inputs = [p.image, p.prompt, p.method_box, p.budget, p.max_new, p.do_sample, p.temperature, p.top_p,
                       p.seed, p.box]
+    wire_visual_inputs(p)
     for field, component in [("prompt", p.prompt), ("methods", p.method_box), ("budget", p.budget),
                              ("max_new_tokens", p.max_new), ("do_sample", p.do_sample),
                              ("temperature", p.temperature), ("top_p", p.top_p), ("seed", p.seed),
                              ("question", p.followup), ("formats", p.formats), ("layer", p.overlay_layer),
                              ("layers", p.lorenz_layers), ("equal_memory", p.equal_memory),
                              ("query_agnostic", p.query_agnostic), ("time_alone", p.time_alone),
-                             *p.knob_widgets.items()]:
+                             ("frames", p.frames), *p.knob_widgets.items()]:
         guard_input(component, field)
     engine_queue = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=ctl.limits.max_batch_users,
                         show_progress="minimal",
@@ -311,7 +315,8 @@ def _wire_events(page: SimpleNamespace, ctl: Controller) -> None:
             trigger(ctl.prepare, [p.box], [p.status, p.box], queue=False, api_visibility="private")
             .then(ctl.compare, compare_inputs, outputs,
                   inputs_kwargs={"equal_memory": p.equal_memory, "query_agnostic": p.query_agnostic,
-                                 "time_alone": p.time_alone, **p.knob_widgets},
+                                 "time_alone": p.time_alone, "images": p.images, "video": p.video,
+                                 "frames": p.frames, **p.knob_widgets},
                   api_name="compare" if not run_events else False, **engine_queue))
     ask_events = []
     for trigger in (p.ask_btn.click, p.followup.submit):
@@ -347,16 +352,18 @@ def _table_headers() -> list[str]:
 
 def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, *, limits: Limits = DEFAULT_LIMITS,
                   **extra: Any) -> dict[str, Any]:
-    """The launch settings the app always uses: no share link, offline-safe theme, uploads up to the image
-    limit, and every request body bounded (an image sent inside an API call as a data URL included)."""
+    """The launch settings the app always uses: no share link, offline-safe theme, uploads up to the larger of
+    the image and video limits (each input then holds its files to its own), and every request body bounded (an
+    image sent inside an API call as a data URL included; the upload route: a video or a selection of images)."""
     from starlette.middleware import Middleware
 
-    size = limits.max_image_bytes
+    size = max(limits.max_image_bytes, limits.max_video_bytes)
+    bodies = Middleware(BodySizeLimit, max_bytes=body_limit_for(limits.max_image_bytes),
+                        upload_max_bytes=upload_limit_for(limits.max_image_bytes, limits.max_video_bytes))
     kwargs = dict(server_name=host, server_port=port, share=False,
                   max_file_size=f"{size // MB}mb" if size % MB == 0 else size,
                   theme=gradio_theme(), css=css(), ssr_mode=False, show_error=False, allowed_paths=[str(ASSETS)],
-                  app_kwargs={"middleware": [Middleware(BodySizeLimit,
-                                                        max_bytes=body_limit_for(limits.max_image_bytes))]})
+                  app_kwargs={"middleware": [bodies]})
     kwargs.update(extra)
     return kwargs
 

@@ -160,10 +160,11 @@ class Controller:
     # -- runs (generators: gradio streams a handler only if the function itself is one) ------------------------
     def compare(self, image, prompt, methods, budget, max_new_tokens, do_sample=False, temperature=0.7, top_p=0.9,
                 seed=0, box=None, request: gr.Request = None, equal_memory=False, query_agnostic=False,
-                time_alone=False, **knob_values) -> Iterator[list[Any]]:
+                time_alone=False, images=None, video=None, frames=None, **knob_values) -> Iterator[list[Any]]:
         yield from self.turns.compare(image, prompt, methods, budget, max_new_tokens, do_sample, temperature, top_p,
                                       seed, box, request, equal_memory=equal_memory, query_agnostic=query_agnostic,
-                                      time_alone=time_alone, **knob_values)
+                                      time_alone=time_alone, images=images, video=video, frames=frames,
+                                      **knob_values)
 
     def follow_up(self, question, box=None, request: gr.Request = None) -> Iterator[list[Any]]:
         yield from self.turns.follow_up(question, box, request)

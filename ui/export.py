@@ -228,6 +228,19 @@ def results_latex(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def visuals_line(visuals: Mapping[str, Any]) -> str:
+    """'3 images (384×384, 640×480, 384×384); video clip-0.mp4, 8 of its 16 frames (0.0 to 3.8 s)', or ''."""
+    images, video, parts = visuals.get("images") or [], visuals.get("video"), []
+    if images:
+        sizes = ", ".join(f"{w}×{h}" for w, h in images)
+        parts.append(f"{len(images)} image{'s' if len(images) != 1 else ''} ({sizes})")
+    if video:
+        stamps = video.get("timestamps") or [0.0]
+        parts.append(f"video {video.get('source')}, {video.get('frames')} of its {video.get('total_frames')} frames "
+                     f"({stamps[0]:.1f} to {stamps[-1]:.1f} s)")
+    return "; ".join(parts)
+
+
 def transcript_markdown(results: Mapping[str, Any]) -> str:
     """The conversation, turn by turn, with every method's answer and its final badges."""
     out = ["# KV-cache compression comparison", "",
@@ -242,6 +255,9 @@ def transcript_markdown(results: Mapping[str, Any]) -> str:
     if pre:
         out.append(f"- prompt: {pre['prompt_tokens']} tokens ({pre['image_tokens']} image), "
                    f"{pre['num_layers']} layers, prefill {pre['prefill_s']} s")
+    seen = visuals_line(results.get("visuals") or {})
+    if seen:
+        out.append(f"- visuals: {seen}")
     methods = results.get("methods", {})
     for i, prompt in enumerate(results.get("prompts", [])):
         out += ["", f"## Turn {i + 1}", "", "**User:** " + prompt.strip(), ""]

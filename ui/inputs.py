@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable
 import gradio as gr
 from PIL import Image
 
-from prefixkv_core.limits import IMAGE_REFUSED, LimitError, Limits, decode_data_url, read_image_file
+from prefixkv_core.limits import (IMAGE_REFUSED, LimitError, Limits, decode_data_url, is_inside,
+                                  read_image_file)
 from prefixkv_core.policies import Budget, PolicyError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ MAX_PROMPT_CHARS = DEFAULT_LIMITS.max_prompt_chars
 MAX_DISPLAY_SIDE = 2048  # larger uploads are downscaled before anything else sees them
 MAX_SEED = 2**32 - 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+MAX_LISTED_FILES = 64  # file objects looked at in one list (a gallery holds at most this many images)
 
 
 # -- refusals ------------------------------------------------------------------------------------------------
@@ -95,21 +97,27 @@ def checked_image(limits: Limits = DEFAULT_LIMITS, roots: Callable[[], Iterable[
     def preprocess(payload):
         if payload is None:
             return None
-        url, path = getattr(payload, "url", None), getattr(payload, "path", None)
         try:
-            if isinstance(url, str) and url.startswith("data:"):
-                image = decode_data_url(url, max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
-            elif isinstance(path, str) and path:
-                image = read_image_file(path, list(allowed()), max_bytes=limits.max_image_bytes,
-                                        max_pixels=limits.max_image_pixels)
-            else:
-                raise LimitError(IMAGE_REFUSED)
+            image = image_from_payload(payload, limits, allowed())
         except LimitError as exc:
             raise refuse(f"image: {exc}") from None
         return downscale(image)
 
     component.preprocess = preprocess
+    component.refusal = f"image: {IMAGE_REFUSED}"  # guard_requests' answer for a path that was not uploaded
     return component
+
+
+def image_from_payload(payload: Any, limits: Limits, roots: Iterable[str]) -> Image.Image:
+    """An image file object as a client sent it (a data URL, or a path inside `roots`) -> RGB image, within the
+    limits (bytes and pixels checked before decoding). Raises LimitError."""
+    url, path = getattr(payload, "url", None), getattr(payload, "path", None)
+    if isinstance(url, str) and url.startswith("data:"):
+        return decode_data_url(url, max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+    if isinstance(path, str) and path:
+        return read_image_file(path, list(roots), max_bytes=limits.max_image_bytes,
+                               max_pixels=limits.max_image_pixels)
+    raise LimitError(IMAGE_REFUSED)
 
 
 def downscale(image: Image.Image | None, side: int = MAX_DISPLAY_SIDE) -> Image.Image | None:
@@ -229,8 +237,56 @@ def _names_remote_file(value: Any, depth: int = 0) -> bool:
             return True
         return any(_names_remote_file(v, depth + 1) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_names_remote_file(v, depth + 1) for v in value[:64])
+        return any(_names_remote_file(v, depth + 1) for v in value[:MAX_LISTED_FILES])
     return False
+
+
+def _marked_paths(value: Any, depth: int = 0) -> Iterable[str]:
+    """The paths of the file objects in a payload that carry Gradio's marker (those gradio itself reads)."""
+    if depth > 3:
+        return
+    if isinstance(value, dict):
+        meta, path = value.get("meta"), value.get("path")
+        if isinstance(meta, dict) and meta.get("_type") == "gradio.FileData" and isinstance(path, str):
+            yield path
+        for v in value.values():
+            yield from _marked_paths(v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value[:MAX_LISTED_FILES]:
+            yield from _marked_paths(v, depth + 1)
+
+
+def _not_uploaded(value: Any) -> bool:
+    """A marked file object whose path lies outside Gradio's upload folder (gradio would refuse it anonymously)."""
+    return any(not path.strip().lower().startswith(("http://", "https://")) and not is_inside(path, [upload_folder()])
+               for path in _marked_paths(value))
+
+
+def _refusal(block_fn, inputs: list[Any], bad: Callable[[Any, Any], bool]) -> str | None:
+    """The refusal of the first input for which `bad(component, value)`: its component's own sentence (the visual
+    inputs carry one), else the image's; None when no input is bad."""
+    for block, value in zip(block_fn.inputs, inputs or []):
+        if bad(block, value):
+            return getattr(block, "refusal", None) or f"image: {IMAGE_REFUSED}"
+    return None
+
+
+def _unmarked_file(block, value: Any) -> bool:
+    """A file object without Gradio's marker sent to an input whose data model insists on it (the video): a
+    server path like any other, answered as such rather than as a malformed value."""
+    from gradio.data_classes import FileData
+
+    return getattr(block, "data_model", None) is FileData and isinstance(value, dict) and \
+        isinstance(value.get("path"), str)
+
+
+# what a value gradio could not even parse should have been, by the data model that failed
+SHAPE_MESSAGES = {
+    "GalleryData": 'images must be null or a list of {"image": a file object from the upload route or '
+                   '{"url": "data:image/...;base64,..."}}',
+    "ImageData": 'image must be null, a file object from the upload route or {"url": "data:image/...;base64,..."}',
+    "FileData": "video must be null or a file object from the upload route",
+}
 
 
 def guard_requests(blocks) -> None:
@@ -252,8 +308,10 @@ def guard_requests(blocks) -> None:
                          "(gradio_client fills in the defaults; see /gradio_api/info)") from None
 
     async def checked_preprocess_data(block_fn, inputs, state, explicit_call=False):
-        if any(_names_remote_file(value) for value in inputs or []):
-            raise refuse(f"image: {IMAGE_REFUSED}")  # gradio would fetch it, unbounded, before any check
+        for bad in (_names_remote_file, _not_uploaded):  # a URL gradio would fetch, unbounded, before any check
+            refusal = _refusal(block_fn, inputs, lambda block, value: bad(value))
+            if refusal:
+                raise refuse(refusal)
         try:
             return await preprocess_data(block_fn, inputs, state, explicit_call)
         except gr.Error:
@@ -261,9 +319,12 @@ def guard_requests(blocks) -> None:
         except InvalidPathError:
             raise refuse(f"image: {IMAGE_REFUSED}") from None
         except Exception as exc:  # noqa: BLE001 - a value gradio could not even parse
-            if "ImageData" in str(getattr(exc, "title", "")):
-                raise refuse('image must be null, a file object from the upload route or {"url": "data:image/'
-                             '...;base64,..."}') from None
+            title, refusal = str(getattr(exc, "title", "")), _refusal(block_fn, inputs, _unmarked_file)
+            if title == "FileData" and refusal:
+                raise refuse(refusal) from None
+            for model, message in SHAPE_MESSAGES.items():
+                if model in title:
+                    raise refuse(message) from None
             raise refuse(f"a value of this request has the wrong shape ({exc.__class__.__name__}): "
                          "see /gradio_api/info for what each input accepts") from None
 

@@ -109,8 +109,9 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
     return out
 
 
-def _views_overlay(image: Image.Image, kept, method: str, side: int) -> Image.Image:
-    """One panel per view of the image, side by side (see the module doc)."""
+def _views_overlay(image: Image.Image, kept, method: str, side: int, labels: bool = True) -> Image.Image:
+    """One panel per view of the image, side by side (see the module doc); `labels`: name each view in its
+    corner."""
     image = image.convert("RGB")
     iw, ih = image.size
     width = int(round(side * min(max(iw / max(ih, 1), 1 / MAX_PANEL_ASPECT), MAX_PANEL_ASPECT)))
@@ -140,9 +141,10 @@ def _views_overlay(image: Image.Image, kept, method: str, side: int) -> Image.Im
             panel = joined
         if view.box != (0.0, 0.0, 1.0, 1.0):  # the part of the image this view covers
             ImageDraw.Draw(panel).rectangle([box[:2], (box[2] - 1, box[3] - 1)], outline=(235, 235, 235), width=2)
-        label = f"{view.name} {view.rows}x{view.cols}" + (" + newline" if view.newline else "")
-        ImageDraw.Draw(panel, "RGBA").text((6, 4), label, fill=(255, 255, 255, 230), stroke_width=2,
-                                           stroke_fill=(0, 0, 0, 200))
+        if labels:
+            label = f"{view.name} {view.rows}x{view.cols}" + (" + newline" if view.newline else "")
+            ImageDraw.Draw(panel, "RGBA").text((6, 4), label, fill=(255, 255, 255, 230), stroke_width=2,
+                                               stroke_fill=(0, 0, 0, 200))
         panels.append(panel)
     total = sum(p.width for p in panels) + PANEL_GAP * (len(panels) - 1)
     out = Image.new("RGB", (total, side), (0, 0, 0))

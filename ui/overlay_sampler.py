@@ -16,7 +16,7 @@ class OverlaySampler:
     def snapshot(self, comp: Comparison, box: SessionBox) -> OverlayMaps | None:
         """Runs on the thread that owns the engine session, between two decoding steps (the caches are
         consistent there), or once the run has ended."""
-        if comp.image is None or comp.session is None or comp.prefill is None or not comp.prefill.image_tokens:
+        if comp.shown is None or comp.session is None or comp.prefill is None or not comp.prefill.image_tokens:
             return None
         layer = self.layer_for(box)
         maps = {}

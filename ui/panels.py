@@ -128,10 +128,22 @@ def chat_messages(track: Track) -> list[dict[str, str]]:
     return msgs
 
 
+def _visuals_note(comparison: Comparison) -> str:
+    """': 3 images, 8 frames' when a comparison has more than one image or a video; '' otherwise."""
+    visuals = getattr(comparison.record, "visuals", None) or {}
+    images = len(visuals.get("images") or [])
+    frames = int((visuals.get("video") or {}).get("frames") or 0)
+    if images <= 1 and not frames:
+        return ""
+    parts = [f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((images, "image"), (frames, "frame")) if n]
+    return ": " + ", ".join(parts)
+
+
 def status_line(comparison: Comparison | None, phase: str | None = None) -> str:
     """One line above the panels: what is happening and the shared prefill facts."""
     if comparison is None:
-        return phase or "Upload an image (or pick an example), type a prompt and press **Compare**."
+        return phase or ("Upload an image, several images or a video (or pick an example), type a prompt and press "
+                         "**Compare**.")
     parts = []
     if phase:
         parts.append(phase)
@@ -139,8 +151,8 @@ def status_line(comparison: Comparison | None, phase: str | None = None) -> str:
     if pre is not None:
         prefill = (f"shared prefill {pre.prefill_s:.2f} s" if comparison.batched
                    else f"prefill {pre.prefill_s:.2f} s (each method its own)")
-        parts.append(f"prompt {pre.prompt_tokens} tokens ({pre.image_tokens} image) · {pre.num_layers} layers · "
-                     + prefill)
+        parts.append(f"prompt {pre.prompt_tokens} tokens ({pre.image_tokens} image{_visuals_note(comparison)}) · "
+                     f"{pre.num_layers} layers · " + prefill)
     batch = comparison.batch_summary()
     if batch is not None:  # the forward every method of the batch shared: one figure, not one per panel
         who = f"{batch['methods']} methods share" if batch["methods"] > 1 else "one method:"

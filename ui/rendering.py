@@ -11,7 +11,7 @@ from prefixkv_core.policies import REGISTRY
 
 from . import charts
 from .catalog import MethodCatalog
-from .overlay import caption, overlay
+from .overlay_visuals import visuals_caption, visuals_overlay
 from .panels import chat_messages, header_html, status_line
 from .runstate import Comparison, SessionBox, Track
 
@@ -95,7 +95,8 @@ class Renderer:
                                     source=charts.curve_source(method, comp.knobs.get(method), comp.prefill.curves))
 
     def gallery(self, comp: Comparison | None) -> list[tuple[Any, str]]:
-        if comp is None or comp.image is None or comp.overlay is None:
+        """Per method, its kept patches over every image and frame of the comparison, with a caption."""
+        if comp is None or comp.shown is None or comp.overlay is None:
             return []
         items = []
         for m in comp.methods:
@@ -103,7 +104,8 @@ class Renderer:
             if share is None:
                 continue
             label = self.catalog.labels.get(m, m)
-            items.append((overlay(comp.image, share, m, self.crop), caption(label, share, comp.overlay.layer)))
+            items.append((visuals_overlay(comp.shown, share, m, self.crop),
+                          visuals_caption(label, share, comp.overlay.layer, comp.shown)))
         return items
 
     def table(self, comp: Comparison | None) -> list[list[Any]]:

@@ -1,6 +1,6 @@
 """Everything one browser session knows about its comparison: the engine session's own result record (answers
 per turn, telemetry, series, ROUGE-L, `to_dict()`), read through, plus what only the app needs: the engine
-session, the Stop flag, the displayed image and the kept-patch overlay.
+session, the Stop flag, the displayed images and frames and the kept-patch overlay.
 
 There is one record per run: the engine session feeds it with its events (on the worker thread that runs the
 session, under `record.lock`) and the app reads it, taking the same lock while it redraws. Plain Python, so
@@ -16,7 +16,22 @@ from typing import Any
 from prefixkv_core.report.events import KeptImageMap
 from prefixkv_core.report.record import ComparisonRecord, Series, Track, Turn
 
-__all__ = ["Comparison", "OverlayMaps", "SessionBox", "Series", "Track", "Turn"]
+__all__ = ["Comparison", "OverlayMaps", "SessionBox", "Series", "ShownVisuals", "Track", "Turn"]
+
+
+@dataclass
+class ShownVisuals:
+    """The display copies of a comparison's images and video frames, in the order the model read them: `kinds`
+    says which is which ("image" or "frame"), `times` a frame's time in its video (None for an image)."""
+
+    images: list[Any]
+    kinds: list[str]
+    times: list[float | None]
+
+    @property
+    def single(self) -> bool:
+        """One image and no video: drawn exactly as a lone image always was."""
+        return self.kinds == ["image"]
 
 
 @dataclass
@@ -41,19 +56,30 @@ class Comparison:
     overlay. Only the names below can be written: a misspelt one raises AttributeError instead of landing
     anywhere."""
 
-    __slots__ = ("record", "session", "cancel", "image", "overlay", "created")
+    __slots__ = ("record", "session", "cancel", "shown", "overlay", "created")
 
     active = _record_field("active", "a turn is being generated")
     error = _record_field("error", "a failure of the whole request, for the status line")
     alone = _record_field("alone", "every method is (also) decoded and timed on its own")
 
-    def __init__(self, record: ComparisonRecord, session=None, image=None):
+    def __init__(self, record: ComparisonRecord, session=None, image=None, shown: ShownVisuals | None = None):
         self.record = record
         self.session = session  # prefixkv_core.Session whose record this is (None once its caches are released)
         self.cancel = threading.Event()
-        self.image = image  # PIL image (display copy) or None
+        self.shown = shown  # display copies of the images and frames, or None (the record's `visuals` describe them)
+        if image is not None:
+            self.image = image
         self.overlay: OverlayMaps | None = None
         self.created = time.time()
+
+    @property
+    def image(self):
+        """The first image (display copy) or None; setting one image (or None) replaces every visual."""
+        return self.shown.images[0] if self.shown is not None and self.shown.images else None
+
+    @image.setter
+    def image(self, image) -> None:
+        self.shown = None if image is None else ShownVisuals([image], ["image"], [None])
 
     def __getattr__(self, name: str) -> Any:  # only called for what this class does not hold itself
         if name in Comparison.__slots__:  # not set yet (a copy being built): never ask the record

@@ -9,20 +9,20 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from prefixkv_core import EngineError, GenerationSettings
-from prefixkv_core.limits import (LimitError, Limits, check_followup, check_prompt, estimate_run_bytes,
-                                  kv_bytes_per_token)
+from prefixkv_core.limits import LimitError, Limits, check_followup, estimate_run_bytes, kv_bytes_per_token
 
 from .catalog import model_facts
 from .inputs import (KnobSpec, check_budget_mode, check_query_agnostic, check_request, check_sampling,
-                     check_switch, collect_knobs, downscale, refuse)
+                     check_switch, collect_knobs, refuse)
 from .lifecycle import stopped_while_queued
 from .run_stream import RunStreamer, drop_if_released, let_go
 from .runstate import Comparison, SessionBox
 from .sessions import SessionRegistry
+from .visual_request import ONE_IMAGE_SIDE, check_first_turn, gather, shown
 
 log = logging.getLogger(__name__)
 
-OVERLAY_DISPLAY_SIDE = 1024  # the longest side of the image kept for the overlay
+OVERLAY_DISPLAY_SIDE = ONE_IMAGE_SIDE  # the longest side of a lone image kept for the overlay
 
 
 class Turns:
@@ -45,16 +45,16 @@ class Turns:
 
     def compare(self, image, prompt, methods, budget, max_new_tokens, do_sample=False, temperature=0.7, top_p=0.9,
                 seed=0, box=None, request: gr.Request = None, equal_memory=False, query_agnostic=False,
-                time_alone=False, **knob_values) -> Iterator[list[Any]]:
+                time_alone=False, images=None, video=None, frames=None, **knob_values) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
         owner = box.owner_for(request)
         if stopped_while_queued(box):
             yield self.streamer.not_started(box)
             return
         try:
-            session, image, budget = self._new_session(
-                box, owner, image, prompt, methods, budget, max_new_tokens, (do_sample, temperature, top_p, seed),
-                (equal_memory, query_agnostic, time_alone), knob_values)
+            session, display, budget = self._new_session(
+                box, owner, (image, images, video, frames), prompt, methods, budget, max_new_tokens,
+                (do_sample, temperature, top_p, seed), (equal_memory, query_agnostic, time_alone), knob_values)
         except (EngineError, LimitError) as exc:
             box.pending = False
             raise refuse(str(exc)) from None
@@ -67,17 +67,17 @@ class Turns:
             raise gr.Error(f"Could not start the comparison ({exc.__class__.__name__}).", print_exception=False) from None
         # the engine session's own record is the one this comparison reads (the session feeds it)
         session.record.model.update(model_facts(self.engine.loaded))
-        comp = Comparison(session.record, session=session,
-                          image=downscale(image, OVERLAY_DISPLAY_SIDE) if image is not None else None)
+        comp = Comparison(session.record, session=session, shown=display)
         self.registry.add(owner, session, stop=lambda: comp.cancel.set(), forget=lambda reason: let_go(comp, reason))
         box.view_budget = float(budget)  # a plain number for the charts (plotly serialises floats only)
         yield from self.streamer.stream(box, comp, lambda cancel: drop_if_released(session, session.run(cancel)),
                                         first_turn=True)
 
-    def _new_session(self, box: SessionBox, owner: str, image, prompt, methods, budget, max_new_tokens,
-                     sampling: tuple, switches: tuple, knob_values: dict):
+    def _new_session(self, box: SessionBox, owner: str, visual_inputs: tuple, prompt, methods, budget,
+                     max_new_tokens, sampling: tuple, switches: tuple, knob_values: dict):
         """Checks every value, builds the engine Session (no caches yet) and reserves room for its caches.
-        Returns (session, the checked image, the checked budget)."""
+        `visual_inputs`: (image, images, video, frames) as the request sent them. Returns (session, the display
+        copies of its images and frames, the checked budget)."""
         loaded, limits = self.engine.loaded, self.limits
         prompt, methods, budget, max_new = check_request(prompt, methods, budget, max_new_tokens, self.max_new_tokens,
                                                          max_chars=limits.max_prompt_chars)
@@ -94,17 +94,18 @@ class Turns:
         settings = GenerationSettings(max_new_tokens=max_new, do_sample=do_sample, temperature=temperature,
                                       top_p=top_p, seed=seed)
         knobs = collect_knobs(self.knob_specs, knob_values, methods)
-        image = downscale(self.engine.load_image(
-            image, allowed_roots=self.image_roots(), max_bytes=limits.max_image_bytes,
-            max_pixels=limits.max_image_pixels)) if image is not None else None
-        tokens = check_prompt(limits, loaded, prompt, with_image=image is not None, max_new_tokens=max_new,
-                              image_size=image.size if image is not None else None)
-        session = self.engine.new_session(image, prompt, methods, budget, settings, knobs, budget_mode=budget_mode,
-                                          query_agnostic=query_agnostic, time_alone=time_alone)
+        visuals = gather(self.engine, *visual_inputs, limits, self.image_roots())
+        # the engine places the visuals (markers, order) and checks them against the model's context, encoding
+        # nothing yet; then the run is held to the server's own limit
+        session = self.engine.new_session(visuals.engine_images(), prompt, methods, budget, settings, knobs,
+                                          budget_mode=budget_mode, query_agnostic=query_agnostic,
+                                          time_alone=time_alone, video=visuals.clip,
+                                          frames=len(visuals.frames) if visuals.clip is not None else None)
+        tokens = check_first_turn(limits, loaded, prompt, session.visuals, max_new)
         if box.run is not None and box.run.active:
             box.run.cancel.set()  # its caches are dropped next: the engine must let go of them first
         self.registry.reserve(owner, estimate_run_bytes(loaded, tokens, len(methods), budget))
-        return session, image, budget
+        return session, shown(session, visuals.clip), budget
 
     def follow_up(self, question, box=None, request: gr.Request = None) -> Iterator[list[Any]]:
         box = box if isinstance(box, SessionBox) else SessionBox()
