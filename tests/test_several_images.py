@@ -478,3 +478,20 @@ def test_vision_reductions_reduce_every_frame_of_a_native_video(families, tmp_pa
     video_fed = int((cache.positions[0, 0][cache.is_image[0, 0]] >= int(sources.positions[fed[0]])).sum())
     assert video_fed == fed[1:].sum()  # the frames' tokens and the newline token reached the language model
     assert session.record.to_dict()["methods"][method]["kept_per_image"][1:] != [1.0] * 4
+
+
+def test_a_video_between_two_images_is_read_where_its_marker_is(families, tmp_path):
+    """A family that reads a video as images: `<image> <video> <image>` reads the first image, the frames, then the
+    second image, in that order (each image's tokens from its own pixels)."""
+    lm = families["llava-next"]
+    first, second = pictures(2)
+    session = Engine(lm).new_session([first, second], "<image> then <video> then <image>: what changed?", ["full"],
+                                     0.3, GenerationSettings(max_new_tokens=1), video=str(clip(tmp_path / "d.mp4")),
+                                     frames=2)
+    list(session.run())
+    assert session.visuals.kinds() == ["image", "frame", "frame", "image"]
+    assert session.images[0].tobytes() == first.tobytes() and session.images[-1].tobytes() == second.tobytes()
+    sizes = [list(im.size) for im in (first, second)]
+    assert session.record.to_dict()["visuals"]["images"] == sizes
+    ranges = session.image_layout.image_ranges()
+    assert [b - a for a, b in ranges] == [lm.image_tokens(*im.size) for im in session.images]

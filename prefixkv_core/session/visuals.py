@@ -23,15 +23,17 @@ VIDEO_MARKER = VIDEO_TOKEN
 
 @dataclass
 class TurnVisuals:
-    """A turn's visuals and the prompt as the model reads it. `images`: what is encoded as images, in order (the
-    turn's images, then a video's frames where its family reads them as images, the prompt's `<video>` marker
-    then replaced by one `<image>` marker per frame); `frames`: a video read natively, its frames apart."""
+    """A turn's visuals and the prompt as the model reads it. `images`: what is encoded as images, in reading order
+    (the turn's images with, where its family reads a video as images, the video's frames among them where the
+    prompt's `<video>` marker was, that marker replaced by one `<image>` marker per frame); `frames`: a video read
+    natively, its frames apart. `frames_at`: how many of the turn's images come before the video."""
 
     images: list[Image.Image]
     prompt: str
-    n_images: int = 0  # of `images`, those given as images (the rest are a video's frames)
+    n_images: int = 0  # the turn's own images (the rest of `images`, if any, are a video's frames)
     video: Any = None  # the VideoClip the frames came from
     frames: list[Image.Image] = field(default_factory=list)
+    frames_at: int = 0
 
     @property
     def count(self) -> int:
@@ -43,13 +45,12 @@ class TurnVisuals:
 
     def in_order(self) -> list[tuple[str, Image.Image]]:
         """Every image and frame as ("image" | "frame", picture), in the order the model reads them."""
-        given = [("image", im) for im in self.images[:self.n_images]]
-        frames = [("frame", im) for im in self.images[self.n_images:] + self.frames]
-        if not frames:
-            return given
-        at = self.prompt.find(VIDEO_MARKER) if self.native_video else -1
-        before = image_markers(self.prompt[:at]) if at >= 0 and image_markers(self.prompt) else len(given)
-        return given[:before] + frames + given[before:]
+        if self.native_video:
+            given = [("image", im) for im in self.images]
+            return given[:self.frames_at] + [("frame", im) for im in self.frames] + given[self.frames_at:]
+        n_frames = len(self.images) - self.n_images
+        return [("frame" if self.frames_at <= k < self.frames_at + n_frames else "image", im)
+                for k, im in enumerate(self.images)]
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.in_order()]
@@ -66,7 +67,7 @@ class TurnVisuals:
         return int.from_bytes(h.digest()[:8], "little") or 1
 
     def describe(self) -> dict:
-        out: dict[str, Any] = {"images": [list(im.size) for im in self.images[:self.n_images]]}
+        out: dict[str, Any] = {"images": [list(im.size) for kind, im in self.in_order() if kind == "image"]}
         if self.video is not None:
             out["video"] = {**self.video.describe(), "read_as": "video" if self.native_video else "images"}
         return out
@@ -139,8 +140,14 @@ def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, f
     config = getattr(getattr(loaded, "model", None), "config", None)
     native = bool(frame_list) and config is not None and reads_video_natively(config)
     placed = _place(prompt, len(images), len(frame_list), native)
-    visuals = TurnVisuals(images if native else images + frame_list, placed, len(images), clip,
-                          frame_list if native else [])
+    # the video's place among the images: where its marker is, else after them
+    at = prompt.find(VIDEO_MARKER)
+    frames_at = image_markers(prompt[:at]) if frame_list and at >= 0 and image_markers(prompt) else len(images)
+    if native:
+        visuals = TurnVisuals(images, placed, len(images), clip, frame_list, frames_at)
+    else:
+        visuals = TurnVisuals(images[:frames_at] + frame_list + images[frames_at:], placed, len(images), clip,
+                              frames_at=frames_at)
     if first_turn:
         _check_fits(loaded, visuals, max_new_tokens)
     return visuals
