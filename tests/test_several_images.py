@@ -144,16 +144,17 @@ def test_eviction_equals_masking_with_several_images(lm, method):
     torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("budget_mode", ["published", "equal_memory"])
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
-def test_batched_equals_alone_with_several_images(lm, query_agnostic):
-    """Every method, three images and a question after them: the batched comparison's answers are each method's
-    answer decoded alone."""
+def test_batched_equals_alone_with_several_images(lm, query_agnostic, budget_mode):
+    """Every method, three images and a question after them, in both budget modes and both query modes: the
+    batched comparison's answers are each method's answer decoded alone."""
     engine = Engine(lm)
     images = pictures()
     answers = []
     for batched in (True, False):
         session = engine.new_session(images, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=4),
-                                     query_agnostic=query_agnostic, batched=batched)
+                                     query_agnostic=query_agnostic, batched=batched, budget_mode=budget_mode)
         list(session.run())
         assert all(s.error is None for s in session.states.values()), \
             {n: s.error for n, s in session.states.items() if s.error}
@@ -305,8 +306,9 @@ def test_lmms_samples_with_several_images_and_a_video(families, tmp_path):
 
 # -- follow-ups that add images ---------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("budget_mode", ["published", "equal_memory"])
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
-def test_a_follow_up_adds_an_image(lm, query_agnostic):
+def test_a_follow_up_adds_an_image(lm, query_agnostic, budget_mode):
     """Full's follow-up with a new image gives the logits of the model's own forward over the whole conversation
     (both turns' images through the model's own path); every method takes the image, batched == alone."""
     first, second = pictures(2)
@@ -314,7 +316,7 @@ def test_a_follow_up_adds_an_image(lm, query_agnostic):
     answers = []
     for batched in (True, False):
         session = engine.new_session(first, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=3),
-                                     query_agnostic=query_agnostic, batched=batched)
+                                     query_agnostic=query_agnostic, batched=batched, budget_mode=budget_mode)
         list(session.run())
         events = list(session.follow_up("and this one? <image> compare them", image=second))
         assert all(s.error is None for s in session.states.values()), \
@@ -436,8 +438,9 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
     torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("budget_mode", ["published", "equal_memory"])
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
-def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic):
+def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic, budget_mode):
     """Every method on OneVision with an image and a video: batched == alone."""
     lm = families["llava-onevision"]
     path = str(clip(tmp_path / "dot.mp4"))
@@ -445,7 +448,7 @@ def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic)
     for batched in (True, False):
         session = Engine(lm).new_session(pictures(1), "what moves?", "all", 0.3,
                                          GenerationSettings(max_new_tokens=3), video=path, frames=3,
-                                         query_agnostic=query_agnostic, batched=batched)
+                                         query_agnostic=query_agnostic, batched=batched, budget_mode=budget_mode)
         list(session.run())
         assert not {n: s.error for n, s in session.states.items() if s.error}
         answers.append({n: list(s.turn_ids) for n, s in session.states.items()})
