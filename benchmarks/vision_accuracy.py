@@ -18,7 +18,12 @@ compresses the image before the question is fed: with the question in view, the 
 one-word answers at every budget because the first answer token comes from the full prefill; asked after the
 image was compressed, they differ. Each budget then gets a line naming the methods whose accuracy is not above
 the control's (--control, Random by default), and those above it by no more than chance gives (a one-sided paired
-sign test over the same questions, p >= 0.05). --checkpoint appends every scene and budget's answers to a JSON-lines
+sign test over the same questions, p >= 0.05). --control-seeds N asks the controls that draw at random (Random,
+Random drop) with N seeds instead: chance is then their spread over the draws, and each method is tested against
+the control of its own kind (the KV-cache methods against Random, the image-token reductions against Random
+drop) with a one-sided z-test against the control's per-question rates (benchmarks/chance.py). Every answer
+records the share of Full's KV bytes the method held (measured); the tables show it beside r, the figure puts
+each method at it, and a table compares the methods at equal real memory (interpolated). --checkpoint appends every scene and budget's answers to a JSON-lines
 file as they finish and skips those already there, so a long run can stop and resume.
 
 Image-token reductions (FastV, VisionZip) read the budget r as a share of the prompt's cache by default
@@ -35,6 +40,7 @@ the shape's colour in phrasings the model was never trained on (scenes.phrasings
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -44,6 +50,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks import chance
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
@@ -79,22 +86,30 @@ def named_share(description: str, scene) -> float:
 
 def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
         budget_mode: str = "published", knobs: dict | None = None, query_agnostic: bool = False) -> dict[str, str]:
-    return {m: text for m, (text, _) in ask_with_share(engine, image, prompt, methods, budget, max_new, budget_mode,
-                                                       knobs, query_agnostic).items()}
+    return {m: text for m, (text, *_) in ask_with_share(engine, image, prompt, methods, budget, max_new, budget_mode,
+                                                        knobs, query_agnostic).items()}
 
 
 def ask_with_share(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
-                   budget_mode: str = "published", knobs: dict | None = None, query_agnostic: bool = False
-                   ) -> dict[str, tuple[str, float | None]]:
-    """Each method's answer and the share of the image tokens it kept (`image_kept_share`, reported by the
-    image-token reductions; None for the others). `query_agnostic`: the image is compressed before the question
-    is fed (the engine's query-agnostic mode)."""
-    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new), knobs,
-                                 budget_mode=budget_mode, query_agnostic=query_agnostic)
+                   budget_mode: str = "published", knobs: dict | None = None, query_agnostic: bool = False,
+                   seed: int = 0) -> dict[str, tuple[str, float | None, float | None]]:
+    """Each method's answer, the share of the image tokens it kept (`image_kept_share`, reported by the
+    image-token reductions; None for the others) and the share of Full's KV bytes its cache held at the end of
+    the answer (measured from the tensors). `query_agnostic`: the image is compressed before the question is fed
+    (the engine's query-agnostic mode). `seed`: the comparison's seed (the controls' draw)."""
+    session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new, seed=seed),
+                                 knobs, budget_mode=budget_mode, query_agnostic=query_agnostic)
     for _ in session.run():
         pass
-    return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"], (r.get("extras") or {}).get("image_kept_share"))
+    return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"], (r.get("extras") or {}).get("image_kept_share"),
+                r["kv_bytes"] / r["full_kv_bytes"] if r.get("kv_bytes") and r.get("full_kv_bytes") else None)
             for m, r in session.results().items()}
+
+
+def draws_at_random(method: str) -> bool:
+    """A control whose answers depend on its draw (Random, Random drop): asked with several seeds."""
+    cls = REGISTRY[method.removesuffix(IMAGE_SUFFIX)]
+    return cls.is_control and "seed" in {f.name for f in dataclasses.fields(cls)}
 
 
 def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[list[str], dict, str]]:
@@ -109,9 +124,11 @@ def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[li
 
 def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
              describe: int, split: str, budget_mode: str = "published", knobs: dict | None = None,
-             image_rows: bool = False, query_agnostic: bool = False, checkpoint: Path | None = None) -> dict:
+             image_rows: bool = False, query_agnostic: bool = False, checkpoint: Path | None = None,
+             control_seeds: int = 1) -> dict:
     """Every question of every scene at every budget. `checkpoint`: a JSON-lines file that gets one line per scene
-    and budget as it finishes; the (scene, budget) pairs already in it are not asked again (a long run resumes)."""
+    and budget as it finishes; the (scene, budget) pairs already in it are not asked again (a long run resumes).
+    `control_seeds`: the controls that draw at random are asked with seeds 0 … N-1 (a record's `draw`)."""
     done = read_checkpoint(checkpoint)
     records, descriptions = [], []
     for line in done.values():
@@ -130,13 +147,17 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
             line = {"seed": seed, "budget": budget, "records": [], "descriptions": []}
             for qa in scene.qa:
                 for group, group_knobs, suffix in sessions(ms, knobs or {}, image_rows):
-                    outs = ask_with_share(engine, scene.image, qa.question, group, budget, max_new, budget_mode,
-                                          group_knobs, query_agnostic)
-                    for m, (text, share) in outs.items():
-                        line["records"].append({
-                            "split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
-                            "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
-                            "image_kept_share": share, "output": text, "correct": is_correct(text, qa.answer)})
+                    asks = [(0, group)] + [(k, drawn) for k in range(1, control_seeds)
+                                           if (drawn := [m for m in group if draws_at_random(m)])]
+                    for draw, chosen in asks:
+                        outs = ask_with_share(engine, scene.image, qa.question, chosen, budget, max_new, budget_mode,
+                                              group_knobs, query_agnostic, **({"seed": draw} if draw else {}))
+                        for m, (text, share, kv) in outs.items():
+                            line["records"].append({
+                                "split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
+                                "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
+                                "draw": draw, "image_kept_share": share, "kv_share": kv, "output": text,
+                                "correct": is_correct(text, qa.answer)})
             if i < describe:
                 outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, knobs, query_agnostic)
                 for m, text in outs.items():
@@ -234,6 +255,76 @@ def control_lines(summary: dict, control: str | None, records: list[dict] | None
             + "\n".join(lines) + "\n")
 
 
+def _control_for(method: str, present: set[str], fallback: str | None) -> str | None:
+    """The control a method's line is read against: the one of its own kind (a `[image]` row's own `[image]` row of
+    it when that ran), else `fallback`."""
+    base = method.removesuffix(IMAGE_SUFFIX)
+    own = REGISTRY[base].control
+    for name in ((own + IMAGE_SUFFIX) if own and method.endswith(IMAGE_SUFFIX) else None, own, fallback):
+        if name and name in present:
+            return name
+    return None
+
+
+def chance_lines(records: list[dict], summary: dict, fallback: str | None = "random") -> str:
+    """Per budget: each control's accuracy over its draws (mean, spread), and the methods not clearly above the
+    control of their own kind: the one-sided z-test of `chance.beats_chance` (their count right against the
+    Poisson-binomial of the control's per-question rates over its draws), p >= SIGNIFICANCE."""
+    by_budget: dict[float, set[str]] = defaultdict(set)
+    for key in summary:
+        m, b = key.rsplit("@", 1)
+        if uses_budget(m):
+            by_budget[float(b)].add(m)
+    lines = []
+    for b, present in sorted(by_budget.items()):
+        controls = sorted(m for m in present if REGISTRY[m.removesuffix(IMAGE_SUFFIX)].is_control)
+        heads = []
+        for c in controls:
+            per = summary[f"{c}@{b:g}"]
+            d = per.get("draws")
+            heads.append(f"{c} {per['all']['accuracy']:.1%}" + (
+                f" ({d['draws']} draws: sd {d['sd']:.1%}, {d['min']:.1%}-{d['max']:.1%})" if d else ""))
+        unclear = []
+        for m in sorted(present - set(controls)):
+            control = _control_for(m, present, fallback)
+            if control is None:
+                continue
+            answers = {(r["seed"], r["question"]): r["correct"] for r in records
+                       if r["method"] == m and r["budget"] == b and not r.get("draw")}
+            right, expected, p = chance.beats_chance(answers, chance.chance_rates(records, control, b))
+            if p >= SIGNIFICANCE:
+                unclear.append(f"{m} vs {control} ({right} right, chance {expected:.1f}, p {p:.2f})")
+        lines.append(f"- r = {b:g}: {'; '.join(heads) or 'no control'}; not clearly above chance "
+                     f"(p >= {SIGNIFICANCE:g}): {', '.join(unclear) or 'none'}")
+    if not lines:
+        return ""
+    return ("Chance, per budget: each control over its draws, and the methods not clearly above the control of their "
+            "own kind (the KV-cache methods against Random, the image-token reductions against Random drop): a "
+            "one-sided z-test of a method's number of right answers against the control's per-question rates over "
+            "its draws (a Poisson-binomial).\n\n" + "\n".join(lines) + "\n")
+
+
+def equal_memory_table(summary: dict, shares: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5)) -> str:
+    """Accuracy (all question types) at equal real memory: each method's accuracy interpolated at a few shares of
+    Full's KV bytes held (measured), within the shares it was measured at."""
+    points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for key, per in summary.items():
+        m, _ = key.rsplit("@", 1)
+        if uses_budget(m) and per.get("kv_share") is not None and "all" in per:
+            points[m].append((per["kv_share"], per["all"]["accuracy"]))
+    if not points:
+        return ""
+    lines = ["| method | measured KV shares | " + " | ".join(f"at {x:.0%}" for x in shares) + " |",
+             "|---" * (len(shares) + 2) + "|"]
+    for m in sorted(points):
+        pts = sorted(points[m])
+        cells = [chance.at_equal_memory(pts, x) for x in shares]
+        lines.append(f"| {m} | {pts[0][0]:.0%}-{pts[-1][0]:.0%} | "
+                     + " | ".join("" if c is None else f"{c:.1%}" for c in cells) + " |")
+    return ("At equal real memory (accuracy interpolated at a share of Full's KV bytes held, measured; empty where a "
+            "method was not measured around that share):\n\n" + "\n".join(lines) + "\n")
+
+
 BLANK_GREY = (128, 128, 128)
 DEFAULT_OUT = "benchmarks/results/vision_accuracy"
 
@@ -298,13 +389,32 @@ def summarise(res: dict) -> dict:
             shares[f"{r['method']}@{r['budget']:g}"].append(r["image_kept_share"])
     for k, v in shares.items():  # the mean over the answers (prompts differ in length by a few tokens)
         out[k]["image_kept_share"] = sum(v) / len(v)
+    kv: dict = defaultdict(list)
+    for r in res["records"]:
+        if r.get("kv_share") is not None:
+            kv[f"{r['method']}@{r['budget']:g}"].append(r["kv_share"])
+    for k, v in kv.items():  # the share of Full's KV bytes held at the end of the answer, over the answers
+        out[k]["kv_share"] = sum(v) / len(v)
+    for key in out:  # a control asked with several seeds: its accuracy under each draw, and their spread
+        m, b = key.rsplit("@", 1)
+        draws = chance.draw_accuracies(res["records"], m, float(b))
+        if len(draws) > 1:
+            out[key]["draws"] = {**chance.spread(draws), "accuracies": draws}
     return out
 
 
-def kept_share(per: dict) -> str:
-    """' (R 33%)': the share of image tokens a method kept, where it reports one."""
-    share = per.get("image_kept_share")
-    return f" (R {share:.0%})" if share is not None else ""
+def kept_share(per: dict, kv: bool = True) -> str:
+    """' (KV 21%, R 33%)': the share of Full's KV bytes the method held (measured; with `kv`) and the share of image
+    tokens it kept, where it reports one; a control with several draws adds their spread."""
+    notes = []
+    if kv and per.get("kv_share") is not None:
+        notes.append(f"KV {per['kv_share']:.0%}")
+    if per.get("image_kept_share") is not None:
+        notes.append(f"R {per['image_kept_share']:.0%}")
+    if "draws" in per:
+        d = per["draws"]
+        notes.append(f"{d['draws']} draws, sd {d['sd']:.1%}")
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def markdown(summary: dict) -> str:
@@ -312,7 +422,7 @@ def markdown(summary: dict) -> str:
     lines = ["| method@budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for key, per in summary.items():
         cells = [f"{per[c]['accuracy']:.1%} (n={per[c]['n']})" if c in per else "-" for c in cols]
-        lines.append(f"| {key}{kept_share(per)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {key}{kept_share(per, kv=False)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -344,9 +454,11 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
 
     fig = go.Figure()
     by_method: dict = defaultdict(list)
+    measured = all(per.get("kv_share") is not None for key, per in summary.items() if uses_budget(key.rsplit("@", 1)[0]))
     for key, per in summary.items():
         m, b = key.rsplit("@", 1)
-        by_method[m].append((float(b), per["all"]["accuracy"]))
+        x = per["kv_share"] if measured and uses_budget(m) else float(b)
+        by_method[m].append((x, per["all"]["accuracy"]))
     full = dict(by_method.pop(role_method("reference"), [])).get(NO_BUDGET)
     budgets = sorted({b for m, pts in by_method.items() if uses_budget(m) for b, _ in pts}) or [NO_BUDGET]
     for m, pts in sorted(by_method.items()):
@@ -367,7 +479,8 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
     mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
         ", query-agnostic" if query_agnostic else ", question in view")
     fig.update_layout(title=f"Scene QA accuracy vs KV budget (held-out test scenes) [{mode}]",
-                      xaxis_title="budget r (the share of the cache kept; dashed [image] rows: of the image tokens)",
+                      xaxis_title=("the share of Full's KV bytes each method held (measured)" if measured else
+                                   "budget r (the share of the cache kept; dashed [image] rows: of the image tokens)"),
                       yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], yaxis_tickformat=".0%",
                       width=1000, height=560)
     _, message = save_figure(fig, stem)
@@ -396,7 +509,12 @@ def main(argv=None) -> int:
     ap.add_argument("--query-agnostic", action="store_true",
                     help="compress the image before the question is fed (the engine's query-agnostic mode)")
     ap.add_argument("--control", default="random",
-                    help="the method each budget's line of methods that do not beat it names ('' for none)")
+                    help="the method each budget's line of methods that do not beat it names ('' for none); with "
+                         "--control-seeds, the control for a method whose own kind's control did not run")
+    ap.add_argument("--control-seeds", type=int, default=1, metavar="N",
+                    help="ask the controls that draw at random (Random, Random drop) with seeds 0 … N-1 (chance as a "
+                         "distribution: their mean and spread, and each method tested against the control of its "
+                         "own kind over the draws); 1: one draw, the methods compared with --control")
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="append each scene and budget's answers here as they finish, and skip those already in it")
     ap.add_argument("--out", default=DEFAULT_OUT)
@@ -411,7 +529,7 @@ def main(argv=None) -> int:
     knobs = parse_knobs(args.knob)
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
                    args.describe, args.split, budget_mode, knobs, args.budget_of_image, args.query_agnostic,
-                   Path(args.checkpoint) if args.checkpoint else None)
+                   Path(args.checkpoint) if args.checkpoint else None, max(1, args.control_seeds))
     ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
         if args.controls else None
     summary = summarise(res)
@@ -423,9 +541,10 @@ def main(argv=None) -> int:
         "model": args.model, "vision_trained": loaded.vision_trained, "split": args.split, "scenes": args.scenes,
         "methods": methods, "budgets": budgets, "max_new_tokens": args.max_new_tokens, "budget_mode": budget_mode,
         "knobs": knobs, "budget_of_image": args.budget_of_image, "query_agnostic": args.query_agnostic,
+        "control_seeds": max(1, args.control_seeds),
         "controls": ctrl["summary"] if ctrl else None,
-        "accuracy": {t: v["accuracy"] for t, v in full.items()} if full else None,
-        "n": {t: v["n"] for t, v in full.items()} if full else None,
+        "accuracy": {t: v["accuracy"] for t, v in full.items() if t in (*QTYPES, "all")} if full else None,
+        "n": {t: v["n"] for t, v in full.items() if t in (*QTYPES, "all")} if full else None,
         "summary": summary, "seconds": round(time.time() - t0, 1), **res,
         "control_records": ctrl["records"] if ctrl else [],
     }
@@ -433,9 +552,11 @@ def main(argv=None) -> int:
     md = markdown(summary)
     if len(budgets) > 1 or budgets != [1.0]:
         control = args.control if args.control in methods else None
-        md = ("All question types pooled:\n\n" + pivot(summary) + "\n"
-              + control_lines(summary, control, res["records"])
-              + "\nPer question type:\n\n" + md)
+        against = (chance_lines(res["records"], summary, control) if args.control_seeds > 1
+                   else control_lines(summary, control, res["records"]))
+        equal = equal_memory_table(summary)
+        md = ("All question types pooled:\n\n" + pivot(summary) + "\n" + against
+              + ("\n" + equal if equal else "") + "\nPer question type:\n\n" + md)
         print(figure(summary, out, budget_mode, args.query_agnostic, control), file=sys.stderr)
     if ctrl:
         md += "\nControls (full cache):\n\n" + controls_markdown(ctrl)

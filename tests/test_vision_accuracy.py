@@ -117,3 +117,50 @@ def test_methods_are_paired_with_the_control_on_the_same_questions():
                rec("snapkv", 0.3, 1, "a", True),  # no control at this budget: left out
                rec("full", 1.0, 1, "a", True)]  # no budget: never compared
     assert va.paired_against_control(records, "random") == {("snapkv", 0.1): (2, 1)}
+
+
+def test_chance_rates_and_the_test_against_them():
+    from benchmarks import chance
+
+    def rec(method, draw, seed, question, correct, budget=0.1):
+        return {"method": method, "budget": budget, "seed": seed, "question": question, "correct": correct,
+                "draw": draw}
+
+    records = [rec("random", d, 1, q, c) for d, answers in enumerate([(1, 0, 0, 1), (1, 0, 1, 0), (1, 0, 0, 0)])
+               for q, c in zip("abcd", answers)]
+    rates = chance.chance_rates(records, "random", 0.1)
+    assert rates == {(1, "a"): 1.0, (1, "b"): 0.0, (1, "c"): pytest.approx(1 / 3), (1, "d"): pytest.approx(1 / 3)}
+    assert chance.draw_accuracies(records, "random", 0.1) == [0.5, 0.5, 0.25]
+    d = chance.spread([0.5, 0.5, 0.25])
+    assert d["mean"] == pytest.approx(5 / 12) and d["sd"] == pytest.approx(0.1443, abs=1e-4) and d["draws"] == 3
+    right, expected, p = chance.beats_chance({(1, q): True for q in "abcd"}, rates)
+    variance = 2 * (1 / 3) * (2 / 3)
+    assert (right, expected) == (4, pytest.approx(1 + 2 / 3))
+    assert p == pytest.approx(chance.normal_sf((4 - (1 + 2 / 3)) / variance ** 0.5))
+    assert chance.beats_chance({(1, "a"): True, (1, "b"): False}, rates)[2] == 1.0  # no variance, no excess
+    assert chance.at_equal_memory([(0.1, 0.2), (0.3, 0.6)], 0.2) == pytest.approx(0.4)
+    assert chance.at_equal_memory([(0.1, 0.2), (0.3, 0.6)], 0.5) is None  # never extrapolated
+
+
+def test_controls_drawn_with_several_seeds_and_rows_at_their_real_memory(tmp_path, monkeypatch):
+    """--control-seeds asks Random and Random drop with every seed (the others once), reports their spread,
+    tests each method against the control of its own kind, records every answer's measured KV share and compares
+    the methods at equal real memory."""
+    monkeypatch.setattr(va, "figure", lambda *a: "figure skipped in tests")
+    out = tmp_path / "va"
+    assert va.main(["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--methods",
+                    "full,random,random_drop,snapkv,fastv", "--budgets", "0.3,0.6", "--max-new-tokens", "2",
+                    "--query-agnostic", "--control-seeds", "3", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    draws = {m: {r["draw"] for r in res["records"] if r["method"] == m} for m in ("random", "random_drop", "snapkv")}
+    assert draws == {"random": {0, 1, 2}, "random_drop": {0, 1, 2}, "snapkv": {0}}
+    summary = res["summary"]
+    assert summary["random@0.3"]["draws"]["draws"] == 3 and len(summary["random@0.3"]["draws"]["accuracies"]) == 3
+    assert all(0 < r["kv_share"] <= 1.01 for r in res["records"] if r["method"] != "full")
+    assert 0 < summary["snapkv@0.3"]["kv_share"] < summary["snapkv@0.6"]["kv_share"]
+    md = out.with_suffix(".md").read_text()
+    assert "Chance, per budget" in md and "random 3 draws" not in md and "(3 draws: sd" in md
+    assert "At equal real memory" in md and "| snapkv |" in md
+    for budget in ("0.3", "0.6"):
+        assert f"- r = {budget}: random " in md
+    assert "fastv vs random_drop" in md or "not clearly above chance (p >= 0.05): none" in md
