@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicLayer
 from ..kv.attention import AttentionProbe, StatRequest, hidden_states_recorded, post_vision_queries
 from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
 from ..models.compat import cache_kwarg
+from ..models.families import hooks_of, uses_mrope
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from .step_buffers import StepBuffers
@@ -294,16 +295,21 @@ def vision_kwargs(vision_inputs) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe | StatRequest,
                   image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None,
-                  inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+                  inputs_embeds: torch.Tensor | None = None, rope_inputs: VisionInputs = None
+                  ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
     """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
     plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for
     (`probe`: what to record, and any key masks; a bare StatRequest when there are none).
     `vision_inputs`: see `vision_kwargs` (prefill only). `inputs_embeds` [B, T, H]: the input embeddings of
-    `ids` already computed (a vision-side token reduction built them), fed instead of the ids."""
+    `ids` already computed (a vision-side token reduction built them), fed instead of the ids. `rope_inputs`: the
+    prompt's image tensors when `vision_inputs` is not fed (its image grids give a 3-D-position model its prompt's
+    positions; see `model_positions`)."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
     cache.set_pending(positions, flags)
+    model_pos = model_positions(model, cache, ids, positions, start,
+                                vision_inputs if rope_inputs is None else rope_inputs)
     if isinstance(probe, StatRequest):
         probe = AttentionProbe(probe)
     if probe.request.post_vision is not None and probe.after_image is None:
@@ -313,9 +319,46 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
         probe.key_masks[layer] = mask if given is None else (mask & given)
     inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": ids}
     with hidden_states_recorded(model, probe):
-        out = model(**inputs, position_ids=positions, **cache_kwarg(cache), use_cache=True, logits_to_keep=1,
+        out = model(**inputs, position_ids=model_pos, **cache_kwarg(cache), use_cache=True, logits_to_keep=1,
                     kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
+
+
+def model_positions(model, cache: TrackedCache, ids: torch.Tensor, positions: torch.Tensor, start: int,
+                    rope_inputs: VisionInputs = None) -> torch.Tensor:
+    """The position ids the model is given for tokens at true `positions` [B, T] of `cache`: the true ones, or for a
+    model with 3-D rotary positions (Qwen-VL) the logical ones: a prompt's from the model's own rope index (its
+    image grids from `rope_inputs`), which also sets the cache's rope deltas; every later text token's its true
+    position plus the cache's delta, on all three axes; a later turn with images (`rope_inputs` holding their
+    grids) the rope index of its own tokens from its first logical position, its delta added to the cache's.
+    The cache keeps the true positions either way."""
+    if not uses_mrope(model.config):
+        return positions
+    grids = rope_inputs is not None and not isinstance(rope_inputs, torch.Tensor) and \
+        rope_inputs.get("image_grid_thw") is not None
+    if start == 0 and cache.rope_deltas is None:
+        logical, deltas = hooks_of(model.config).rope_index(model, ids, rope_inputs)
+        cache.rope_deltas = deltas.to(positions.device)
+        return logical.to(positions.device)
+    if grids and start > 0:  # a follow-up's images: their grids from where the turn starts
+        logical, deltas = hooks_of(model.config).rope_index(model, ids, rope_inputs)
+        before = cache.rope_deltas if cache.rope_deltas is not None else torch.zeros(ids.shape[0], dtype=torch.long)
+        logical = logical.to(positions.device) + (start + before.to(positions.device)).view(1, -1, 1)
+        cache.rope_deltas = before.to(positions.device) + deltas.to(positions.device)
+        return logical
+    return logical_positions(positions, [cache])
+
+
+def logical_positions(positions: torch.Tensor, caches: Sequence[TrackedCache]) -> torch.Tensor:
+    """[3, B, T]: true positions [B, T] plus each row's rope delta (row r: caches[r], or the one cache's rows)."""
+    if len(caches) == 1:
+        deltas = caches[0].rope_deltas
+    else:
+        deltas = torch.cat([c.rope_deltas if c.rope_deltas is not None else torch.zeros(1, dtype=torch.long)
+                            for c in caches])
+    if deltas is not None:
+        positions = positions + deltas.to(positions.device).view(-1, 1)
+    return positions.unsqueeze(0).expand(3, -1, -1)
 
 
 def last_query(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
@@ -389,7 +432,8 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
     else:
         step = _StepCache(caches, lengths, positions, probe, buffers)
     try:
-        out = model(input_ids=ids, position_ids=positions, **cache_kwarg(step), use_cache=True, logits_to_keep=1,
+        given = logical_positions(positions, caches) if uses_mrope(model.config) else positions
+        out = model(input_ids=ids, position_ids=given, **cache_kwarg(step), use_cache=True, logits_to_keep=1,
                     kv_probe=probe)
         attention: list[dict[int, torch.Tensor] | None] = [None] * b
         if q == 1:
@@ -432,7 +476,8 @@ def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: Vis
     t0 = now(device)
     embeds = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None
     pixels = vision_inputs if embeds is None else None
-    logits, stats = forward_group(model, cache, ids, 0, request, is_image, pixels, inputs_embeds=embeds)
+    logits, stats = forward_group(model, cache, ids, 0, request, is_image, pixels, inputs_embeds=embeds,
+                                  rope_inputs=vision_inputs)
     seconds = now(device) - t0
     cache.add_scores({l: s["colsum"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds)
@@ -459,6 +504,7 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
             ids, is_image, embeds, reduction = reduced.ids, reduced.is_image, reduced.inputs_embeds, reduced.record
     if embeds is None and turn_image is not None:  # the image as the model's own path encodes it, once a turn
         embeds = turn_image.prompt_embeds(ids, is_image)
+    rope_inputs = vision_inputs
     if embeds is not None:
         vision_inputs = None
     n = ids.shape[1]
@@ -468,7 +514,8 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     drop = policy.prefill_token_drop(n, is_image, num_layers)
     dropping = tokens_dropped(model, drop, cache, probe) if drop is not None else contextlib.nullcontext()
     with dropping:
-        logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds)
+        logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds,
+                                      rope_inputs=rope_inputs)
     seconds = now(device) - t0
     cache.add_scores({l: s["colsum"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds, reduction)

@@ -2,12 +2,13 @@
 only the tokens kept, as those methods' papers do, instead of computing every token and masking the dropped ones
 out of attention.
 
-The text model is left as it is. Forward pre-hooks (a public PyTorch extension point) on its decoder layers from K
+The text model's code is left as it is. Forward pre-hooks (a public PyTorch extension point) on its decoder layers from K
 on cut what each layer is handed to the kept tokens: at layer K the hidden states, at every layer from K on the
 rotary embeddings and position ids the model built for the whole prompt. The cache is told the kept tokens'
 true positions and image flags before layer K writes, so each later layer holds the kept tokens' entries at
 their own positions; the attention function's causal mask (bottom-right aligned) then orders the kept tokens
-as before. The statistics recorded from layer K on cover the kept tokens only, aligned with those layers'
+as before. A model that adds visual features to the hidden states after its first layers (Qwen3-VL's DeepStack)
+has them cut in step: after layer K only the kept visual tokens get theirs. The statistics recorded from layer K on cover the kept tokens only, aligned with those layers'
 entries. The last prompt token is always kept, so the logits are the same as a masked forward's.
 """
 from __future__ import annotations
@@ -74,8 +75,29 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
         return args, kwargs
 
     handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers[drop.layer:]]
+    text = model.get_decoder()
+    deepstack = getattr(text, "_deepstack_process", None)  # Qwen3-VL: visual features added after the first layers
+
+    def deepstack_in_step(hidden_states, visual_pos_masks, visual_embeds):
+        """After layer K the hidden states hold the kept tokens only: the visual positions and their features are
+        cut with them (each visual token's feature row is its rank among the prompt's visual tokens)."""
+        if index is None or visual_pos_masks.shape[1] == hidden_states.shape[1]:
+            return deepstack(hidden_states, visual_pos_masks, visual_embeds)
+        masks = visual_pos_masks.to(index.device)
+        rank = masks.flatten().long().cumsum(0).view(masks.shape) - 1  # [B, N]: row-major, as the features
+        kept_masks = cut(masks)
+        return deepstack(hidden_states, kept_masks, visual_embeds[cut(rank)[kept_masks]])
+
+    own = text.__dict__.get("_deepstack_process")  # an instance's own (else the class's method)
+    if deepstack is not None:
+        text._deepstack_process = deepstack_in_step
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if deepstack is not None:
+            if own is None:
+                del text._deepstack_process  # the class's own again
+            else:
+                text._deepstack_process = own

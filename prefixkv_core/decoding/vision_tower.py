@@ -48,6 +48,11 @@ class VisionFeatures:
 def feature_layer(config) -> tuple[int, int]:
     """(index into the tower's hidden states, index of the encoder layer that produced them) of the single vision
     feature layer; ValueError for towers that concatenate several layers."""
+    from ..models.families import uses_mrope
+
+    if uses_mrope(config):
+        raise ValueError(f"not yet on Qwen's vision tower: {config.model_type}'s permuted, 2x2-merged patches are not "
+                         "read by the vision-side reductions yet")
     vfl = getattr(config, "vision_feature_layer", -1)
     if not isinstance(vfl, int):
         raise ValueError(f"a vision-side reduction needs one vision feature layer; this model concatenates {vfl}")

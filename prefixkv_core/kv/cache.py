@@ -581,7 +581,12 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
 
 class TrackedCache(DynamicCache):
     """One `TrackedLayer` per text-model layer. Set `pending` before each forward so new entries get their
-    true positions and image flags."""
+    true positions and image flags.
+
+    `rope_deltas` [B]: for a model with 3-D rotary positions (Qwen-VL's M-RoPE), what its prompt's positions
+    gained over the true ones (the model's rope delta: an image advances the position by the longer side of its
+    merged grid, not by its number of tokens); every token after the prompt runs at its true position plus it.
+    None until a prompt with 3-D positions was fed (and always for the other models)."""
 
     def __init__(self, num_layers: int):
         super().__init__()
@@ -589,6 +594,7 @@ class TrackedCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_meta: tuple | None = None
+        self.rope_deltas: torch.Tensor | None = None
 
     def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor) -> None:
         self.pending = (positions, is_image)
@@ -629,6 +635,7 @@ class TrackedCache(DynamicCache):
                     theirs.segments = copy.deepcopy(value)
                 else:
                     setattr(theirs, name, copy.copy(value))
+        twin.rope_deltas = self.rope_deltas
         return twin
 
     def split_rows(self) -> list["TrackedCache"]:
@@ -643,6 +650,8 @@ class TrackedCache(DynamicCache):
                 for name in ("keys", "values", "positions", "is_image", "scores"):
                     setattr(theirs, name, getattr(mine, name)[r:r + 1].clone())
                 theirs.has_empty_slots = mine.has_empty_slots
+            if self.rope_deltas is not None:
+                twin.rope_deltas = self.rope_deltas[r:r + 1]
             rows.append(twin)
         return rows
 

@@ -121,7 +121,11 @@ def _user_message(prompt: str, images: int) -> dict:
 def _render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool) -> str:
     proc = _processor(loaded)
     if getattr(proc, "chat_template", None):
-        return proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        from .families import hooks
+
+        marker = hooks(loaded.family).image_marker(proc)
+        return text if marker == IMAGE_TOKEN else text.replace(IMAGE_TOKEN, marker)  # the user's markers
     # No template shipped with the checkpoint: the LLaVA-1.5 conversation format.
     out = []
     for m in messages:
@@ -170,7 +174,9 @@ def format_followup(loaded: LoadedModel, prompt: str, images: int = 0) -> str:
     return full[i + len(_SENTINEL):]
 
 
-TEXT_KEYS = ("input_ids", "attention_mask")
+# the processor's token-level outputs; Qwen-VL's token types (mm_token_type_ids) follow from the ids, and the engine
+# passes its positions itself (`decoding.runner.model_positions`)
+TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 
 
 def as_image_list(image) -> list:

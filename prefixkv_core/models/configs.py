@@ -270,6 +270,11 @@ def family_config(family: str, tiny: bool = False, *, image_token_id: int | None
     stored under META_KEY so a saved copy loads back with its identity."""
     from transformers import LlavaConfig, LlavaNextConfig, LlavaOnevisionConfig
 
+    from .families import FAMILY_INFO, hooks
+
+    if family not in FAMILIES and family in FAMILY_INFO:  # another family module's
+        return hooks(family).config(family, tiny, image_token_id=image_token_id, video_token_id=video_token_id,
+                                    meta=meta, **text_ids)
     if family not in FAMILIES:
         raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(FAMILIES)}")
     if tiny and image_token_id is None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError
-from .families import FAMILY_INFO, IMAGE_TOKEN, family_of
+from .families import FAMILY_INFO, IMAGE_TOKEN, family_of, hooks
 from .layout import ImageLayout, image_layout, max_image_tokens
 from .video import reads_video_natively
 
@@ -72,7 +72,7 @@ class LoadedModel(TextShape):
 
     def image_layout(self, width: int, height: int) -> ImageLayout:
         """Where each token of an image of this size comes from (views, patch grids, newline tokens)."""
-        return image_layout(self.model.config, self.processor, int(width), int(height))
+        return image_layout(self.model.config, self.processor, int(width), int(height))  # the family's own
 
     def visual_mask(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of `ids` are visual tokens: an image's, or a video's read natively (OneVision)."""
@@ -98,11 +98,12 @@ class LoadedModel(TextShape):
         return sum(p.numel() for p in self.model.parameters())
 
 
-def _count_image_tokens(processor, image_token_id: int, size: tuple[int, int] = (64, 48)) -> int:
+def _count_image_tokens(processor, image_token_id: int, size: tuple[int, int] = (64, 48),
+                        placeholder: str = IMAGE_TOKEN) -> int:
     from PIL import Image
 
     img = Image.new("RGB", size, (127, 127, 127))
-    ids = processor(images=img, text=IMAGE_TOKEN, return_tensors="pt")["input_ids"]
+    ids = processor(images=img, text=placeholder, return_tensors="pt")["input_ids"]
     return int((ids == image_token_id).sum().item())
 
 
@@ -143,11 +144,17 @@ def describe_model(
             f"{name}: processor image token id {proc_id} differs from config.image_token_id {image_token_id}"
         )
     family = family_of(cfg)
-    n_img = _count_image_tokens(processor, image_token_id)
+    n_img = _count_image_tokens(processor, image_token_id, placeholder=hooks(family).image_placeholder(processor))
     layout_n = image_layout(cfg, processor, 64, 48).n_tokens
     if layout_n != n_img:  # the overlay would then place the image tokens in one strip
         notes.append(f"the processor expands <image> into {n_img} tokens where this model's layout has {layout_n}")
-    if FAMILY_INFO[family].anyres:
+    image_size = getattr(cfg.vision_config, "image_size", None)
+    if FAMILY_INFO[family].mrope:  # a dynamic resolution: the largest square image the processor keeps as it is
+        n_img = max_image_tokens(cfg, processor)
+        side = int(math.isqrt(n_img))
+        grid = (side, side)
+        image_size = side * int(cfg.vision_config.patch_size) * int(cfg.vision_config.spatial_merge_size)
+    elif FAMILY_INFO[family].anyres:
         grid = (cfg.vision_config.image_size // cfg.vision_config.patch_size,) * 2
         n_img = max_image_tokens(cfg, processor)
     else:
@@ -172,7 +179,7 @@ def describe_model(
         image_token_id=image_token_id,
         image_seq_length=n_img,
         image_grid=tuple(grid),
-        image_size=int(cfg.vision_config.image_size),
+        image_size=int(image_size),
         vocab_size=int(text_cfg.vocab_size),
         bos_id=int(bos if bos is not None else 1),
         max_context=int(getattr(text_cfg, "max_position_embeddings", 0) or tok.model_max_length),

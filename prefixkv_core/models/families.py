@@ -1,48 +1,45 @@
-"""The LLaVA families the engine runs: what each is, which transformers class loads it, one checkpoint each.
+"""The families the engine runs: the registry of every family module (`models/family/`), what each family is,
+which transformers class loads it, one checkpoint each.
 
-A checkpoint's family follows from its config: `model_type` picks the class (llava, llava_next,
-llava_onevision); among `llava` checkpoints a SigLIP vision tower marks LLaVA-Interleave.
+A family is one module: it lists its `Family` records and the functions that say what differs (see
+`family/base.py`). Adding a family is adding its module to `FAMILY_MODULES`. A checkpoint's family follows from
+its config: each module says which configs are its own (`family_of`); for the LLaVA families `model_type` picks
+the class (llava, llava_next, llava_onevision) and among `llava` checkpoints a SigLIP vision tower marks
+LLaVA-Interleave; Qwen2-VL, Qwen2.5-VL and Qwen3-VL are `qwen2_vl`, `qwen2_5_vl` and `qwen3_vl`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from types import ModuleType
 
 from .errors import ModelLoadError
+from .family.base import Family
 
-# The placeholder every family's processor expands into its image tokens (prompts, chat templates, tests).
+# The placeholder the LLaVA families' processors expand into their image tokens (prompts, chat templates, tests);
+# a family whose processor expands another names it (`image_placeholder`).
 IMAGE_TOKEN = "<image>"
 
-
-@dataclass(frozen=True)
-class Family:
-    key: str
-    label: str
-    model_type: str
-    model_class: str  # the transformers class that loads it
-    example: str  # one released checkpoint
-    vision: str
-    text: str
-    anyres: bool  # a variable number of image tokens per image (base view + high-resolution tiles)
-    tokenizer: str  # "llama" (SentencePiece-style, BOS added) or "qwen" (ChatML, no BOS): the tiny models' kind
+FAMILY_MODULES = ("llava", "qwen_vl")
 
 
-FAMILY_INFO: dict[str, Family] = {
-    f.key: f for f in (
-        Family("llava-1.5", "LLaVA-1.5", "llava", "LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf",
-               "CLIP ViT-L/14-336 (576 tokens)", "Vicuna-1.5 (Llama-2)", False, "llama"),
-        Family("llava-interleave", "LLaVA-Interleave", "llava", "LlavaForConditionalGeneration",
-               "llava-hf/llava-interleave-qwen-0.5b-hf", "SigLIP so400m/14-384 (729 tokens)", "Qwen1.5", False,
-               "qwen"),
-        Family("llava-next", "LLaVA-NeXT (1.6)", "llava_next", "LlavaNextForConditionalGeneration",
-               "llava-hf/llava-v1.6-mistral-7b-hf", "CLIP ViT-L/14-336, anyres up to 2x2 tiles", "Mistral-7B",
-               True, "llama"),
-        Family("llava-onevision", "LLaVA-OneVision", "llava_onevision", "LlavaOnevisionForConditionalGeneration",
-               "llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "SigLIP so400m/14-384, anyres up to 9 tiles", "Qwen2",
-               True, "qwen"),
-    )
-}
+def family_module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.family.{name}")
 
-SUPPORTED_MODEL_TYPES = ("llava", "llava_next", "llava_onevision")
+
+_MODULES = {name: family_module(name) for name in FAMILY_MODULES}
+
+FAMILY_INFO: dict[str, Family] = {f.key: f for m in _MODULES.values() for f in m.FAMILIES}
+
+# every checkpoint model_type a family module accepts, in registry order
+ALL_MODEL_TYPES = tuple(mt for m in _MODULES.values() for mt in m.MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ALL_MODEL_TYPES
+
+LLAVA_FAMILIES = tuple(f.key for f in _MODULES["llava"].FAMILIES)
+
+
+def hooks(family: str) -> ModuleType:
+    """The module that declares what differs for `family` (a key of FAMILY_INFO)."""
+    return _MODULES[FAMILY_INFO[family].module]
 
 
 def supported_text() -> str:
@@ -51,16 +48,26 @@ def supported_text() -> str:
 
 
 def family_of(config) -> str:
-    """The family key of a LLaVA config (ModelLoadError for other model types)."""
+    """The family key of a config (ModelLoadError for a model type no family module takes)."""
+    for module in _MODULES.values():
+        found = module.family_of(config)
+        if found is not None:
+            return found
     mt = getattr(config, "model_type", None)
-    if mt == "llava_next":
-        return "llava-next"
-    if mt == "llava_onevision":
-        return "llava-onevision"
-    if mt == "llava":
-        vision = getattr(getattr(config, "vision_config", None), "model_type", "")
-        return "llava-interleave" if vision == "siglip_vision_model" else "llava-1.5"
-    raise ModelLoadError(f"model_type {mt!r} is not a supported LLaVA family. Supported: {supported_text()}")
+    raise ModelLoadError(f"model_type {mt!r} is not a supported family. Supported: {supported_text()}")
+
+
+def hooks_of(config) -> ModuleType:
+    """The family module of a config."""
+    return hooks(family_of(config))
+
+
+def uses_mrope(config) -> bool:
+    """Whether a model of this config takes 3-D rotary positions (Qwen-VL's M-RoPE)."""
+    try:
+        return FAMILY_INFO[family_of(config)].mrope
+    except ModelLoadError:
+        return False
 
 
 def model_class(config):

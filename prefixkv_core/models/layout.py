@@ -219,10 +219,21 @@ def _anyres_args(config) -> dict:
                 pinpoints=config.image_grid_pinpoints, max_tiles=max_tiles)
 
 
+def _other_family(config):
+    """The family module of a config that is not a LLaVA family's (None for the LLaVA families)."""
+    if getattr(config, "model_type", "llava") in ("llava", "llava_next", "llava_onevision"):
+        return None
+    from .families import hooks_of
+
+    return hooks_of(config)
+
+
 def crop_patches(config, width: int, height: int) -> CropPatches:
     """The crops of one image of `width` x `height` pixels and, per patch, the prompt image token it feeds (its
     index in the image block of `image_layout`). Anyres tiles: the patch's cell in the unpadded (and, for
-    OneVision, shrunk) grid; patches in the padding feed none."""
+    OneVision, shrunk) grid; patches in the padding feed none. Another family: its module's."""
+    if (other := _other_family(config)) is not None:
+        return other.crop_patches(config, width, height)
     vc = config.vision_config
     side = int(vc.image_size) // int(vc.patch_size)
     flat = np.arange(side * side)
@@ -246,7 +257,9 @@ def crop_patches(config, width: int, height: int) -> CropPatches:
 
 def image_layout(config, processor, width: int, height: int) -> ImageLayout:
     """The layout of one image of `width` x `height` pixels in a prompt of this model (config + processor).
-    Raises ValueError for a model type it does not know."""
+    Another family's layout comes from its module (`families`)."""
+    if (other := _other_family(config)) is not None:
+        return other.image_layout(config, processor, width, height)
     vc = config.vision_config
     side = int(vc.image_size) // int(vc.patch_size)
     mt = getattr(config, "model_type", "llava")
@@ -261,6 +274,8 @@ def image_layout(config, processor, width: int, height: int) -> ImageLayout:
 
 def max_image_tokens(config, processor) -> int:
     """The most tokens one image can take: for anyres, an image of each pinpoint's exact shape (no padding)."""
+    if (other := _other_family(config)) is not None:
+        return other.max_image_tokens(config, processor)
     vc = config.vision_config
     pins = getattr(config, "image_grid_pinpoints", None)
     if getattr(config, "model_type", "llava") == "llava" or not pins:

@@ -20,7 +20,8 @@ from .processor import attach_video_preprocessing, image_only_onevision_processo
 from .families import SUPPORTED_MODEL_TYPES, model_class, supported_text
 from .tiny import TINY_FAMILY_SPECS, TINY_MODEL_SPECS, TINY_NOTE, save_tiny_family, tiny_model_parts
 
-# LLaVA-1.5 / Interleave (llava), LLaVA-NeXT (llava_next) and LLaVA-OneVision (llava_onevision); see families.py
+# LLaVA-1.5 / Interleave (llava), LLaVA-NeXT (llava_next), LLaVA-OneVision (llava_onevision), Qwen2-VL (qwen2_vl),
+# Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl); see families.py
 ACCEPTED_MODEL_TYPES = SUPPORTED_MODEL_TYPES
 
 
@@ -66,7 +67,7 @@ def _load_pretrained(
     mt = getattr(config, "model_type", None)
     if mt not in ACCEPTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{name!r} has model_type {mt!r}, which is not a supported LLaVA family. Supported: {supported_text()}"
+            f"{name!r} has model_type {mt!r}, which is not a supported family. Supported: {supported_text()}"
         )
     load_kw: dict[str, Any] = dict(dtype=dtype, attn_implementation="sdpa", **kw)
     if multi:
@@ -88,6 +89,10 @@ def load_processor(src: str, config, **kw):
     torchvision), which is then attached where it can be built, else its settings (`video.py`)."""
     from transformers import AutoProcessor
 
+    if getattr(config, "model_type", None) not in ("llava", "llava_next", "llava_onevision"):
+        from .families import hooks_of
+
+        return hooks_of(config).load_processor(src, config, **kw)
     if getattr(config, "model_type", None) == "llava_onevision":
         return attach_video_preprocessing(image_only_onevision_processor_class().from_pretrained(src, **kw), config,
                                           src)
@@ -101,7 +106,8 @@ def load_model(
 
     spec: "embedded" | "embedded-base" (the embedded model as training starts from it: no trained vision, no
           adapter) | "tiny-llama" | "tiny-qwen2" | "tiny-<family>" (tiny-llava-1.5, tiny-llava-interleave,
-          tiny-llava-next, tiny-llava-onevision: a tiny random model of that family, saved under the cache
+          tiny-llava-next, tiny-llava-onevision, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-qwen3-vl: a tiny random
+          model of that family, saved under the cache
           directory and loaded from there like a checkpoint) | a local directory | a hub id.
     device: "auto" (cuda if available, else cpu), "auto-multi" (accelerate device_map="auto"),
             "cpu", "cuda", "cuda:N".  dtype: "auto" (bfloat16 on cuda, float32 on cpu), "float32",

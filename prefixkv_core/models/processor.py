@@ -92,7 +92,11 @@ def attach_video_preprocessing(processor, config, source: str | None = None):
 
 def family_processor(config, tokenizer, chat_template: str):
     """The processor of a LLaVA family model built in code, set up as the released checkpoint's (its vision
-    tower's resolution and patch size, feature strategy, pinpoints)."""
+    tower's resolution and patch size, feature strategy, pinpoints); another family's from its module."""
+    if config.model_type not in ("llava", "llava_next", "llava_onevision"):
+        from .families import hooks_of
+
+        return hooks_of(config).processor(config, tokenizer, chat_template)
     vc = config.vision_config
     size, patch = int(vc.image_size), int(vc.patch_size)
     strategy = config.vision_feature_select_strategy

@@ -101,6 +101,9 @@ def tiny_model_parts(variant: str, seed: int):
 _FAMILY_SPECIAL = {
     "llama": ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN],
     "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN, "<video>"],
+    # Qwen-VL's: ChatML, the vision span's start and end, the image and video pads
+    "qwen-vl": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"],
 }
 
 
@@ -123,14 +126,20 @@ def build_family_tokenizer(kind: str, vocab_size: int = 512):
         return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                        unk_token="<unk>", extra_special_tokens={"image_token": IMAGE_TOKEN},
                                        model_max_length=2048)
+    image, video = (IMAGE_TOKEN, "<video>") if kind == "qwen" else ("<|image_pad|>", "<|video_pad|>")
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    unk_token="<|endoftext|>",
-                                   extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": "<video>"},
+                                   extra_special_tokens={"image_token": image, "video_token": video},
                                    model_max_length=2048)
 
 
 def tiny_family_parts(family: str, seed: int = 0):
-    """(model in float32 eval mode, processor) of a tiny random model of a LLaVA family."""
+    """(model in float32 eval mode, processor) of a tiny random model of a family (a LLaVA one here, another from
+    its family module)."""
+    if family not in FAMILIES and family in FAMILY_INFO:
+        from .families import hooks
+
+        return hooks(family).tiny_parts(family, seed)
     if family not in FAMILIES:
         raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(FAMILIES)}")
     info = FAMILY_INFO[family]
@@ -156,6 +165,10 @@ def tiny_family_parts(family: str, seed: int = 0):
 def save_tiny_family(path, family: str, seed: int = 0) -> str:
     """Write a tiny model of a LLaVA family as a checkpoint directory (weights, config, processor, tokenizer, chat
     template) laid out as the released one, so `load_model(path)` takes the same path as for a hub checkpoint."""
+    if family not in FAMILIES and family in FAMILY_INFO:
+        from .families import hooks
+
+        return hooks(family).save_tiny(path, family, seed)
     model, processor = tiny_family_parts(family, seed)
     path = str(path)
     os.makedirs(path, exist_ok=True)

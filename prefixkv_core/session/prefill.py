@@ -81,9 +81,13 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
 
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:
     """From now on the prompt's prefills (not those run alone) read one pass of the vision tower, which records
-    the feature layer when one of `policies` may shrink the image in the tower. Nothing for a prompt without one."""
+    the feature layer when one of `policies` may shrink the image in the tower. Nothing for a prompt without one,
+    nor for a family whose model adds more than the image features' embeddings (`tower_shared`: Qwen3-VL's
+    DeepStack), whose prefills read the pixels."""
+    from ..models.families import hooks
+
     pixels = vision_inputs(prompt.inputs)
-    if prompt.n_image and pixels:
+    if prompt.n_image and pixels and hooks(loaded.family).tower_shared(loaded.model.config):
         prompt.shared_image = TurnImage(loaded.model, pixels, record=any(has_vision_plan(p) for p in policies))
 
 

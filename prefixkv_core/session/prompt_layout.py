@@ -31,7 +31,10 @@ def question_start(loaded: LoadedModel, visuals, text: str, ids: torch.Tensor, i
         raise EngineError("the chat template changes the question's text, so the query-agnostic mode cannot find "
                           "where the question starts; run without it")
     head = text[:at]
-    before_images = visuals.images[:head.count(IMAGE_TOKEN)]
+    from ..models.families import hooks
+
+    placeholder = hooks(loaded.family).image_placeholder(loaded.processor)  # what the template writes per image
+    before_images = visuals.images[:head.count(placeholder)]
     video = visuals.frames if visuals.frames and VIDEO_TOKEN in head else None
     before = encode(loaded, before_images or None, head, video=video)["input_ids"][0].tolist() if at > 0 else []
     full = ids[0].tolist()

@@ -151,6 +151,12 @@ class Session:
         self._check_followup_fits(ids[0].tolist())  # before the vision tower runs
         if not visuals.count:
             return TurnInput(ids[0].tolist())
+        from ..models.families import hooks
+
+        if not hooks(loaded.family).tower_shared(loaded.model.config):
+            raise EngineError(f"{loaded.name}: a follow-up with images is not supported yet on this family (its "
+                              "model adds DeepStack features the follow-up's input embeddings do not carry); ask "
+                              "about them in the first turn")
         is_image = loaded.visual_mask(ids)
 
         def embed():
@@ -158,7 +164,8 @@ class Session:
                 features = vision_features(loaded.model, runner.vision_kwargs(vision_inputs(encoded)), record=False)
                 return prompt_embeds(loaded.model, ids, is_image, features.image)[0]
 
-        return TurnInput(ids[0].tolist(), self.stepper.on_model(embed), is_image[0].tolist())
+        return TurnInput(ids[0].tolist(), self.stepper.on_model(embed), is_image[0].tolist(),
+                         runner.vision_kwargs(vision_inputs(encoded)))
 
     def _next_turn(self, turn: TurnInput, cancel: threading.Event | None) -> Iterator[MethodEvent]:
         live = [s for s in self.states.values() if s.error is None]

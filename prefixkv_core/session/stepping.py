@@ -29,6 +29,7 @@ class TurnInput:
     ids: list[int]
     embeds: torch.Tensor | None = None  # [T, H]
     is_image: list[bool] | None = None
+    rope_inputs: dict | None = None  # the images' tensors from the processor (their grids: 3-D positions, Qwen-VL)
 
     @property
     def has_images(self) -> bool:
@@ -157,7 +158,7 @@ class RowStepper:
             wanted = state.policy.decode_needs_attention()
             request = runner.StatRequest(last_query=wanted)
             logits, stats = runner.forward_group(model, state.cache, ids, state.true_len, request, flags,
-                                                 inputs_embeds=embeds)
+                                                 inputs_embeds=embeds, rope_inputs=turn.rope_inputs)
         except Exception as exc:  # one method failing must not stop the others
             state.fail(exc)
             return None, 0.0

@@ -1,0 +1,334 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL on tiny random models of their structure, saved as checkpoints and loaded
+through `load_model` like released ones (CPU, no network): their 3-D M-RoPE positions kept through eviction."""
+import numpy as np
+import pytest
+import torch
+
+from prefixkv_core import Engine, GenerationSettings
+from prefixkv_core import models as M
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.models.families import FAMILY_INFO, hooks
+from prefixkv_core.policies import METHODS, make_policy
+from prefixkv_core.policies.base import PrefillView, apply_plans
+from prefixkv_core.testing import QWEN_FAMILIES, kept_entry_masks, save_tiny_family, wide_noise_picture
+
+PROMPT = "describe the picture in detail"
+CLASSES = {"qwen2-vl": "Qwen2VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+           "qwen3-vl": "Qwen3VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    out = {}
+    for family in QWEN_FAMILIES:
+        path = save_tiny_family(tmp_path_factory.mktemp(family), family)
+        out[family] = (path, M.load_model(path, device="cpu"))
+    return out
+
+
+@pytest.fixture(params=QWEN_FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def lm(family, family_models):
+    return family_models[family][1]
+
+
+@pytest.fixture(scope="module")
+def picture():
+    return wide_noise_picture()
+
+
+def test_the_registry_holds_the_qwen_families():
+    assert set(QWEN_FAMILIES) == {"qwen2-vl", "qwen2.5-vl", "qwen3-vl"}
+    for key in QWEN_FAMILIES:
+        assert FAMILY_INFO[key].mrope and FAMILY_INFO[key].model_type in M.ACCEPTED_MODEL_TYPES
+        assert hooks(key).__name__.endswith("family.qwen_vl")
+    assert not any(FAMILY_INFO[key].mrope for key in M.FAMILIES)
+
+
+def test_loads_as_its_family(family, lm, family_models):
+    assert type(lm.model).__name__ == CLASSES[family] and lm.family == family
+    assert M.family_of(lm.model.config) == family and lm.anyres
+    assert lm.notes and "tiny random model" in lm.notes[0]
+    assert lm.image_token_id == lm.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+
+def test_tiny_spec_loads_through_a_checkpoint(tmp_path):
+    lm = M.load_model("tiny-qwen2.5-vl", device="cpu", cache_dir=str(tmp_path))
+    assert lm.name == "tiny-qwen2.5-vl" and lm.family == "qwen2.5-vl"
+    assert (tmp_path / "tiny" / "qwen2.5-vl" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("size", [(80, 48), (33, 70), (200, 120)])
+def test_layout_is_the_merged_grid(lm, size):
+    image = wide_noise_picture().resize(size)
+    inputs = M.encode(lm, image, M.format_prompt(lm, "Hi", True))
+    t, h, w = inputs["image_grid_thw"][0].tolist()
+    merge = lm.model.config.vision_config.spatial_merge_size
+    layout = lm.image_layout(*size)
+    assert (layout.views[0].rows, layout.views[0].cols) == (h // merge, w // merge) and t == 1
+    assert layout.n_tokens == int((inputs["input_ids"] == lm.image_token_id).sum())
+
+
+def test_prompt_positions_advance_by_the_grid_side(lm, picture):
+    """Text (p, p, p); the image's (t, h, w) on its merged grid; after it the position has grown by max(h, w)."""
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, True))
+    ids = inputs["input_ids"]
+    positions, deltas = hooks(lm.family).rope_index(lm.model, ids, M.vision_inputs(inputs))
+    rows, cols = lm.image_layout(*picture.size).views[0].rows, lm.image_layout(*picture.size).views[0].cols
+    start = int((ids[0] == lm.image_token_id).nonzero()[0])
+    assert positions[:, 0, start + rows * cols].tolist() == [start + max(rows, cols)] * 3
+    assert int(deltas[0]) == max(rows, cols) - rows * cols
+    assert positions[1, 0, start:start + rows * cols].tolist() == [start + r for r in range(rows) for _ in range(cols)]
+
+
+def _generate(lm, **kw):
+    with torch.inference_mode():
+        return lm.model.generate(**kw, max_new_tokens=6, do_sample=False)
+
+
+def test_full_equals_generate_over_two_turns(lm, picture):
+    engine = Engine(lm)
+    session = engine.new_session(picture, PROMPT, ["full"], 1.0, GenerationSettings(max_new_tokens=6))
+    list(session.run())
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    types = (ids == lm.image_token_id).int()
+    out = _generate(lm, **inputs, mm_token_type_ids=types)
+    first = out[0, ids.shape[1]:].tolist()
+    assert session.states["full"].turn_ids == first
+    list(session.follow_up("and the colours?"))
+    answer = first[:-1] if first[-1] in engine.eos_ids else first
+    follow = M.encode(lm, None, M.format_followup(lm, "and the colours?"), add_special_tokens=False)["input_ids"]
+    ids2 = torch.cat([ids, torch.tensor([answer], dtype=torch.long), follow], dim=1)
+    types2 = (ids2 == lm.image_token_id).int()
+    out = _generate(lm, input_ids=ids2, attention_mask=torch.ones_like(ids2), mm_token_type_ids=types2,
+                    **M.vision_inputs(inputs))
+    assert session.states["full"].turn_ids == out[0, ids2.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("method,budget", [("h2o", 0.3), ("snapkv", 0.3), ("adakv", 0.3), ("pyramidkv", 0.3), ("vlcache", 0.3),
+                                           ("prefixkv", 0.3), ("random", 0.3)])
+def test_eviction_equals_masking(lm, picture, method, budget):
+    """A compressed cache gives the logits of its prefill's cache with the evicted entries masked, per layer and
+    head: the kept entries keep their 3-D rotation and the next token runs at its logical position."""
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    is_image = ids == lm.image_token_id
+    policy = make_policy(method, budget, **({"window": 8} if method == "adakv" else {}))
+    with tracked_attention_enabled(lm.model):
+        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
+                                    lm.device, lm.image_token_id)
+    n = shared.prompt_len
+    assert shared.cache.rope_deltas is not None and int(shared.cache.rope_deltas[0]) < 0
+    compressed = shared.cache.clone()
+    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
+                                          policy.prefill_stats(n).window))
+    apply_plans(compressed, plans)
+    engine = Engine(lm)
+    token = torch.tensor([[7]])
+    with tracked_attention_enabled(lm.model):
+        evicted = engine.forward(compressed, token, n, AttentionProbe())
+        masked = engine.forward(shared.cache.clone(), token, n, AttentionProbe(key_masks=kept_entry_masks(compressed, n)))
+    assert min(layer.length for layer in compressed.layers) < n  # something was evicted
+    torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
+
+
+def test_an_uncompressed_step_is_the_models_own(lm, picture):
+    """The next token after the prompt, through the engine's cache at its logical position, is what the model's
+    own forward over the prompt and that token computes."""
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    policy = make_policy("full", 1.0)
+    with tracked_attention_enabled(lm.model):
+        shared = runner.prefill_for(lm.model, policy, ids, ids == lm.image_token_id, M.vision_inputs(inputs),
+                                    lm.num_layers, lm.device, lm.image_token_id)
+        logits = Engine(lm).forward(shared.cache, torch.tensor([[7]]), ids.shape[1], AttentionProbe())
+    ids2 = torch.cat([ids, torch.tensor([[7]])], dim=1)
+    with torch.inference_mode():
+        own = lm.model(input_ids=ids2, attention_mask=torch.ones_like(ids2),
+                       mm_token_type_ids=(ids2 == lm.image_token_id).int(), **M.vision_inputs(inputs)).logits[0, -1]
+    torch.testing.assert_close(logits, own, atol=1e-4, rtol=1e-4)
+
+
+KV_METHODS = ("full", "h2o", "snapkv", "pyramidkv", "prefixkv", "vlcache", "random")
+
+
+def test_batched_equals_alone(lm, picture):
+    """Every method's answer decoded in one batch is the answer it gives decoded alone (rows of different lengths,
+    each at its own logical positions)."""
+    settings = GenerationSettings(max_new_tokens=5)
+    batched = Engine(lm).new_session(picture, PROMPT, list(KV_METHODS), 0.3, settings)
+    list(batched.run())
+    for method in KV_METHODS:
+        alone = Engine(lm).new_session(picture, PROMPT, [method], 0.3, settings)
+        list(alone.run())
+        assert batched.states[method].turn_ids == alone.states[method].turn_ids, method
+
+
+def test_query_agnostic_feeds_the_question_at_its_logical_positions(lm, picture):
+    """Query-agnostic Full (the question fed after the compressed prefix) answers as the model's own generate."""
+    session = Engine(lm).new_session(picture, PROMPT, ["full"], 1.0, GenerationSettings(max_new_tokens=5),
+                                     query_agnostic=True)
+    list(session.run())
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    out = _generate(lm, **inputs, mm_token_type_ids=(inputs["input_ids"] == lm.image_token_id).int())
+    assert session.states["full"].turn_ids == out[0, inputs["input_ids"].shape[1]:].tolist()[:5]
+
+
+@pytest.mark.parametrize("budget_mode,query_agnostic", [("published", False), ("equal_memory", True)])
+def test_every_method_runs_or_fails_alone(lm, picture, budget_mode, query_agnostic):
+    """Every registered method runs a two-turn conversation, in both budget modes and both query modes; the
+    vision-side reductions not yet on Qwen's tower fail on their own with a message that says so, and the others
+    go on."""
+    session = Engine(lm).new_session(picture, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=3),
+                                     budget_mode=budget_mode, query_agnostic=query_agnostic)
+    list(session.run())
+    list(session.follow_up("what else?"))
+    assert set(session.states) == set(METHODS)
+    for name, state in session.states.items():
+        if state.error is not None:
+            assert "not yet on Qwen" in str(state.error), (name, state.error)
+        else:
+            assert len(state.answers) == 1 and state.finished, name
+    assert session.states["full"].error is None and session.states["h2o"].error is None
+
+
+def test_image_markers_place_the_images(lm, picture):
+    """A user's `<image>` markers become the family's vision spans where they stand."""
+    text = M.format_prompt(lm, "first <image> then <image> which differs?", 2)
+    assert "<image>" not in text and text.count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+    inputs = M.encode(lm, [picture, picture.resize((48, 48))], text)
+    assert int((inputs["input_ids"] == lm.image_token_id).sum()) == sum(
+        lm.image_tokens(*size) for size in (picture.size, (48, 48)))
+
+
+@pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1)])
+def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
+    """FastV's and DART's own prefill, whose layers from K on never compute the dropped image tokens (their 3-D
+    rotary embeddings cut with them), gives the logits of a plain forward with those tokens masked out of layers K
+    and later, and so does the next token at its logical position. Dropping after layer 1 on Qwen3-VL cuts the
+    DeepStack features of layer 1's output in step."""
+    from prefixkv_core.testing import masked_reference_cache
+
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    is_image = ids == lm.image_token_id
+    policy = make_policy(method, 0.8, **({"layer": layer} if layer is not None else {}))
+    with tracked_attention_enabled(lm.model):
+        own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
+                                 lm.image_token_id)
+        n = own.prompt_len
+        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
+        assert layer is None or drop.layer == layer
+        kept = own.cache.layers[-1].positions[0, 0]
+        assert len(kept) < n
+        logits, reference = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+        torch.testing.assert_close(own.logits, logits, atol=1e-4, rtol=1e-4)
+        token = torch.tensor([[7]])
+        engine = Engine(lm)
+        dropped = engine.forward(own.cache, token, n, AttentionProbe())
+        masked = engine.forward(reference, token, n, AttentionProbe(key_masks=kept_entry_masks(own.cache, n)))
+    torch.testing.assert_close(dropped, masked, atol=1e-4, rtol=1e-4)
+
+
+def test_a_follow_up_with_an_image_continues_at_its_grid_positions(lm, picture):
+    """A second turn with an image: its tokens get the 3-D positions of the whole conversation (the model's own
+    generate over both turns); Qwen3-VL, whose DeepStack features the follow-up's embeddings lack, refuses it."""
+    from prefixkv_core.errors import EngineError
+
+    engine = Engine(lm)
+    session = engine.new_session(picture, PROMPT, ["full", "h2o"], 0.5, GenerationSettings(max_new_tokens=4))
+    list(session.run())
+    second = picture.resize((48, 48))
+    if lm.family == "qwen3-vl":
+        with pytest.raises(EngineError, match="not supported yet"):
+            list(session.follow_up("and this one?", image=second))
+        return
+    list(session.follow_up("and this one?", image=second))
+    assert all(s.error is None for s in session.states.values())
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    ids = inputs["input_ids"]
+    out = _generate(lm, **inputs, mm_token_type_ids=(ids == lm.image_token_id).int())
+    answer = out[0, ids.shape[1]:ids.shape[1] + 4].tolist()
+    answer = answer[:-1] if answer[-1] in engine.eos_ids else answer
+    follow = M.encode(lm, second, M.format_followup(lm, "and this one?", images=1), add_special_tokens=False)
+    ids2 = torch.cat([ids, torch.tensor([answer]), follow["input_ids"]], dim=1)
+    both = dict(pixel_values=torch.cat([inputs["pixel_values"], follow["pixel_values"]]),
+                image_grid_thw=torch.cat([inputs["image_grid_thw"], follow["image_grid_thw"]]))
+    out = _generate(lm, input_ids=ids2, attention_mask=torch.ones_like(ids2),
+                    mm_token_type_ids=(ids2 == lm.image_token_id).int(), **both)
+    assert session.states["full"].turn_ids == out[0, ids2.shape[1]:ids2.shape[1] + 4].tolist()
+
+
+def test_overlay_draws_the_merged_grid(lm, picture):
+    from ui.overlay import overlay
+
+    session = Engine(lm).new_session(picture, PROMPT, ["full", "h2o"], 0.2, GenerationSettings(max_new_tokens=2))
+    pre = list(session.run())[0]
+    view = session.image_layout.views[0]
+    assert pre.image_grid == (view.rows, view.cols) and view.n_tokens == pre.image_tokens
+    full, h2o = (session.kept_image_map(m, lm.num_layers - 1) for m in ("full", "h2o"))
+    assert np.all(full.token_share == 1.0) and full.view_share(0).shape == (view.rows, view.cols)
+    assert h2o.kept_tokens() < h2o.n_tokens
+    assert overlay(picture, h2o, "h2o").width > 0
+
+
+def test_cli_compare_runs(family, family_models, picture, tmp_path):
+    import json
+
+    from prefixkv_core.__main__ import main
+
+    path, lm = family_models[family]
+    image, out = tmp_path / "img.png", tmp_path / "out.json"
+    picture.save(image)
+    code = main(["compare", "--model", path, "--image", str(image), "--prompt", "What is it?", "--methods",
+                 "full,h2o,fastv", "--max-new-tokens", "3", "--device", "cpu", "--json", str(out), "--quiet"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert set(data["methods"]) == {"full", "h2o", "fastv"}
+    assert all(len(r["kept_per_layer"]) == lm.num_layers for r in data["methods"].values())
+
+
+def test_two_users_with_different_rope_deltas_share_the_batched_steps(family_models, picture):
+    """Two users' comparisons on Qwen2.5-VL decoded in one batch, each prompt with an image of its own size (so
+    each row its own rope delta): every answer is the one it gives with nobody else on the engine."""
+    import threading
+
+    from prefixkv_core.report.events import MethodEvent
+    from prefixkv_core.testing import wait_until
+
+    lm = family_models["qwen2.5-vl"][1]
+    other = picture.resize((40, 72))
+    first = ("describe the picture in detail and name every object", ["full", "snapkv", "fastv"])
+    second = ("what colour is the sky", ["h2o", "full"])
+    settings = lambda n: GenerationSettings(max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    engine = Engine(lm)
+
+    def alone(image, request, n):
+        session = engine.new_session(image, request[0], request[1], 0.4, settings(n))
+        list(session.run())
+        return {m: row["text"] for m, row in session.results().items()}
+
+    first_alone, second_alone = alone(picture, first, 12), alone(other, second, 8)
+    a = engine.new_session(picture, *first, 0.4, settings(12))
+    b = engine.new_session(other, *second, 0.4, settings(8))
+    events_a = a.run()
+    for ev in events_a:
+        if isinstance(ev, MethodEvent) and ev.kind == "token":
+            break
+    b_done = threading.Thread(target=lambda: [None for _ in b.run()])
+    b_done.start()
+    assert wait_until(lambda: engine.pool.decoding() == 2, timeout=60)
+    for _ in events_a:
+        pass
+    b_done.join(120)
+    assert engine.pool.shared_steps > 0
+    deltas = {int(s.cache.rope_deltas[0]) for s in (a.states["full"], b.states["full"])}
+    assert len(deltas) == 2  # the two rows ran at different offsets
+    assert {m: row["text"] for m, row in a.results().items()} == first_alone
+    assert {m: row["text"] for m, row in b.results().items()} == second_alone
