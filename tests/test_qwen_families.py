@@ -332,3 +332,22 @@ def test_two_users_with_different_rope_deltas_share_the_batched_steps(family_mod
     assert len(deltas) == 2  # the two rows ran at different offsets
     assert {m: row["text"] for m, row in a.results().items()} == first_alone
     assert {m: row["text"] for m, row in b.results().items()} == second_alone
+
+
+def test_several_images_and_a_video_as_images(lm, picture):
+    """Two images and a video's frames (read as a run of images) in one prompt: every image at its own grid
+    positions, the methods run, Full answers as the model's own generate over the same prompt."""
+    frames = [picture.resize((40, 40)).rotate(10 * k) for k in range(3)]
+    engine = Engine(lm)
+    session = engine.new_session([picture, picture.resize((32, 64))], "compare <image> with <image> and the video <video> what moves?",
+                                 ["full", "h2o", "fastv"], 0.4, GenerationSettings(max_new_tokens=3), video=frames,
+                                 frames=3)
+    pre = list(session.run())[0]
+    for name, state in session.states.items():
+        assert state.error is None, (name, state.error)
+    assert session.image_layout.n_images == 5 and pre.image_tokens == session.image_layout.n_tokens
+    inputs = M.encode(lm, session.visuals.images, M.format_prompt(lm, session.visuals.prompt, with_image=5))
+    ids = inputs["input_ids"]
+    assert torch.equal(ids, session.encoded.ids)
+    out = _generate(lm, **inputs, mm_token_type_ids=(ids == lm.image_token_id).int())
+    assert session.states["full"].turn_ids == out[0, ids.shape[1]:ids.shape[1] + 3].tolist()

@@ -1,4 +1,4 @@
-"""Load a LLaVA-family model and its processor, and describe it (`LoadedModel`).
+"""Load a model of a supported family (LLaVA, Qwen-VL) and its processor, and describe it (`LoadedModel`).
 
 Four kinds of model spec for `load_model`:
 
@@ -11,16 +11,18 @@ Four kinds of model spec for `load_model`:
 * ``"tiny-llama"`` / ``"tiny-qwen2"``: randomly initialised LLaVA models built in code for tests
   (``tiny``); ``"tiny-<family>"``: a tiny random model of one LLaVA family, saved and
   loaded like a checkpoint.
-* a local directory or a hub id of a supported LLaVA family (``families``): LLaVA-1.5 and LLaVA-Interleave
-  (``llava``), LLaVA-NeXT (``llava_next``, anyres) and LLaVA-OneVision (``llava_onevision``, anyres). Hub ids
-  work offline when they are in the Hugging Face cache.
+* a local directory or a hub id of a supported family (``families``, the registry of the family modules under
+  ``family/``): LLaVA-1.5 and LLaVA-Interleave (``llava``), LLaVA-NeXT (``llava_next``, anyres), LLaVA-OneVision
+  (``llava_onevision``, anyres), Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) and Qwen3-VL (``qwen3_vl``),
+  the last three with a dynamic resolution and 3-D M-RoPE positions. Hub ids work offline when they are in the
+  Hugging Face cache.
 
 `build_random_model(kind)` gives a model with random weights and the exact shapes of LLaVA-1.5-7B/13B, the
 embedded model or the tiny test model (no processor; for speed and memory measurements).
 
 Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, chat templates, ``encode``), ``configs``
-(the shapes of the models built in code, the families' released and tiny configs), ``families`` (which
-families, which class loads each), ``layout`` (where each image token comes from), ``processor``,
+(the shapes of the models built in code, the families' released and tiny configs), ``families`` (the
+registry: which families, which class loads each, the module that declares what differs), ``layout`` (where each image token comes from), ``processor``,
 ``descriptor`` (``LoadedModel``), ``embedded``, ``tiny`` (the tiny test models' tokenizers and builders), ``loading``,
 ``random_weights``.
 """
