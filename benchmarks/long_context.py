@@ -174,10 +174,10 @@ def main(argv=None) -> int:
             frames = [frames[i * len(frames) // count] for i in range(count)]
         results.append(measure(engine, frames, methods, args.budget, args.new_tokens, args.repeats))
         print(report(results[-1], args.budget), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"run": run_info(loaded.device), "model": loaded.name,
-                                               "budget": args.budget, "new_tokens": args.new_tokens,
-                                               "results": results}, indent=1))
+        if args.json:  # after every frame count: a long run stopped later keeps what it measured
+            Path(args.json).write_text(json.dumps({"run": run_info(loaded.device), "model": loaded.name,
+                                                   "budget": args.budget, "new_tokens": args.new_tokens,
+                                                   "results": results}, indent=1))
     return 0
 
 
