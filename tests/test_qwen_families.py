@@ -351,3 +351,18 @@ def test_several_images_and_a_video_as_images(lm, picture):
     assert torch.equal(ids, session.encoded.ids)
     out = _generate(lm, **inputs, mm_token_type_ids=(ids == lm.image_token_id).int())
     assert session.states["full"].turn_ids == out[0, ids.shape[1]:ids.shape[1] + 3].tolist()
+
+
+def test_random_weights_in_the_released_qwen2_5_vl_3b_shape():
+    """`build_random_model("qwen2.5-vl-3b")`: Qwen2.5-VL-3B-Instruct's shapes (3.75 B parameters, 36 GQA layers of
+    2 KV heads, the 32-block window-attention tower) with a processor at the released resize, built without
+    allocating (meta device)."""
+    from prefixkv_core.models import RANDOM_KINDS, build_random_model
+
+    assert "qwen2.5-vl-3b" in RANDOM_KINDS
+    lm = build_random_model("qwen2.5-vl-3b", device="meta", dtype=torch.float16)
+    assert lm.random_weights and lm.family == "qwen2.5-vl" and type(lm.model).__name__ == CLASSES["qwen2.5-vl"]
+    assert (lm.num_layers, lm.num_kv_heads, lm.head_dim, lm.vocab_size) == (36, 2, 128, 151936)
+    assert sum(p.numel() for p in lm.model.parameters()) == pytest.approx(3.75e9, rel=0.01)
+    assert lm.model.config.vision_config.fullatt_block_indexes == [7, 15, 23, 31]
+    assert lm.image_tokens(640, 480) == (476 // 28) * (644 // 28)  # the processor's 28-px resize

@@ -147,7 +147,10 @@ RANDOM_FAMILIES: dict[str, tuple[str, bool]] = {
     **{f"tiny-{family}": (family, True) for family in ("llava-1.5", "llava-interleave", "llava-next",
                                                        "llava-onevision")},
 }
-RANDOM_KINDS = tuple(RANDOM_CONFIGS) + tuple(RANDOM_FAMILIES)
+# Released shapes of the families with 3-D positions, with random weights and a processor ("qwen2.5-vl-3b":
+# Qwen/Qwen2.5-VL-3B-Instruct); built by their family module.
+RANDOM_MROPE: dict[str, str] = {"qwen2.5-vl-3b": "qwen2.5-vl"}
+RANDOM_KINDS = tuple(RANDOM_CONFIGS) + tuple(RANDOM_FAMILIES) + tuple(RANDOM_MROPE)
 
 
 def random_config(kind: str, **ids):
@@ -157,6 +160,8 @@ def random_config(kind: str, **ids):
     if kind in RANDOM_FAMILIES:
         family, tiny = RANDOM_FAMILIES[kind]
         return family_config(family, tiny, **ids)
+    if kind in RANDOM_MROPE:
+        return family_config(RANDOM_MROPE[kind], False, **ids)
     if kind not in RANDOM_CONFIGS:
         raise ValueError(f"unknown random-weight model {kind!r}; accepted: {', '.join(RANDOM_KINDS)}")
     return RANDOM_CONFIGS[kind]()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN
-from .configs import RANDOM_FAMILIES, random_config
+from .configs import RANDOM_FAMILIES, RANDOM_MROPE, random_config
 from .descriptor import LoadedModel, describe_model, image_grid
 from .device import avoid_cudnn_attention
 from .families import FAMILY_INFO, model_class
@@ -20,6 +20,8 @@ def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: tor
     family kind (`configs.RANDOM_FAMILIES`) has one, so it also runs image prompts through the engine."""
     if kind in RANDOM_FAMILIES:
         return _random_family(kind, torch.device(device), dtype, seed)
+    if kind in RANDOM_MROPE:
+        return _random_mrope(kind, torch.device(device), dtype, seed)
     from transformers import LlavaForConditionalGeneration
 
     config = random_config(kind)
@@ -74,5 +76,20 @@ def _random_family(kind: str, device: torch.device, dtype: torch.dtype, seed: in
                             notes=[f"randomly initialised weights with the shapes of {kind} ({info.example}"
                                    f"{' scaled down' if tiny else ''}) and a small stand-in tokenizer: speed and "
                                    f"memory only, outputs are noise"])
+    loaded.random_weights = True
+    return loaded
+
+
+def _random_mrope(kind: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
+    """A released Qwen-VL shape with random weights and a processor (its family module builds both)."""
+    from .families import hooks
+
+    family = RANDOM_MROPE[kind]
+    model, processor = hooks(family).random_parts(family, device, dtype, seed)
+    info = FAMILY_INFO[family]
+    loaded = describe_model(model, processor, name=f"random-{kind}", slug=f"random-{kind}", device=device,
+                            dtype=dtype, vision_trained=False,
+                            notes=[f"randomly initialised weights with the shapes of {kind} ({info.example}) and a "
+                                   "small stand-in tokenizer: speed and memory only, outputs are noise"])
     loaded.random_weights = True
     return loaded

@@ -121,8 +121,8 @@ def config(family: str, tiny: bool = False, *, image_token_id: int | None = None
     if family not in _CONFIG_CLASS:
         raise ModelLoadError(f"unknown Qwen-VL family {family!r}; accepted: {', '.join(_CONFIG_CLASS)}")
     if not tiny:
-        raise ModelLoadError(f"{family}: only the tiny shape is built in code; load a released checkpoint by its "
-                             "hub id or directory")
+        return _released(family, image_token_id=image_token_id, video_token_id=video_token_id,
+                         vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id)
     if image_token_id is None:
         raise ValueError("a tiny family model needs its tokenizer's image token id")
     hidden = _TINY_TEXT["hidden_size"]
@@ -149,6 +149,35 @@ def config(family: str, tiny: bool = False, *, image_token_id: int | None = None
         **{k: v for k, v in ids.items() if v is not None}, **extra)
 
 
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json: the shape the speed benchmarks measure with random weights.
+QWEN2_5_VL_3B = dict(
+    text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+              num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000, rms_norm_eps=1e-6,
+              hidden_act="silu", bos_token_id=151643, eos_token_id=151645, use_sliding_window=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu"),
+    ids=dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653),
+)
+
+
+def _released(family: str, **ids):
+    """A released checkpoint's config built in code (Qwen2.5-VL-3B; the others load from their checkpoints). `ids`:
+    token ids that replace the released ones (a stand-in tokenizer's), None keeps them."""
+    from transformers import Qwen2_5_VLConfig
+
+    from ..errors import ModelLoadError
+
+    if family != "qwen2.5-vl":
+        raise ModelLoadError(f"{family}: only the tiny shape is built in code; load a released checkpoint by its "
+                             "hub id or directory")
+    shape = QWEN2_5_VL_3B
+    token_ids = {k: (v if ids.get(k) is None else ids[k]) for k, v in shape["ids"].items()}
+    return Qwen2_5_VLConfig(text_config=dict(shape["text"]), vision_config=dict(shape["vision"]),
+                            tie_word_embeddings=True, **token_ids)
+
+
 # -- processors ----------------------------------------------------------------------------------------------------
 
 def image_only_processor_class(model_type: str):
@@ -167,22 +196,43 @@ def image_only_processor_class(model_type: str):
     return ImageOnlyProcessor
 
 
-def image_processor_for(config):
-    """The PIL backend of the family's image processor at the tiny model's patch and merge sizes."""
+def image_processor_for(config, tiny: bool = True):
+    """The PIL backend of the family's image processor at the model's patch and merge sizes, with the tiny
+    model's pixel limits (else the class's defaults)."""
     from transformers import Qwen2VLImageProcessorPil
 
     vc = config.vision_config
     extra = {}
+    if tiny:
+        extra["size"] = {"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS}
     if config.model_type == "qwen3_vl":  # SigLIP-2 normalisation
         extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    return Qwen2VLImageProcessorPil(size={"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS},
-                                    patch_size=int(vc.patch_size), merge_size=int(vc.spatial_merge_size),
+    return Qwen2VLImageProcessorPil(patch_size=int(vc.patch_size), merge_size=int(vc.spatial_merge_size),
                                     temporal_patch_size=int(vc.temporal_patch_size), **extra)
 
 
 def processor(config, tokenizer, template: str):
-    return image_only_processor_class(config.model_type)(image_processor=image_processor_for(config),
+    """The processor of a model built in code: the tiny model's pixel limits, or the released defaults for a
+    released shape (its vision tower wider than the tiny one's)."""
+    tiny = int(config.vision_config.patch_size) == TINY_PATCH
+    return image_only_processor_class(config.model_type)(image_processor=image_processor_for(config, tiny),
                                                          tokenizer=tokenizer, chat_template=template)
+
+
+def random_parts(family: str, device, dtype, seed: int = 0):
+    """(model with random weights in the released shape, created on `device` in `dtype`, processor on a
+    stand-in tokenizer whose special ids become the model's) for the speed benchmarks."""
+    from ..families import model_class
+    from ..random_weights import _instantiate
+
+    tok = build_tokenizer()
+    token = tok.convert_tokens_to_ids
+    cfg = config(family, tiny=False, image_token_id=token(IMAGE_PAD), video_token_id=token(VIDEO_PAD),
+                 vision_start_token_id=token(VISION_START), vision_end_token_id=token(VISION_END))
+    model = _instantiate(model_class(cfg), cfg, device, dtype, seed)
+    gen = model.generation_config
+    gen.pad_token_id, gen.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    return model, processor(cfg, tok, TEMPLATES[family])
 
 
 def load_processor(src: str, config, **kw):
