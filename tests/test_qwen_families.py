@@ -238,17 +238,12 @@ def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
 
 def test_a_follow_up_with_an_image_continues_at_its_grid_positions(lm, picture):
     """A second turn with an image: its tokens get the 3-D positions of the whole conversation (the model's own
-    generate over both turns); Qwen3-VL, whose DeepStack features the follow-up's embeddings lack, refuses it."""
-    from prefixkv_core.errors import EngineError
-
+    generate over both turns); on Qwen3-VL each row reads the image's pixels, so its DeepStack features are added
+    as in the model's own forward."""
     engine = Engine(lm)
     session = engine.new_session(picture, PROMPT, ["full", "h2o"], 0.5, GenerationSettings(max_new_tokens=4))
     list(session.run())
     second = picture.resize((48, 48))
-    if lm.family == "qwen3-vl":
-        with pytest.raises(EngineError, match="not supported yet"):
-            list(session.follow_up("and this one?", image=second))
-        return
     list(session.follow_up("and this one?", image=second))
     assert all(s.error is None for s in session.states.values())
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))

@@ -153,19 +153,17 @@ class Session:
             return TurnInput(ids[0].tolist())
         from ..models.families import hooks
 
-        if not hooks(loaded.family).tower_shared(loaded.model.config):
-            raise EngineError(f"{loaded.name}: a follow-up with images is not supported yet on this family (its "
-                              "model adds DeepStack features the follow-up's input embeddings do not carry); ask "
-                              "about them in the first turn")
         is_image = loaded.visual_mask(ids)
+        images = runner.vision_kwargs(vision_inputs(encoded))
+        if not hooks(loaded.family).tower_shared(loaded.model.config):  # each row reads the pixels (DeepStack)
+            return TurnInput(ids[0].tolist(), None, is_image[0].tolist(), images)
 
         def embed():
             with torch.inference_mode():
                 features = vision_features(loaded.model, runner.vision_kwargs(vision_inputs(encoded)), record=False)
                 return prompt_embeds(loaded.model, ids, is_image, features.image)[0]
 
-        return TurnInput(ids[0].tolist(), self.stepper.on_model(embed), is_image[0].tolist(),
-                         runner.vision_kwargs(vision_inputs(encoded)))
+        return TurnInput(ids[0].tolist(), self.stepper.on_model(embed), is_image[0].tolist(), images)
 
     def _next_turn(self, turn: TurnInput, cancel: threading.Event | None) -> Iterator[MethodEvent]:
         live = [s for s in self.states.values() if s.error is None]

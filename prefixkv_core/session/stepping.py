@@ -24,7 +24,9 @@ EventMaker = Callable[..., MethodEvent]
 @dataclass
 class TurnInput:
     """A follow-up turn's tokens, and with images its input embeddings (the images' features scattered into their
-    tokens, computed once for every method) and which of its tokens are image tokens."""
+    tokens, computed once for every method) and which of its tokens are image tokens. A family whose model adds
+    more than the embeddings (Qwen3-VL's DeepStack) has no embeddings: each method's row reads the images'
+    tensors (`rope_inputs`) through the model's own path."""
 
     ids: list[int]
     embeds: torch.Tensor | None = None  # [T, H]
@@ -33,7 +35,7 @@ class TurnInput:
 
     @property
     def has_images(self) -> bool:
-        return self.embeds is not None
+        return self.is_image is not None
 
 
 class Joining(Protocol):
@@ -153,12 +155,17 @@ class RowStepper:
         carry = state.carry_over(self.eos_ids)
         try:
             ids = torch.tensor([carry + turn.ids], device=device)
-            embeds = torch.cat([model.get_input_embeddings()(ids[:, :len(carry)])[0], turn.embeds.to(device)])[None]
             flags = torch.tensor([[False] * len(carry) + list(turn.is_image)], device=device)
             wanted = state.policy.decode_needs_attention()
             request = runner.StatRequest(last_query=wanted)
-            logits, stats = runner.forward_group(model, state.cache, ids, state.true_len, request, flags,
-                                                 inputs_embeds=embeds, rope_inputs=turn.rope_inputs)
+            if turn.embeds is None:  # the model's own path over the turn's images (see TurnInput)
+                logits, stats = runner.forward_group(model, state.cache, ids, state.true_len, request, flags,
+                                                     turn.rope_inputs)
+            else:
+                embeds = torch.cat([model.get_input_embeddings()(ids[:, :len(carry)])[0],
+                                    turn.embeds.to(device)])[None]
+                logits, stats = runner.forward_group(model, state.cache, ids, state.true_len, request, flags,
+                                                     inputs_embeds=embeds, rope_inputs=turn.rope_inputs)
         except Exception as exc:  # one method failing must not stop the others
             state.fail(exc)
             return None, 0.0
