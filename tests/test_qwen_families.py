@@ -155,16 +155,17 @@ def test_an_uncompressed_step_is_the_models_own(lm, picture):
     torch.testing.assert_close(logits, own, atol=1e-4, rtol=1e-4)
 
 
-KV_METHODS = ("full", "h2o", "snapkv", "pyramidkv", "prefixkv", "vlcache", "random")
+NOT_ON_QWEN = ("visionzip", "downsample")  # not yet on Qwen's vision tower: they fail on their own
 
 
 def test_batched_equals_alone(lm, picture):
-    """Every method's answer decoded in one batch is the answer it gives decoded alone (rows of different lengths,
-    each at its own logical positions)."""
+    """Every method that runs on Qwen gives, decoded in one batch with the others (rows of different lengths, the
+    own prefills' rows shorter still, each at its own logical positions), the answer it gives decoded alone."""
     settings = GenerationSettings(max_new_tokens=5)
-    batched = Engine(lm).new_session(picture, PROMPT, list(KV_METHODS), 0.3, settings)
+    methods = [m for m in METHODS if m not in NOT_ON_QWEN]
+    batched = Engine(lm).new_session(picture, PROMPT, methods, 0.3, settings)
     list(batched.run())
-    for method in KV_METHODS:
+    for method in methods:
         alone = Engine(lm).new_session(picture, PROMPT, [method], 0.3, settings)
         list(alone.run())
         assert batched.states[method].turn_ids == alone.states[method].turn_ids, method
@@ -361,3 +362,21 @@ def test_random_weights_in_the_released_qwen2_5_vl_3b_shape():
     assert sum(p.numel() for p in lm.model.parameters()) == pytest.approx(3.75e9, rel=0.01)
     assert lm.model.config.vision_config.fullatt_block_indexes == [7, 15, 23, 31]
     assert lm.image_tokens(640, 480) == (476 // 28) * (644 // 28)  # the processor's 28-px resize
+
+
+def test_app_compares_and_follows_up(lm, picture):
+    from ui.app_builder import build_app
+    from ui.controller import SessionBox
+
+    ctl = build_app(Engine(lm), max_new_tokens_limit=8).controller
+    box = SessionBox()
+    outs = list(ctl.compare(picture, "Describe the picture.", ["full", "h2o", "fastv"], 0.3, 3, box=box))
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert "Done" in final["status"]
+    statuses = {m: r["status"] for m, r in final["results"]["methods"].items()}
+    assert statuses == {m: "done" for m in ("full", "h2o", "fastv")}
+    assert len(final["gallery"]) == 3 and all("kept" in cap for _, cap in final["gallery"])
+    outs = list(ctl.follow_up("And the colours?", box))
+    final = dict(zip(ctl.output_keys, outs[-1]))
+    assert final["results"]["prompts"] == ["Describe the picture.", "And the colours?"]
+    assert len(ctl.set_overlay_layer(1, box)) == 3
