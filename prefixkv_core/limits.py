@@ -310,6 +310,32 @@ def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> Image.Image
     return decode_image_bytes(data, max_pixels=max_pixels)
 
 
+def open_regular_file(path: str | os.PathLike, roots: Iterable[str | os.PathLike] | None, *, refused: str,
+                      hint: str = "") -> tuple[int, os.stat_result, str]:
+    """(a read-only file descriptor, its stat, the file's name) once `path` is a regular file. With `roots` (a
+    server): it must resolve inside one of them (a symlink at the end is not followed), else LimitError(refused),
+    the same answer whatever the reason. Without `roots` (a local user's own path): errors say why (`hint` ends
+    them, e.g. ": pass a video file"). Opened non-blocking: a FIFO must not hang the server. The caller closes it."""
+    confined = roots is not None
+    if not isinstance(path, (str, os.PathLike)) or "\x00" in os.fspath(path):
+        raise LimitError(refused)
+    if confined and not is_inside(path, roots):
+        raise LimitError(refused)
+    real = os.path.realpath(path) if confined else os.fspath(path)
+    name = Path(real).name
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if confined else 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as exc:
+        raise LimitError(refused if confined else f"cannot open {name}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise LimitError(refused if confined else f"{name} is {kind}{hint}")
+    return fd, info, name
+
+
 def read_image_file(path: str | os.PathLike, roots: Iterable[str | os.PathLike] | None, *, max_bytes: int | None,
                     max_pixels: int | None) -> Image.Image:
     """A file -> RGB image.
@@ -318,20 +344,8 @@ def read_image_file(path: str | os.PathLike, roots: Iterable[str | os.PathLike] 
     LimitError(IMAGE_REFUSED) — the same answer whatever the reason. Only then is its size reported when
     over `max_bytes`. Without `roots` (a local user's own path): any readable file, and errors say why."""
     confined = roots is not None
-    if not isinstance(path, (str, os.PathLike)) or "\x00" in os.fspath(path):
-        raise LimitError(IMAGE_REFUSED)
-    if confined and not is_inside(path, roots):
-        raise LimitError(IMAGE_REFUSED)
-    real = os.path.realpath(path) if confined else os.fspath(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if confined else 0)
+    fd, info, name = open_regular_file(path, roots, refused=IMAGE_REFUSED)
     try:
-        fd = os.open(real, flags)  # non-blocking: a FIFO must not hang the server
-    except OSError as exc:
-        raise LimitError(IMAGE_REFUSED if confined else f"cannot open {Path(real).name}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise LimitError(IMAGE_REFUSED if confined else f"{Path(real).name} is not a regular file")
         if max_bytes is not None and info.st_size > max_bytes:
             raise _too_big(info.st_size, max_bytes)
         with os.fdopen(os.dup(fd), "rb") as fh:
@@ -345,4 +359,4 @@ def read_image_file(path: str | os.PathLike, roots: Iterable[str | os.PathLike] 
     except LimitError as exc:
         if confined or str(exc) != IMAGE_REFUSED:
             raise
-        raise LimitError(f"{Path(real).name} is not a readable image ({ACCEPTED_IMAGES})") from None
+        raise LimitError(f"{name} is not a readable image ({ACCEPTED_IMAGES})") from None

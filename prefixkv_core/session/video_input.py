@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,28 +112,15 @@ def _rgb(image: Image.Image) -> Image.Image:
 
 def _open_file(path: str | Path, roots: list | None, max_bytes: int):
     """The file, opened for reading, once it is a regular file within `roots` (when given) and `max_bytes`."""
-    confined = roots is not None
-    name = Path(path).name
-    if "\x00" in os.fspath(path) or (confined and not limits.is_inside(path, roots)):
-        raise EngineError(VIDEO_REFUSED)
-    real = os.path.realpath(path) if confined else os.fspath(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if confined else 0)
     try:
-        fd = os.open(real, flags)  # non-blocking: a FIFO must not hang the server
-    except OSError as exc:
-        raise EngineError(VIDEO_REFUSED if confined else f"cannot open {name}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise EngineError(VIDEO_REFUSED if confined else f"{name} is {kind}: pass a video file")
-        if info.st_size > max_bytes:
-            raise EngineError(f"the video is {info.st_size / limits.MB:.1f} MB; the limit is "
-                              f"{max_bytes / limits.MB:g} MB: send a shorter or smaller clip")
-        return os.fdopen(fd, "rb")
-    except BaseException:
+        fd, info, _ = limits.open_regular_file(path, roots, refused=VIDEO_REFUSED, hint=": pass a video file")
+    except limits.LimitError as exc:
+        raise EngineError(str(exc)) from None
+    if info.st_size > max_bytes:
         os.close(fd)
-        raise
+        raise EngineError(f"the video is {info.st_size / limits.MB:.1f} MB; the limit is "
+                          f"{max_bytes / limits.MB:g} MB: send a shorter or smaller clip")
+    return os.fdopen(fd, "rb")
 
 
 def _decode_clip(fh, frames: int, name: str, *, confined: bool) -> VideoClip:
