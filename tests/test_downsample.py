@@ -1,5 +1,5 @@
-"""Downsample on every LLaVA family (anyres included): the language model gets exactly the naive adaptive average
-pooling of each crop's projected patch grid, in raster order, in a shorter prompt at contiguous positions; the
+"""Downsample's grid pooling (`where = projector_out`) on every LLaVA family (anyres included): the language model
+gets exactly the naive adaptive average pooling of each crop's projected patch grid, in raster order, in a shorter prompt at contiguous positions; the
 overlay places every pooled token on the patches it averages; the budget mapping and the facts say what was fed."""
 import math
 
@@ -87,7 +87,7 @@ def test_the_language_model_gets_the_naive_pooled_grid(lm, picture):
 def test_a_shorter_prompt_at_contiguous_positions_batched_equals_alone(lm, picture):
     engine = Engine(lm)
     settings = GenerationSettings(max_new_tokens=4)
-    knobs = {"downsample": {"budget_of": "image"}}
+    knobs = {"downsample": {"budget_of": "image", "where": "projector_out"}}
     session = engine.new_session(picture, PROMPT, ["full", "downsample", "random"], 0.5, settings, knobs)
     pre = list(session.run())[0]
     n, n_img = pre.prompt_tokens, pre.image_tokens
@@ -115,7 +115,8 @@ def test_a_shorter_prompt_at_contiguous_positions_batched_equals_alone(lm, pictu
 @pytest.mark.parametrize("budget", [0.6, 0.8])
 def test_the_cache_budget_asks_for_r_n_minus_the_text(family_models, picture, budget):
     lm = family_models["llava-next"]
-    session = Engine(lm).new_session(picture, PROMPT, ["downsample"], budget, GenerationSettings(max_new_tokens=1))
+    session = Engine(lm).new_session(picture, PROMPT, ["downsample"], budget, GenerationSettings(max_new_tokens=1),
+                                     {"downsample": {"where": "projector_out"}})
     pre = list(session.run())[0]
     n, n_img = pre.prompt_tokens, pre.image_tokens
     wanted = round(budget * n) - (n - n_img)

@@ -158,6 +158,7 @@ class ResolveContext:
     # a fingerprint of the request (its prompt, images and frames): the methods that draw at random draw from it
     # and the seed together (`draw_seed`), so every question gets a draw of its own and a request its same draw
     request: int = 0
+    family: str = ""  # the model's family key (`models.families.FAMILY_INFO`); "" when not known
 
 
 def draw_seed(seed: int, request: int) -> int:

@@ -5,12 +5,20 @@ Paper: Liao et al., "Are We Using the Right Benchmark: An Evaluation Framework f
 Methods" (VTC-Bench), 2025, https://arxiv.org/abs/2510.07143, which finds that simple image downsampling beats
 many visual token compression methods.
 
-A prefill token reduction on the vision side, through the same extension point as VisionZip (`vision_plan`): every
-crop the vision tower encodes (the one view of LLaVA-1.5 and Interleave; the base view and every tile of the
-anyres families) has its side x side patch grid average-pooled to side' x side' (adaptive average pooling's bins)
-after the projector, so the language model gets side'² tokens per crop instead of the crop's patches. The tower
-still sees the image at its own resolution (the model's own image path runs once); only its output grid is made
-coarser. Nothing is evicted afterwards; generated tokens are all kept.
+Where the image is made coarser is the knob `where`:
+
+- `image` (the default where the family's token count follows the image size: LLaVA-NeXT and OneVision's anyres
+  tiles, Qwen-VL's native resolution), as the benchmark draws it: every image is resized before the vision tower,
+  scaled on both sides so that the processor makes the most tokens not above its share of the budget, and the
+  prompt is re-encoded with the smaller images (`decoding.image_resize`); the model reads it by its own path.
+- `projector_out` (the default on fixed-resolution towers, LLaVA-1.5, Interleave and the embedded model, where a
+  smaller image is resized back to the tower's input and changes nothing): a prefill token reduction through the
+  same extension point as VisionZip (`vision_plan`): every crop the tower encodes has its side x side patch grid
+  average-pooled to side' x side' (adaptive average pooling's bins) after the projector, so the language model gets
+  side'² tokens per crop instead of the crop's patches.
+- `projector_in`: the same pooling of the tower's feature layer, before the projector.
+
+Nothing is evicted afterwards; generated tokens are all kept.
 """
 from __future__ import annotations
 
@@ -27,6 +35,22 @@ from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
 
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache (text included), as for every "
                   "method; image: the prompt's image tokens (the paper's convention)")
+
+
+WHERE = ("auto", "image", "projector_out", "projector_in")
+WHERE_HELP = ("where the image is made coarser. image: resized before the vision tower, for about r' of its "
+              "tokens (anyres and native-resolution families); projector_out: each crop's projected patch grid "
+              "average-pooled; projector_in: the tower's feature grid pooled before the projector; auto: image where "
+              "the family's token count follows the image size, else projector_out")
+
+
+def where_for(family: str) -> str:
+    """`where` for `auto` on a family (a key of FAMILY_INFO; "" unknown): `image` where a smaller image is fewer
+    tokens, else `projector_out`."""
+    from ..models.families import FAMILY_INFO
+
+    info = FAMILY_INFO.get(family)
+    return "image" if info is not None and info.token_count_follows_image_size else "projector_out"
 
 
 EMBEDDED_NOTE = ("on the embedded model, pooling erases the image: its image tokens carry the words of a grid of "
@@ -65,6 +89,7 @@ class DownsampleState(PolicyState):
     image_tokens: int = 0  # in the prompt
     sources: ImageTokenSources | None = None  # what the language model's image tokens stand for (None: unreduced)
     pooled: int = 0  # the side of every crop's pooled grid
+    resized: list = field(default_factory=list)  # `image`: every image's (width, height) as the tower saw it
 
 
 @dataclass(frozen=True)
@@ -77,17 +102,29 @@ class DownsamplePolicy(Policy):
     control = None
     is_control = True
     label = "Downsample"
-    summary = ("A control: each crop's patch grid is average-pooled to a smaller grid (side ≈ √r'·side), so the "
-               "language model sees fewer image tokens, none chosen by importance. Prompt only.")
+    summary = ("A control: the image resized before the vision tower (anyres and native-resolution families) or "
+               "each crop's patch grid average-pooled (side ≈ √r'·side), so the language model sees fewer image "
+               "tokens, none chosen by importance. Prompt only.")
     colour = "#BCBD22"  # olive
     schedule = "prompt only"
     stage = "prefill token reduction"
 
     budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF)
+    where: str = knob("auto", help=WHERE_HELP, choices=WHERE)
     model_slug: str = field(default="", kw_only=True)  # not a knob: set by `resolve`, for the embedded model's note
 
     def resolve(self, context: ResolveContext) -> "DownsamplePolicy":
-        return dataclasses.replace(self, model_slug=context.model_slug)
+        where = where_for(context.family) if self.where == "auto" else self.where
+        return dataclasses.replace(self, model_slug=context.model_slug, where=where)
+
+    @property
+    def resizes_image(self) -> bool:
+        """Whether the prompt's images are resized before the tower (`where = image`) instead of pooled."""
+        return self.where == "image"
+
+    def pooling_instead(self) -> "DownsamplePolicy":
+        """This policy pooling the projected grid (for what cannot be resized: a native video's frames)."""
+        return dataclasses.replace(self, where="projector_out")
 
     def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
         """Image tokens asked for: `cache`, r·N minus the text; `image`, r of the image tokens."""
@@ -96,6 +133,8 @@ class DownsamplePolicy(Policy):
         return int(round(self.budget * prompt_len)) - (prompt_len - image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
+        if self.where == "image":
+            return None  # the image is resized before the tower instead (the session's prefill), never pooled
         has_cls = bool(crops.has_cls)
         side = math.isqrt(crops.tokens_per_crop - int(has_cls))
         if side * side != crops.tokens_per_crop - int(has_cls):
@@ -106,7 +145,7 @@ class DownsamplePolicy(Policy):
             return None  # no fewer tokens than the model's own path feeds: nothing to pool
         weights = pool_weights(side, out, has_cls)
         return VisionPlan([CropMerge(weights, ["pooled"] * (out * out)) for _ in range(crops.num_crops)],
-                          projected=True)
+                          projected=self.where != "projector_in")
 
     def prefill(self, view: PrefillView) -> Prefilled:
         sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None
@@ -115,13 +154,19 @@ class DownsamplePolicy(Policy):
         if sources is None:
             state.notes.append("every image token is kept at this budget" if fed else "no image: nothing to pool")
             return Prefilled([None] * view.num_layers, state)
-        state.pooled = math.isqrt(sources.tokens // sources.crops)
+        resized = getattr(view.reduction, "resized", None)
+        if resized:
+            state.resized = list(resized)
+        else:
+            state.pooled = math.isqrt(sources.tokens // sources.crops)
         if self.model_slug.startswith(EMBEDDED_SLUG):
             state.notes.append(EMBEDDED_NOTE)
         full_prompt = view.prompt_len - sources.tokens + sources.original_tokens
         wanted = self.kept_image_tokens(full_prompt, sources.original_tokens)
         if wanted < sources.tokens:
-            state.notes.append(f"{sources.tokens} image tokens fed ({state.pooled}x{state.pooled} per crop) where r = "
+            how = (f"the image resized to {_sizes(state.resized)}" if state.resized
+                   else f"{state.pooled}x{state.pooled} per crop")
+            state.notes.append(f"{sources.tokens} image tokens fed ({how}) where r = "
                                f"{self.budget:.0%} asks for {max(0, wanted)}")
         return Prefilled([None] * view.num_layers, state)
 
@@ -133,8 +178,18 @@ class DownsamplePolicy(Policy):
         if isinstance(state, DownsampleState) and state.sources is not None:
             s = state.sources
             out += s.fed_facts()
+            if state.resized:
+                out.append(Fact("grid", "image resized to", _sizes(state.resized)))
+                out.append(note("image resizing: each image scaled before the vision tower, the prompt re-encoded "
+                                "with fewer image tokens"))
+                return out
             crops = f" per crop, {s.crops} crops" if s.crops > 1 else ""
             out.append(Fact("grid", "pooled grid", f"{state.pooled}x{state.pooled}{crops}"))
-            out.append(note("grid pooling: the projected patch grid average-pooled; the vision tower sees the image "
-                            "at its own resolution"))
+            what = "feature grid pooled before the projector" if self.where == "projector_in" else \
+                "projected patch grid average-pooled"
+            out.append(note(f"grid pooling: the {what}; the vision tower sees the image at its own resolution"))
         return out
+
+
+def _sizes(sizes) -> str:
+    return ", ".join(f"{w}x{h}" for w, h in sizes)

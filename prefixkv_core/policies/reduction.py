@@ -91,6 +91,7 @@ class ImageTokenSources:
     counts: dict[str, int] = field(default_factory=dict)  # kind -> LM image tokens of that kind
     positions: np.ndarray | None = None  # where LM image token k sits in the prompt fed (None: from the first on)
     images: np.ndarray | None = None  # which of the prompt's images LM image token k came from (None: all the first)
+    resized: list | None = None  # the images resized before the tower: each one's (width, height) (None: not)
 
     @property
     def tokens(self) -> int:

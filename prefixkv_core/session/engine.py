@@ -133,7 +133,8 @@ class Engine:
         # what a policy may need before it runs (e.g. offline PrefixKV's calibrated ratios, Random's seed and the
         # request it draws for)
         context = ResolveContext(self.loaded.slug, self.loaded.name, self.loaded.num_layers, budget,
-                                 seed=generation.seed, request=visuals.fingerprint())
+                                 seed=generation.seed, request=visuals.fingerprint(),
+                                 family=self.loaded.family)
         policies = {}
         for name in names:
             try:

@@ -11,7 +11,7 @@ prompt's `TurnImage`, run by whichever prefill asks first, dropped once every me
 ALONE encodes the image itself."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,9 @@ class EncodedPrompt:
     image_offset: int | None
     image_layout: ImageLayout | None
     shared_image: TurnImage | None = None  # the image through the tower once for every prefill (`share_image`)
+    images: list = field(default_factory=list)  # the images encoded, in prompt order (none for a native video)
+    text: str = ""  # the prompt text the processor expanded
+    video: bool = False  # a video read natively is in the prompt
 
     @property
     def n(self) -> int:
@@ -76,7 +79,8 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
             "or lower max new tokens")
     split = question_start(loaded, visuals, text, ids, is_image) if query_agnostic else n
     return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
-                         image_token_layout(loaded, visuals, ids[0], is_image[0]))
+                         image_token_layout(loaded, visuals, ids[0], is_image[0]), images=list(images), text=text,
+                         video=bool(visuals.frames))
 
 
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:
@@ -88,7 +92,8 @@ def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Polic
 
     pixels = vision_inputs(prompt.inputs)
     if prompt.n_image and pixels and hooks(loaded.family).tower_shared(loaded.model.config):
-        prompt.shared_image = TurnImage(loaded.model, pixels, record=any(has_vision_plan(p) for p in policies))
+        pools = [p for p in policies if has_vision_plan(p) and not getattr(p, "resizes_image", False)]
+        prompt.shared_image = TurnImage(loaded.model, pixels, record=bool(pools))
 
 
 @dataclass
@@ -151,8 +156,25 @@ class Prefiller:
         """The prefill this state starts from, its cache set: its own (prefill token reduction), one of its own
         (run alone: `shared` is None), or the shared one."""
         p = self.prompt
-        if state.policy.own_prefill():
-            prefilled = runner.own_prefill(self.loaded.model, state.policy, p.ids[:, :p.split],
+        policy = state.policy
+        resizes = bool(getattr(policy, "resizes_image", False) and p.n_image)
+        if resizes and (p.video or not p.images):  # a native video's frames are no images to resize: pooled
+            policy, resizes = policy.pooling_instead(), False
+        resized = self._resized(policy) if resizes else None
+        if resized is not None:  # the images resized before the tower: the model's own path reads the new prompt
+            split = p.split - (p.n_image - int(resized.is_image.sum()))
+            prefilled = runner.own_prefill(self.loaded.model, policy, resized.ids[:, :split],
+                                           resized.is_image[:, :split], vision_inputs(resized.inputs),
+                                           self.loaded.num_layers, self.loaded.device)
+            prefilled.reduction = resized.record
+            state.cache = prefilled.cache
+        elif resizes:  # no image gets smaller: the prompt as the model's own path encodes it
+            prefilled = runner.own_prefill(self.loaded.model, policy, p.ids[:, :p.split],
+                                           p.is_image[:, :p.split], vision_inputs(p.inputs), self.loaded.num_layers,
+                                           self.loaded.device, None, self.image)
+            state.cache = prefilled.cache
+        elif policy.own_prefill():
+            prefilled = runner.own_prefill(self.loaded.model, policy, p.ids[:, :p.split],
                                            p.is_image[:, :p.split], vision_inputs(p.inputs), self.loaded.num_layers,
                                            self.loaded.device, self.loaded.image_token_id, self.image)
             state.cache = prefilled.cache
@@ -163,6 +185,18 @@ class Prefiller:
             prefilled = shared
             state.cache = shared.cache if state is sharing[-1] else shared.cache.clone()
         return prefilled
+
+    def _resized(self, policy: Policy):
+        """The prompt with its images resized for a policy that resizes them before the tower (Downsample's
+        `where = image`), None when no image gets smaller. (A prompt with a native video is not resized: its
+        frames are no images the processor resizes; it is pooled after the projector instead.)"""
+        from ..decoding.image_resize import resized_prompt
+
+        p = self.prompt
+        if p.split < p.n and bool(p.is_image[0, p.split:].any()):
+            raise EngineError("an image after the held-back question cannot be resized with the prompt")
+        wanted = policy.kept_image_tokens(p.split, p.n_image)
+        return resized_prompt(self.loaded, p.images, p.text, wanted, p.n_image)
 
     def _prefill(self, policies) -> runner.Prefill:
         """One prefill of the compressed context recording what `policies` ask for (the uncompressed cache's bytes

@@ -43,3 +43,6 @@ class Family:
     tokenizer: str  # the tiny models' tokenizer kind: "llama" (BOS added), "qwen" (ChatML), "qwen-vl"
     module: str = "llava"  # the module under models/family/ that declares what differs
     mrope: bool = False  # 3-D rotary positions (t, h, w): kept per entry through eviction, decoding at pos + delta
+    # how many tokens an image takes follows its size (anyres tiles, a native resolution): a smaller image is
+    # fewer tokens, so a control that shrinks the image (Downsample) resizes it; a fixed-resolution tower cannot
+    token_count_follows_image_size: bool = False

@@ -14,10 +14,10 @@ FAMILIES = (
            "qwen"),
     Family("llava-next", "LLaVA-NeXT (1.6)", "llava_next", "LlavaNextForConditionalGeneration",
            "llava-hf/llava-v1.6-mistral-7b-hf", "CLIP ViT-L/14-336, anyres up to 2x2 tiles", "Mistral-7B",
-           True, "llama"),
+           True, "llama", token_count_follows_image_size=True),
     Family("llava-onevision", "LLaVA-OneVision", "llava_onevision", "LlavaOnevisionForConditionalGeneration",
            "llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "SigLIP so400m/14-384, anyres up to 9 tiles", "Qwen2",
-           True, "qwen"),
+           True, "qwen", token_count_follows_image_size=True),
 )
 
 MODEL_TYPES = ("llava", "llava_next", "llava_onevision")

@@ -25,13 +25,15 @@ from .base import Family
 
 FAMILIES = (
     Family("qwen2-vl", "Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen/Qwen2-VL-2B-Instruct",
-           "ViT-600M/14, 2x2 merger, dynamic resolution", "Qwen2", True, "qwen-vl", "qwen_vl", True),
+           "ViT-600M/14, 2x2 merger, dynamic resolution", "Qwen2", True, "qwen-vl", "qwen_vl", True,
+           token_count_follows_image_size=True),
     Family("qwen2.5-vl", "Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
            "Qwen/Qwen2.5-VL-3B-Instruct", "ViT/14 with window attention, 2x2 merger, dynamic resolution",
-           "Qwen2.5", True, "qwen-vl", "qwen_vl", True),
+           "Qwen2.5", True, "qwen-vl", "qwen_vl", True,
+           token_count_follows_image_size=True),
     Family("qwen3-vl", "Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-2B-Instruct",
            "SigLIP-2 ViT/16, 2x2 merger, DeepStack, dynamic resolution", "Qwen3", True, "qwen-vl", "qwen_vl",
-           True),
+           True, token_count_follows_image_size=True),
 )
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
