@@ -63,3 +63,14 @@ def test_pooling_the_word_grid_leaves_the_fill(engine):
     assert res[8]["tokens_per_image"] == 64 and res[8]["nearest_fill"] > res[12]["nearest_fill"]
     assert res[8]["scene_words_kept"] < 0.5
 
+
+
+def test_pooling_before_the_projector_is_measured_too(engine):
+    """`downsample_words.py --where projector_in`: the tower's features pooled, then projected, 64 tokens at 8 x 8
+    (the measure differs from pooling after the projector)."""
+    from benchmarks.downsample_words import measure
+    from scenes import split_seeds
+
+    before = measure(engine.loaded, split_seeds("test", 2), [8], "projector_in")
+    after = measure(engine.loaded, split_seeds("test", 2), [8])
+    assert before[8]["tokens_per_image"] == 64 and before[8]["mean_cosine"] != after[8]["mean_cosine"]
