@@ -308,7 +308,7 @@ def export(args) -> None:
 
     out = Path(args.out)
     src = Path(args.init) if args.init else next(
-        (out / f"vision_{s}.pt" for s in "JCWBA" if (out / f"vision_{s}.pt").is_file()), None)
+        (out / f"vision_{s}.pt" for s in "MJCWBA" if (out / f"vision_{s}.pt").is_file()), None)
     if src is None:
         raise SystemExit(f"no vision_*.pt in {out}")
     state = torch.load(src)
@@ -325,7 +325,7 @@ def export(args) -> None:
     elif lora_dest.is_file():
         lora_dest.unlink()
     hist = {}
-    for s in "AWLBCJ":
+    for s in "AWLBCJM":
         h = out / f"history_{s}.json"
         if h.is_file():
             recs = json.loads(h.read_text())
@@ -349,7 +349,7 @@ def export(args) -> None:
         info["language_model_adapter"] = {
             "file": lora_dest.name, "kind": "LoRA (peft), merged into the language model at load", "rank": rank,
             "parameters": sum(v.numel() for v in lora.values())}
-    info["training"] = hist
+    info["training"] = {**info.get("training", {}), **hist}  # earlier stages' records from --info-extra kept
     info["script_commit"] = git_commit(short=False)
     if args.eval_json:  # the measured held-out numbers go into info.json and the app banner
         ev = json.loads(Path(args.eval_json).read_text())
@@ -370,7 +370,7 @@ def export(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "J", "export", "snapshot"])
+    ap.add_argument("stage", choices=["A", "B", "C", "W", "L", "J", "M", "export", "snapshot"])
     ap.add_argument("--out", default="runs/embedded", help="checkpoint directory")
     ap.add_argument("--init", default=None, help="vision_*.pt to start from (default: previous stage in --out)")
     ap.add_argument("--steps", type=int, default=300)
@@ -421,6 +421,8 @@ def main(argv=None) -> None:
                     help="export: directory (default assets/embedded_vision); snapshot: default training/checkpoints")
     ap.add_argument("--eval-json", default=None, help="export: vision_accuracy JSON to record in info.json")
     ap.add_argument("--info-extra", default=None, help="export: JSON file with description/notes for info.json")
+    from .multi_stage import add_args as add_multi_args
+    add_multi_args(ap)
     args = ap.parse_args(argv)
     if args.stage == "export":
         export(args)
@@ -436,6 +438,9 @@ def main(argv=None) -> None:
     elif args.stage == "J":
         from .joint_stage import train_joint
         train_joint(args)
+    elif args.stage == "M":
+        from .multi_stage import train_multi
+        train_multi(args)
     else:
         train_stage(args)
 
