@@ -53,6 +53,7 @@ CASES = {
     "random-sinks4-recent4": ("random", {"sinks": 4, "recent": 4}),
     "dart": ("dart", {"layer": 1, "budget_of": "image"}),
     "vlcache": ("vlcache", {}),
+    "vlcache-window0": ("vlcache", {"recent_window": 0.0}),  # the sink and the last token only
 }
 
 # The one place a registered method may be left out of the record, and why. Both plan nothing on the cache: they

@@ -29,8 +29,9 @@ def _naive_counts(sparsity, budget, n):
     return counts
 
 
-def _naive_plan(stats, n, post, budget):
-    """Per layer: (sparsity, count, kept positions) by hand."""
+def _naive_plan(stats, n, post, budget, window=0.0):
+    """Per layer: (sparsity, count, kept positions) by hand: the sink and last token first, then the last
+    int(window * budget * n) positions (at least one), then the best post-vision scores."""
     layers = sorted(stats)
     seen = sum(i + 1 for i in post)
     sparsity = []
@@ -38,22 +39,24 @@ def _naive_plan(stats, n, post, budget):
         below = stats[l]["post_vision_sparse"][0]
         sparsity.append(sum(float(below[h].sum()) for h in range(below.shape[0])) / below.shape[0] / seen)
     counts = _naive_counts(sparsity, budget, n)
+    width = max(1, int(window * budget * n)) if window else 0
     kept = []
     for l, k in zip(layers, counts):
         score = stats[l]["post_vision"][0].mean(dim=0).tolist()
-        order = sorted(range(n), key=lambda j: (j not in (0, n - 1), -score[j], j))
+        order = sorted(range(n), key=lambda j: (0 if j in (0, n - 1) else 1 if j >= n - width else 2, -score[j], j))
         kept.append(sorted(order[:k]))
     return sparsity, counts, kept
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("budget", [0.2, 0.5])
-def test_budgets_and_kept_tokens_match_naive(seed, budget):
+@pytest.mark.parametrize("window", [0.0, 0.1, 0.5])
+def test_budgets_and_kept_tokens_match_naive(seed, budget, window):
     n = 40
     cache, stats = synthetic_prompt_cache(n, 4, 2, seed, image=(5, 25))
-    policy = make_policy("vlcache", budget)
+    policy = make_policy("vlcache", budget, recent_window=window)
     plans, state = policy.prefill(PrefillView(cache, stats, n, budget, 0))
-    sparsity, counts, kept = _naive_plan(stats, n, list(range(25, n)), budget)
+    sparsity, counts, kept = _naive_plan(stats, n, list(range(25, n)), budget, window)
     assert state.sparsity == pytest.approx(sparsity, abs=1e-6) and state.capacities == counts
     assert sum(counts) == round(budget * n * 4) and state.post_vision == 15
     for plan, want in zip(plans, kept):
@@ -63,6 +66,23 @@ def test_budgets_and_kept_tokens_match_naive(seed, budget):
     facts = {f.key: f for f in policy.facts(state)}
     assert facts["capacities"].value == counts and facts["capacities"].kind == "per-layer"
     assert facts["sparsity"].value == [round(s, 4) for s in sparsity]
+    assert facts["recent"].value == (max(1, int(window * budget * n)) if window else 0)
+
+
+def test_the_recent_window_is_kept_whatever_it_scores_and_evicted_last():
+    n, budget = 40, 0.5
+    cache, stats = synthetic_prompt_cache(n, 4, 2, 0, image=(5, 25))
+    for layer in stats.values():
+        layer["post_vision"][..., n - 5 : n - 1] = 0.0  # the window below every other token
+    policy = make_policy("vlcache", budget)  # the default: 10 % of r·N = 2 recent tokens
+    plans, state = policy.prefill(PrefillView(cache, stats, n, budget, 0))
+    assert state.recent == 2
+    for plan in plans:
+        assert {0, n - 2, n - 1} <= set(plan.keep[0, 0].tolist()) and n - 3 not in plan.keep[0, 0].tolist()
+    bare, _ = make_policy("vlcache", budget, recent_window=0.0).prefill(PrefillView(cache, stats, n, budget, 0))
+    assert all(n - 2 not in plan.keep[0, 0].tolist() for plan in bare)
+    order = policy.eviction_order(PrefillView(cache, stats, n, budget, 0), state)
+    assert order[0].tiers[0, 0, n - 2:].tolist() == [0, 0] and int(order[0].tiers[0, 0, n - 3]) == 1
 
 
 def test_denser_layers_keep_more_and_counts_stay_in_bounds():

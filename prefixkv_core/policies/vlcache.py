@@ -9,10 +9,13 @@ share of their (causally visible) attention scores below `threshold` times their
 is the layer's sparsity; layer l keeps a share of the budget proportional to its density 1 - sparsity, the counts
 summing to round(r·N·L) (the integer rounding spread by largest remainders) and each in [2, N]. (2) Token scoring:
 a token's score is the attention the post-vision queries pay it, summed over them and averaged over heads; each
-layer keeps its top tokens, the sink and the last prompt token always among them. Prompt only: the cache then grows.
+layer keeps its top tokens, the sink and a recent window always among them: the last `recent_window` x r x N
+prompt tokens (10 % of the budget, at least the last token), as EffiVLM-Bench's VL-Cache protects them;
+`recent_window=0` keeps only the sink and the last prompt token. Prompt only: the cache then grows.
 
 Choices: the scores are averaged over every head of a layer (one ranking per layer, as the cache keeps the same
-count in every head); when the image ends the prompt (no post-vision query), the last query stands for them; a
+count in every head); the recent window counts within each layer's share (EffiVLM-Bench adds it on top, holding
+slightly more than r), one width for every layer, as its default; when the image ends the prompt (no post-vision query), the last query stands for them; a
 prompt without an image has every query post-vision.
 """
 from __future__ import annotations
@@ -24,10 +27,20 @@ import torch
 
 from ..kv.attention import StatRequest, post_vision_queries
 from . import allocation
-from .base import Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, protected_mask, top_k_keep
+from .base import Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, protected_mask, tiered_keep
 from .eviction_order import ranked
 
 PROTECTED = 2  # the sink and the last prompt token: the fewest entries a layer keeps
+
+
+def recent_width(share: float, budget: float, n: int) -> int:
+    """The recent window's width: `share` of the budget's r·N entries, at least the last prompt token."""
+    return min(n, max(1, int(share * budget * n)))
+
+
+def recent_mask(n: int, width: int, device=None) -> torch.Tensor:
+    """bool [N]: the last `width` prompt positions."""
+    return torch.arange(n, device=device) >= n - width
 
 
 def layer_sparsity(below: torch.Tensor, after_image: torch.Tensor) -> float:
@@ -51,6 +64,7 @@ class VLCacheState(PolicyState):
     capacities: list[int] = field(default_factory=list)  # entries kept per layer
     post_vision: int = 0  # post-vision queries
     importance: torch.Tensor | None = None  # [L, N] the post-vision scores each layer ranked by
+    recent: int = 0  # the recent window's width (entries kept in every layer before the scores rank the rest)
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,9 @@ class VLCachePolicy(Policy):
     threshold: float = knob(0.01, help="sparsity threshold: a post-vision attention score is sparse below this share "
                                        "of its query's largest score (the paper's 1%)", low=0.0, high=1.0,
                             low_open=True, high_open=True)
+    recent_window: float = knob(0.1, help="share of the budget kept as the prompt's most recent tokens in every "
+                                          "layer (EffiVLM-Bench's 10%); 0 keeps the sink and the last token only",
+                                low=0.0, high=1.0, label="recent window")
 
     def plans_rows_together(self) -> bool:
         return False  # the per-layer budgets follow each prompt's own sparsity
@@ -88,7 +105,10 @@ class VLCachePolicy(Policy):
         state.capacities = density_counts(state.sparsity, self.budget, n)
         scores = [view.stats[i]["post_vision"].mean(dim=1, keepdim=True) for i in range(view.num_layers)]
         state.importance = torch.cat([s[0] for s in scores])
-        plans = [LayerPlan(keep=top_k_keep(s, k, protected_mask(view.layer(i), n)[:, :1]))
+        state.recent = recent_width(self.recent_window, self.budget, n) if self.recent_window > 0 else 0
+        # tier 0: the sink and the last token; 1: the recent window; 2: the rest, by score
+        tier = 2 - recent_mask(n, state.recent, scores[0].device).long()
+        plans = [LayerPlan(keep=tiered_keep(s, k, torch.where(protected_mask(view.layer(i), n)[:, :1], 0, tier)))
                  for i, (s, k) in enumerate(zip(scores, state.capacities))]
         over = sum(state.capacities) - int(round(self.budget * n * view.num_layers))
         if over > 0:
@@ -97,7 +117,10 @@ class VLCachePolicy(Policy):
 
     def eviction_order(self, view: PrefillView, state: PolicyState):
         """Its post-vision scores order the prompt's eviction (held at r·N_t in equal-memory mode)."""
-        return [ranked(view.stats[i]["post_vision"].mean(dim=1, keepdim=True)) for i in range(view.num_layers)]
+        n = view.prompt_len
+        recent = recent_mask(n, state.recent if isinstance(state, VLCacheState) else 0, view.layer(0).positions.device)
+        return [ranked(view.stats[i]["post_vision"].mean(dim=1, keepdim=True), recent)
+                for i in range(view.num_layers)]
 
     def eviction_order_words(self) -> str:
         return "its post-vision attention, in its per-layer counts"
@@ -117,4 +140,5 @@ class VLCachePolicy(Policy):
             out.append(Fact("sparsity", "post-vision sparsity", [round(s, 4) for s in state.sparsity],
                             kind="per-layer", fmt=".0%"))
             out.append(Fact("post_vision", "post-vision queries", state.post_vision, fmt="d"))
+            out.append(Fact("recent", "recent window", state.recent, fmt="d", unit=" entries"))
         return out + super().facts(state)
