@@ -9,6 +9,10 @@ patches: the image tokens (a 12 x 12 grid on the embedded model) at least --cove
 the scene covers. Prints, per K, the mean number of object patches each ranking keeps, what a uniform draw
 keeps on average (keep x objects / image tokens), and the share of the last query's image attention that falls
 on object patches.
+
+--query-agnostic ranks as that mode prefills: only the prompt before the question (the image and the chat
+template's tokens up to it), so the last query is the template's newline after the image, and every question of a
+scene shares one ranking (one forward per scene).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from PIL import Image, ImageDraw
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import encode, format_prompt, load_model
 from prefixkv_core.policies.fastv import RANKS, rank_scores
+from prefixkv_core.session.prompt_layout import question_start
+from prefixkv_core.session.visuals import TurnVisuals
 from scenes import render_scene, split_seeds
 from scenes.drawing import draw_object
 
@@ -41,13 +47,31 @@ def object_patches(scene, grid: int, cover: float) -> torch.Tensor:
     return torch.tensor(mask[: p * grid, : p * grid].reshape(grid, p, grid, p).mean(axis=(1, 3)).flatten() >= cover)
 
 
-def measure(lm, seeds: list[int], layers: list[int], keep: int, cover: float) -> dict:
+def prompt_inputs(lm, image, question: str, query_agnostic: bool) -> dict:
+    """The model inputs a FastV prefill ranks from: the whole prompt, or (query-agnostic) its part before the
+    question, cut where the engine's query-agnostic mode cuts it."""
+    text = format_prompt(lm, question, with_image=True)
+    inputs = encode(lm, image, text)
+    if not query_agnostic:
+        return inputs
+    visuals = TurnVisuals(images=[image], prompt=question, n_images=1)
+    ids = inputs["input_ids"]
+    split = question_start(lm, visuals, text, ids, lm.visual_mask(ids))
+    return {k: (v[:, :split] if k in ("input_ids", "attention_mask") else v) for k, v in inputs.items()}
+
+
+def query_text(lm, inputs: dict) -> str:
+    """The last query's token, as text (what ranks in the query-agnostic mode)."""
+    return lm.tokenizer.decode(inputs["input_ids"][0, -1:])
+
+
+def measure(lm, seeds: list[int], layers: list[int], keep: int, cover: float, query_agnostic: bool = False) -> dict:
     totals: dict = defaultdict(lambda: defaultdict(float))
     lm.model.set_attn_implementation("eager")
     for seed in seeds:
         scene = render_scene(seed)
-        for qa in scene.qa:
-            inputs = encode(lm, scene.image, format_prompt(lm, qa.question, with_image=True))
+        for qa in scene.qa[:1] if query_agnostic else scene.qa:  # query-agnostic: one prefix for every question
+            inputs = prompt_inputs(lm, scene.image, qa.question, query_agnostic)
             image = (inputs["input_ids"] == lm.image_token_id)[0].nonzero().flatten()
             objects = object_patches(scene, int(round(len(image) ** 0.5)), cover)
             with torch.inference_mode():
@@ -74,15 +98,22 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=int, default=47, help="image tokens kept (47 of 144: r = 0.5 on a scene question)")
     ap.add_argument("--layers", default="1,2,3,4,6,8,12,16,20,25", help="the K values (layer K-1 ranks)")
     ap.add_argument("--cover", type=float, default=0.25, help="share of a patch's pixels an object must cover")
+    ap.add_argument("--query-agnostic", action="store_true",
+                    help="rank from the prompt before the question, as the query-agnostic mode prefills it")
     args = ap.parse_args(argv)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     layers = [int(x) for x in args.layers.split(",")]
-    res = measure(lm, split_seeds("test", args.scenes), layers, args.keep, args.cover)
+    seeds = split_seeds("test", args.scenes)
+    if args.query_agnostic:
+        first = render_scene(seeds[0])
+        print(f"last query: {query_text(lm, prompt_inputs(lm, first.image, first.qa[0].question, True))!r}")
+    res = measure(lm, seeds, layers, args.keep, args.cover, args.query_agnostic)
     cols = ["objects", "chance", *RANKS, "last_query_mass_on_objects"]
     print("| K | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|")
     for k in layers:
         print(f"| {k} | " + " | ".join(f"{res[k][c]:.2f}" for c in cols) + " |")
-    print(json.dumps({"prompts": res[layers[0]]["prompts"], "keep": args.keep, "cover": args.cover}))
+    print(json.dumps({"prompts": res[layers[0]]["prompts"], "keep": args.keep, "cover": args.cover,
+                      "query_agnostic": args.query_agnostic}))
     return 0
 
 

@@ -57,6 +57,7 @@ from prefixkv_core.models import load_model
 from prefixkv_core.policies import REGISTRY, knob_fields, parse_knobs, resolve_methods, role_method
 from scenes import QTYPES, render_scene, split_seeds
 from scenes.freeform import render_freeform
+from prefixkv_core.report.metrics import rouge_l
 from scenes.grading import is_correct, normalise
 from scenes.phrasings import HELD_OUT
 
@@ -370,6 +371,31 @@ def controls_markdown(ctrl: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def loyalty(res: dict, reference: str) -> dict[str, dict]:
+    """Agreement with the reference method's (Full's) own outputs, EffiVLM-Bench's loyalty: per method@budget, the
+    share of questions answered exactly as the reference answered them (normalised text, its first draw), and the
+    mean ROUGE-L F1 of each description against the reference's description of the same scene. Right or wrong
+    alike: it covers the long answers that no reference text grades."""
+    ref_answers = {(r["seed"], r["question"]): normalise(r["output"]) for r in res["records"]
+                   if r["method"] == reference and not r.get("draw")}
+    ref_descriptions = {d["seed"]: d["output"] for d in res["descriptions"] if d["method"] == reference}
+    same: dict = defaultdict(list)
+    for r in res["records"]:
+        if r["method"] != reference and not r.get("draw") and (r["seed"], r["question"]) in ref_answers:
+            same[f"{r['method']}@{r['budget']:g}"].append(normalise(r["output"]) == ref_answers[r["seed"],
+                                                                                                r["question"]])
+    rouge: dict = defaultdict(list)
+    for d in res["descriptions"]:
+        if d["method"] != reference and d["seed"] in ref_descriptions:
+            rouge[f"{d['method']}@{d['budget']:g}"].append(rouge_l(d["output"], ref_descriptions[d["seed"]]))
+    out: dict = defaultdict(dict)
+    for k, v in same.items():
+        out[k]["agrees_with_full"] = {"n": len(v), "accuracy": sum(v) / len(v)}
+    for k, v in rouge.items():
+        out[k]["describe_rouge_l_vs_full"] = {"n": len(v), "accuracy": sum(v) / len(v)}
+    return out
+
+
 def summarise(res: dict) -> dict:
     acc: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for r in res["records"]:
@@ -395,6 +421,8 @@ def summarise(res: dict) -> dict:
             kv[f"{r['method']}@{r['budget']:g}"].append(r["kv_share"])
     for k, v in kv.items():  # the share of Full's KV bytes held at the end of the answer, over the answers
         out[k]["kv_share"] = sum(v) / len(v)
+    for k, v in loyalty(res, role_method("reference")).items():
+        out.setdefault(k, {}).update(v)
     for key in out:  # a control asked with several seeds: its accuracy under each draw, and their spread
         m, b = key.rsplit("@", 1)
         draws = chance.draw_accuracies(res["records"], m, float(b))
@@ -418,7 +446,7 @@ def kept_share(per: dict, kv: bool = True) -> str:
 
 
 def markdown(summary: dict) -> str:
-    cols = [*QTYPES, "all", "describe_named_objects"]
+    cols = [*QTYPES, "all", "describe_named_objects", "agrees_with_full", "describe_rouge_l_vs_full"]
     lines = ["| method@budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for key, per in summary.items():
         cells = [f"{per[c]['accuracy']:.1%} (n={per[c]['n']})" if c in per else "-" for c in cols]
@@ -555,8 +583,14 @@ def main(argv=None) -> int:
         against = (chance_lines(res["records"], summary, control) if args.control_seeds > 1
                    else control_lines(summary, control, res["records"]))
         equal = equal_memory_table(summary)
+        loyal = any("agrees_with_full" in per for per in summary.values())
         md = ("All question types pooled:\n\n" + pivot(summary) + "\n" + against
-              + ("\n" + equal if equal else "") + "\nPer question type:\n\n" + md)
+              + ("\n" + equal if equal else "")
+              + ("\nAgreement with Full's own answers (loyalty: the share of questions answered as Full answered "
+                 "them, right or wrong):\n\n" + pivot(summary, "agrees_with_full") if loyal else "")
+              + ("\nDescriptions against Full's (ROUGE-L F1):\n\n" + pivot(summary, "describe_rouge_l_vs_full")
+                 if args.describe and loyal else "")
+              + "\nPer question type:\n\n" + md)
         print(figure(summary, out, budget_mode, args.query_agnostic, control), file=sys.stderr)
     if ctrl:
         md += "\nControls (full cache):\n\n" + controls_markdown(ctrl)

@@ -164,3 +164,33 @@ def test_controls_drawn_with_several_seeds_and_rows_at_their_real_memory(tmp_pat
     for budget in ("0.3", "0.6"):
         assert f"- r = {budget}: random " in md
     assert "fastv vs random_drop" in md or "not clearly above chance (p >= 0.05): none" in md
+
+
+def test_loyalty_counts_agreement_with_full_right_or_wrong():
+    def rec(method, question, output, budget=0.5, draw=0):
+        return {"seed": 1, "question": question, "method": method, "budget": budget, "output": output, "draw": draw}
+
+    res = {"records": [rec("full", "q1", "Red."), rec("full", "q2", "three"), rec("full", "q3", "circle"),
+                       rec("h2o", "q1", "red"), rec("h2o", "q2", "two"), rec("h2o", "q3", "circle"),
+                       rec("random", "q1", "blue"), rec("random", "q1", "red", draw=1)],
+           "descriptions": [{"seed": 1, "method": "full", "budget": 1.0, "output": "a red circle and a blue square"},
+                            {"seed": 1, "method": "h2o", "budget": 0.5, "output": "a red circle and a blue square"},
+                            {"seed": 1, "method": "random", "budget": 0.5, "output": "nothing"}]}
+    out = va.loyalty(res, "full")
+    assert out["h2o@0.5"]["agrees_with_full"] == {"n": 3, "accuracy": 2 / 3}  # "two" differs, right or wrong
+    assert out["random@0.5"]["agrees_with_full"] == {"n": 1, "accuracy": 0.0}  # its first draw only
+    assert out["h2o@0.5"]["describe_rouge_l_vs_full"]["accuracy"] == pytest.approx(1.0)
+    assert out["random@0.5"]["describe_rouge_l_vs_full"]["accuracy"] == pytest.approx(0.0)
+    assert "full@1" not in out
+
+
+def test_the_report_has_a_loyalty_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(va, "figure", lambda *a: "figure skipped in tests")
+    out = tmp_path / "va"
+    assert va.main(["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--methods", "full,h2o",
+                    "--budgets", "0.4", "--max-new-tokens", "2", "--describe", "1", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert 0.0 <= res["summary"]["h2o@0.4"]["agrees_with_full"]["accuracy"] <= 1.0
+    assert res["summary"]["h2o@0.4"]["describe_rouge_l_vs_full"]["n"] == 1
+    md = out.with_suffix(".md").read_text()
+    assert "Agreement with Full's own answers" in md and "Descriptions against Full's (ROUGE-L F1)" in md
