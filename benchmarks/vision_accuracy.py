@@ -50,7 +50,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks import chance
+from benchmarks import accuracy_leaderboard, chance
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
@@ -546,6 +546,9 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="append each scene and budget's answers here as they finish, and skip those already in it")
     ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--leaderboard", default=None, metavar="DIR",
+                    help="also write the rows in the leaderboard's layout there (the app's Leaderboard tab reads "
+                         "benchmarks/leaderboard/)")
     args = ap.parse_args(argv)
 
     methods = resolve_methods(args.methods)  # "all", or names separated by commas
@@ -577,6 +580,9 @@ def main(argv=None) -> int:
         "control_records": ctrl["records"] if ctrl else [],
     }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    if args.leaderboard:
+        accuracy_leaderboard.write(Path(args.leaderboard), summary, model=args.model, budget_mode=budget_mode,
+                                   query_agnostic=args.query_agnostic, device=args.device, dtype=args.dtype)
     md = markdown(summary)
     if len(budgets) > 1 or budgets != [1.0]:
         control = args.control if args.control in methods else None

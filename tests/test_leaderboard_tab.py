@@ -26,12 +26,14 @@ def _point(method, ratio, accuracy, agreement=None, **kw):
 
 # -- the figure ------------------------------------------------------------------------------------------------
 
-def test_figure_draws_a_line_per_method_against_the_kept_share():
+def test_figure_draws_a_line_per_method_at_the_share_it_held():
     points = [_point("snapkv", 0.5, 80.0, 70.0), _point("snapkv", 0.9, 30.0, 20.0, budget=0.1),
+              _point("dart[image]", 0.9, 40.0, 30.0, budget=0.1, kv_share=0.24),
               _point("full", 0.0, 100.0, 100.0), _point("prefixkv", 0.7, 60.0, None)]
     fig = leaderboard_figure(points, "accuracy", {"full": "Full", "snapkv": "SnapKV", "prefixkv": "PrefixKV"})
     names = [t.name for t in fig.data]
-    assert names == ["Full", "SnapKV", "PrefixKV"]  # the labels' order
+    assert names == ["Full", "SnapKV", "PrefixKV", "dart[image]"]  # the labels' order, then unlabelled ones
+    assert list(fig.data[3].x) == [pytest.approx(0.24)]  # its measured share, not 1 - compression_ratio
     snap = fig.data[1]
     assert list(snap.x) == [pytest.approx(0.1), pytest.approx(0.5)] and list(snap.y) == [30.0, 80.0]
     assert snap.mode == "lines+markers" and fig.data[0].mode == "markers"
@@ -45,7 +47,7 @@ def test_figure_draws_a_line_per_method_against_the_kept_share():
     assert "command" in snap.hovertemplate and "commit" in snap.hovertemplate and "model" in snap.hovertemplate
 
     agree = leaderboard_figure(points, "agreement")
-    assert [t.name for t in agree.data] == ["full", "snapkv"]  # PrefixKV has no agreement; no labels: names
+    assert [t.name for t in agree.data] == ["dart[image]", "full", "snapkv"]  # PrefixKV has none; no labels: names
     assert "agreement" in agree.layout.yaxis.title.text
 
 
@@ -82,7 +84,9 @@ def test_show_filters_the_shipped_rows(ctl):
     assert {r[-2] for r in rows} == {"scene_qa/embedded-query-agnostic"}
     assert "synthetic scenes only" in note and "4 samples per task" in note
     snapkv = next(t for t in fig.data if t.name == "SnapKV")
-    assert list(snapkv.x) == [pytest.approx(0.1), pytest.approx(0.3), pytest.approx(0.5)]
+    held = sorted(p.kv_share for p in ctl.leaderboard.store.select(task="scene_qa", query_mode="query_agnostic",
+                                                                  budget_mode="published") if p.method == "snapkv")
+    assert list(snapkv.x) == pytest.approx(held)  # at the share it measured, not at r
     default = ctl.show_leaderboard()  # every filter left out: the defaults
     assert len(default[1]) == 38 and "query-aware" in default[0].layout.title.text
     fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_aware", "equal_memory", "accuracy")

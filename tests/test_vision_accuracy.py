@@ -188,9 +188,15 @@ def test_the_report_has_a_loyalty_table(tmp_path, monkeypatch):
     monkeypatch.setattr(va, "figure", lambda *a: "figure skipped in tests")
     out = tmp_path / "va"
     assert va.main(["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--methods", "full,h2o",
-                    "--budgets", "0.4", "--max-new-tokens", "2", "--describe", "1", "--out", str(out)]) == 0
+                    "--budgets", "0.4", "--max-new-tokens", "2", "--describe", "1", "--out", str(out),
+                    "--leaderboard", str(tmp_path / "lb" / "scene_qa" / "run")]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert 0.0 <= res["summary"]["h2o@0.4"]["agrees_with_full"]["accuracy"] <= 1.0
     assert res["summary"]["h2o@0.4"]["describe_rouge_l_vs_full"]["n"] == 1
     md = out.with_suffix(".md").read_text()
     assert "Agreement with Full's own answers" in md and "Descriptions against Full's (ROUGE-L F1)" in md
+    from prefixkv_core.report.leaderboard_store import load_leaderboard
+
+    h2o = next(p for p in load_leaderboard(tmp_path / "lb").points if p.method == "h2o")
+    assert h2o.accuracy == pytest.approx(100 * res["summary"]["h2o@0.4"]["all"]["accuracy"])
+    assert h2o.kv_share == pytest.approx(res["summary"]["h2o@0.4"]["kv_share"], abs=1e-4)

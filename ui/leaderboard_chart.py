@@ -1,7 +1,8 @@
 """The leaderboard's figure, a pure function: stored points in, a Plotly figure out (no gradio, no files).
 
-x is the KV budget as kvpress's layout defines it, the kept share of the cache = 1 - compression_ratio; y is the
-chosen metric; one line per method in the method's registry colour. Hovering a point shows how it was produced:
+x is the share of the uncompressed KV cache a row really held: its measured KV share where the run recorded one
+(an `[image]` row or a prompt-only method holds more than its r), else the kept share of kvpress's layout, 1 -
+compression_ratio; y is the chosen metric; one line per method in the method's registry colour. Hovering a point shows how it was produced:
 the command, the commit and the model."""
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from .charts import _fig, _style, placeholder
 from .theme import colour
 
 METRIC_LABELS = {"accuracy": "accuracy (task metric × 100)", "agreement": "agreement with Full (% of answers)"}
-X_TITLE = "KV budget: kept share of the cache (1 − compression_ratio)"
-HOVER = ("<b>%{meta}</b><br>kept %{x:.0%} of the cache (compression_ratio %{customdata[0]})<br>"
+X_TITLE = "share of Full's KV cache held (measured; else 1 − compression_ratio)"
+HOVER = ("<b>%{meta}</b><br>held %{x:.1%} of Full's KV cache (compression_ratio %{customdata[0]})<br>"
          "%{customdata[1]}: %{y:.2f}<br>%{customdata[2]}<br>"
          "model: %{customdata[3]}<br>commit: %{customdata[4]}<br>command: %{customdata[5]}<extra></extra>")
 
@@ -42,10 +43,16 @@ def _run_line(p: Any) -> str:
     return ", ".join(parts) or "run details not recorded"
 
 
+def held_share(p: Any) -> float:
+    """Where a point sits on x: its measured KV share, else its kept share (1 - compression_ratio)."""
+    kv = getattr(p, "kv_share", None)
+    return float(kv) if kv is not None else p.kept_share
+
+
 def leaderboard_figure(points: Sequence[Any], metric: str = "accuracy", labels: Mapping[str, str] | None = None,
                        title: str = "Score against KV budget") -> go.Figure:
     """One line per method through its points (sorted by kept share), a single marker for a method with one
-    point (Full, ZipVL), in the order of `labels`. `points` carry method, compression_ratio, kept_share, accuracy, agreement, budget,
+    point (Full, ZipVL), in the order of `labels`, each at `held_share`. `points` carry method, compression_ratio, kept_share, accuracy, agreement, budget,
     kv_share, samples, command, commit and produced_with (LeaderboardPoint); `labels` map method -> label."""
     if metric not in METRIC_LABELS:
         raise ValueError(f"metric must be one of {', '.join(METRIC_LABELS)}, got {metric!r}")
@@ -60,13 +67,13 @@ def leaderboard_figure(points: Sequence[Any], metric: str = "accuracy", labels: 
         by_method.setdefault(p.method, []).append(p)
     order = {m: i for i, m in enumerate(labels)}  # the registry's order when the labels come from it
     for method, pts in sorted(by_method.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
-        pts = sorted(pts, key=lambda p: p.kept_share)
+        pts = sorted(pts, key=held_share)
         label = labels.get(method, method)
         custom = [[ratio_text(p.compression_ratio), metric_label.split(" (")[0], _wrapped(_run_line(p)),
                    _wrapped(p.produced_with), html.escape(p.commit or "unknown"), _wrapped(p.command)]
                   for p in pts]
         single = len(pts) == 1
-        fig.add_scatter(x=[p.kept_share for p in pts], y=[getattr(p, metric) for p in pts], name=label,
+        fig.add_scatter(x=[held_share(p) for p in pts], y=[getattr(p, metric) for p in pts], name=label,
                         mode="markers" if single else "lines+markers", meta=label, customdata=custom,
                         hovertemplate=HOVER, line=dict(color=colour(method), width=2),
                         marker=dict(color=colour(method), size=11 if single else 8,

@@ -9,18 +9,18 @@ import gradio as gr
 
 from .export import find_browser
 from .inputs import guard_input
-from .leaderboard_chart import X_TITLE
 from .leaderboard_view import FIGURE_FORMATS, TABLE_HEADERS, TABLE_WIDTHS
 
-INTRO = f"""
+INTRO = """
 **Stored results** of the compression methods in [kvpress's leaderboard layout](https://huggingface.co/spaces/nvidia/kvpress-leaderboard),
-read from the repository's `benchmarks/leaderboard/` (written by `python -m prefixkv_core.evaluation.sweep`).
-x is the {X_TITLE.split(": ", 1)[1]}: the budget r of a budgeted method, the measured share of a method that
-ignores the budget (ZipVL), 100% for Full. y is the accuracy (each task's metric × 100, averaged over its
-subtasks) or the agreement with Full (the share of answers equal to the uncompressed model's). Hover a point for
-the command, commit and model that produced it. **The embedded model sees synthetic scenes only**: its rows are
-on the project's own scene task (`scene_qa`: colours, shapes, counts, positions, words, yes/no about rendered
-scenes), not on a public benchmark.
+read from the repository's `benchmarks/leaderboard/` (written by `python -m benchmarks.vision_accuracy --leaderboard`
+and `python -m prefixkv_core.evaluation.sweep`). x is the share of Full's KV cache each row really held, measured
+from the tensors where the run recorded it (an `[image]` row, r of the image tokens kept, holds more than r of the
+cache), else the budget r (1 − compression_ratio); 100% for Full. y is the accuracy (each task's metric × 100) or
+the agreement with Full (the share of answers equal to the uncompressed model's, right or wrong). Random and Random
+drop are the controls: their rows are the mean over their draws. Hover a point for the command, commit and model
+that produced it. **The embedded model sees synthetic scenes only**: its rows are on the project's own scene task
+(`scene_qa`: colours, shapes, counts, positions, words, yes/no about rendered scenes), not on a public benchmark.
 """
 
 

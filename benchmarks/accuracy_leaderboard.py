@@ -1,0 +1,71 @@
+"""The headline's rows in the leaderboard's layout (`prefixkv_core.report.leaderboard`), for the app's Leaderboard
+tab: one folder per budget mode and query mode with `leaderboard.csv` (accuracy × 100), `leaderboard-agreement.csv`
+(agreement with Full's own answers × 100, EffiVLM-Bench's loyalty) and `results.json` (each row's run: its budget,
+questions and the share of Full's KV bytes it measured, the command and commit).
+
+One task column, `scene_qa`: every question pooled, so a row's score is the headline table's cell. A row per
+method and budget as `vision_accuracy.summarise` gives them; the `[image]` rows (budget_of=image) and the controls
+asked with several draws (their mean over the draws) are rows of their own. `compression_ratio` is 1 - r as kvpress
+writes it; the tab plots each row at its measured KV share."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from prefixkv_core.report.leaderboard import LeaderboardRow, compression_ratio, method_name, to_csv
+from prefixkv_core.report.provenance import git_commit
+
+TASK = "scene_qa"
+NO_BUDGET = 1.0  # a method without a budget (Full, ZipVL) is reported at 1
+
+
+def rows(summary: dict, model: str, query_agnostic: bool) -> tuple[list[LeaderboardRow], list[LeaderboardRow]]:
+    """(accuracy rows, agreement rows) from `vision_accuracy.summarise`'s summary, named as the layout names a
+    query-aware run. Full agrees with itself."""
+    scores, agreements = [], []
+    for key, per in summary.items():
+        if "all" not in per:
+            continue
+        method, budget = key.rsplit("@", 1)
+        b = float(budget)
+        ratio = 0.0 if method == "full" else compression_ratio(None if b == NO_BUDGET else b, per.get("kv_share"))
+        base = dict(dataset=TASK, data_dir="", model=model, method=method_name(method, query_aware=not query_agnostic),
+                    compression_ratio=ratio)
+        scores.append(LeaderboardRow(**base, scores={TASK: 100.0 * per["all"]["accuracy"]}))
+        agree = 1.0 if method == "full" else per.get("agrees_with_full", {}).get("accuracy")
+        agreements.append(LeaderboardRow(**base, scores={TASK: None if agree is None else 100.0 * agree}))
+    return scores, agreements
+
+
+def results(summary: dict, *, model: str, budget_mode: str, query_agnostic: bool, device: str, dtype: str,
+            command: str, commit: str) -> dict:
+    """`results.json`: what the leaderboard store reads back for each row (`leaderboard_store._find_run`)."""
+    margs = {"pretrained": model, "budget_mode": budget_mode, "query_agnostic": query_agnostic, "device": device,
+             "dtype": dtype}
+    runs, shares = [], {}
+    for key, per in summary.items():
+        if "all" not in per:
+            continue
+        method, budget = key.rsplit("@", 1)
+        runs.append({"method": method, "budget": float(budget), "n": {TASK: per["all"]["n"]}, "model_args": margs})
+        if per.get("kv_share") is not None:
+            shares[key] = round(per["kv_share"], 4)
+    return {"model": model, "model_args": margs, "tasks": TASK, "runs": runs, "kv_share": shares,
+            "command": command, "commit": commit}
+
+
+def write(folder: Path, summary: dict, *, model: str, budget_mode: str, query_agnostic: bool, device: str = "cpu",
+          dtype: str = "auto", command: str | None = None, commit: str | None = None) -> list[Path]:
+    """Write the three files into `folder` (created); returns their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    score_rows, agree_rows = rows(summary, model, query_agnostic)
+    command = command or "python -m benchmarks.vision_accuracy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    payload = results(summary, model=model, budget_mode=budget_mode, query_agnostic=query_agnostic, device=device,
+                      dtype=dtype, command=command, commit=commit or git_commit())
+    out = [folder / "leaderboard.csv", folder / "leaderboard-agreement.csv", folder / "results.json"]
+    out[0].write_text(to_csv(score_rows, [TASK]))
+    out[1].write_text(to_csv(agree_rows, [TASK]))
+    out[2].write_text(json.dumps(payload, indent=1) + "\n")
+    return out
