@@ -20,6 +20,13 @@ the sample has) and a clip of blank grey frames: what the questions and answer p
 
 Prints a table (accuracy per subtask, and per task over its subtasks) and writes --json (every answer, the
 summary); --checkpoint appends each sample's answers to a JSON-lines file and skips those already there.
+
+The headline in the seeds' settings (`--methods all --budgets 0.05,0.1,0.2,0.3,0.5 --query-agnostic
+--budget-of-image --control-seeds 5 --out STEM`): every answer records the share of Full's KV bytes its method held
+(measured from the tensors); per task, the methods x budgets table with that share, chance as the controls' spread
+over their draws and the z-test of each method against the control of its own kind, the table at equal real memory,
+and a figure of accuracy against the measured share (STEM.md, STEM.html/.png), as vision_accuracy.py reports the
+single-image headline.
 """
 from __future__ import annotations
 
@@ -40,7 +47,8 @@ from scenes.grading import is_correct
 from scenes.multi import MULTI_SUBTASKS, grade as multi_grade, multi_sample, multi_seeds
 from scenes.video import VIDEO_SUBTASKS, cached_clip, video_sample, video_seeds
 
-from .vision_accuracy import BLANK_GREY, reported_budget, uses_budget
+from . import vision_accuracy as va
+from .vision_accuracy import BLANK_GREY, draws_at_random, reported_budget, sessions, uses_budget
 
 TASKS = {"scene_multi": MULTI_SUBTASKS, "scene_video": VIDEO_SUBTASKS}
 CLIP_FRAMES = 16  # the lmms task's clips
@@ -55,13 +63,20 @@ def blank_images(n: int) -> list:
 
 
 def ask(engine: Engine, images, prompt: str, methods: list[str], budget: float, max_new: int, *, video=None,
-        frames: int | None = None, knobs: dict | None = None, query_agnostic: bool = False) -> dict[str, str]:
-    """Each method's answer to one first turn (all methods in one session, batched by the engine)."""
-    session = engine.new_session(images or None, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new),
-                                 knobs, query_agnostic=query_agnostic, video=video, frames=frames)
+        frames: int | None = None, knobs: dict | None = None, query_agnostic: bool = False,
+        seed: int = 0) -> dict[str, tuple[str, float | None, float | None]]:
+    """Each method's (answer, share of Full's KV bytes held at the end of it, share of the image tokens kept where
+    the method reports one) for one first turn, all methods in one session (batched by the engine). `seed`: the
+    comparison's seed (the controls' draw)."""
+    session = engine.new_session(images or None, prompt, methods, budget,
+                                 GenerationSettings(max_new_tokens=max_new, seed=seed), knobs,
+                                 query_agnostic=query_agnostic, video=video, frames=frames)
     for _ in session.run():
         pass
-    return {m: (r["error"] and f"ERROR {r['error']}") or r["text"] for m, r in session.results().items()}
+    return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"],
+                r["kv_bytes"] / r["full_kv_bytes"] if r.get("kv_bytes") and r.get("full_kv_bytes") else None,
+                (r.get("extras") or {}).get("image_kept_share"))
+            for m, r in session.results().items()}
 
 
 def items(task: str, split: str, samples: int, subtasks: list[str] | None = None):
@@ -102,9 +117,10 @@ def read_checkpoint(path: Path | None) -> dict[tuple, dict]:
 def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods: list[str], budgets: list[float],
              max_new: int, frames: int, *, blank: bool = True, knobs: dict | None = None,
              query_agnostic: bool = False, subtasks: list[str] | None = None,
-             checkpoint: Path | None = None) -> list[dict]:
-    """Every sample at every budget (all methods of a budget in one session), then the blank baseline with the
-    reference method; one record per answer."""
+             checkpoint: Path | None = None, image_rows: bool = False, control_seeds: int = 1) -> list[dict]:
+    """Every sample at every budget (all methods of a budget in one session; with `image_rows` the methods with a
+    `budget_of` knob again with budget_of=image; the controls that draw at random again with seeds 1 … N-1), then
+    the blank baseline with the reference method; one record per answer."""
     done = read_checkpoint(checkpoint)
     runs = [(budget, ms, "images") for j, budget in enumerate(budgets)
             if (ms := [m for m in methods if uses_budget(m) or j == 0])]
@@ -122,12 +138,21 @@ def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods
                 records += done[key]["records"]
                 continue
             images, prompt, video, answer, grade = question(task, seed, condition == BLANK, frames)
-            outs = ask(engine, images, prompt, ms, budget, max_new, video=video, frames=frames if video else None,
-                       knobs=knobs if condition != BLANK else None, query_agnostic=query_agnostic)
-            line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "records": [
-                {"task": task, "subtask": sub, "seed": seed, "split": split, "condition": condition,
-                 "method": m, "budget": reported_budget(m, budget), "prompt": prompt, "answer": answer,
-                 "output": text, "correct": bool(grade(text))} for m, text in outs.items()]}
+            line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "records": []}
+            groups = sessions(ms, knobs or {}, image_rows) if condition != BLANK else [(ms, {}, "")]
+            for group, group_knobs, suffix in groups:
+                asks = [(0, group)] + [(k, drawn) for k in range(1, control_seeds)
+                                       if condition != BLANK and (drawn := [m for m in group if draws_at_random(m)])]
+                for draw, chosen in asks:
+                    outs = ask(engine, images, prompt, chosen, budget, max_new, video=video,
+                               frames=frames if video else None, knobs=group_knobs,
+                               query_agnostic=query_agnostic, seed=draw)
+                    line["records"] += [
+                        {"task": task, "subtask": sub, "seed": seed, "split": split, "condition": condition,
+                         "method": m + suffix, "budget": reported_budget(m, budget), "draw": draw, "prompt": prompt,
+                         "question": prompt, "answer": answer, "output": text, "correct": bool(grade(text)),
+                         "kv_share": kv, "image_kept_share": kept}
+                        for m, (text, kv, kept) in outs.items()]
             records += line["records"]
             if checkpoint is not None:
                 with checkpoint.open("a") as f:
@@ -150,6 +175,37 @@ def summarise(records: list[dict]) -> dict:
             acc[row][col][1] += 1
     return {row: {c: {"correct": k, "n": n, "accuracy": k / n} for c, (k, n) in cols.items()}
             for row, cols in acc.items()}
+
+
+def task_summary(records: list[dict], task: str) -> dict:
+    """One task's answers (the real images, not the blank baseline) in vision_accuracy's summary shape (method@budget
+    -> {"all": accuracy over the task's samples, "kv_share", "image_kept_share", a control's "draws"}), so its
+    tables, chance test and figure read them as they read the single-image headline."""
+    mine = [r for r in records if r["task"] == task and r["condition"] != BLANK]
+    summary = va.summarise({"records": [{**r, "qtype": r["subtask"]} for r in mine], "descriptions": []})
+    return {k: v for k, v in summary.items() if "all" in v}
+
+
+def headline(records: list[dict], tasks: list[str], stem: Path | None, query_agnostic: bool) -> str:
+    """Per task: methods x budgets (accuracy, measured KV share, R), chance over the controls' draws, the table at
+    equal real memory, and (with `stem`) the figure against the measured share."""
+    out = []
+    for task in tasks:
+        summary = task_summary(records, task)
+        if not any(uses_budget(k.rsplit("@", 1)[0]) for k in summary):
+            continue
+        parts = [f"### {task}\n", va.pivot(summary), va.chance_lines(records_of(records, task), summary),
+                 va.equal_memory_table(summary)]
+        if stem is not None:
+            print(va.figure(summary, stem.with_name(f"{stem.name}-{task}"), "published", query_agnostic, "random",
+                            title=f"{task}: accuracy vs the KV bytes held"), file=sys.stderr)
+        out.append("\n".join(p for p in parts if p))
+    return "\n".join(out)
+
+
+def records_of(records: list[dict], task: str) -> list[dict]:
+    """One task's answers on the real images, keyed as the chance test keys them: (sample seed, prompt)."""
+    return [r for r in records if r["task"] == task and r["condition"] != BLANK]
 
 
 def columns(tasks: list[str]) -> list[str]:
@@ -187,6 +243,12 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="append each sample's answers here as they finish, and skip those already in it")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the records and the summary here")
+    ap.add_argument("--budget-of-image", action="store_true",
+                    help="also run the methods with a budget_of knob with budget_of=image (rows '<method>[image]')")
+    ap.add_argument("--control-seeds", type=int, default=1, metavar="N",
+                    help="ask the controls that draw at random with N seeds (chance as their spread)")
+    ap.add_argument("--out", default=None, metavar="STEM",
+                    help="write the headline per task (STEM.md) and its figures (STEM-<task>.html/.png)")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -204,11 +266,20 @@ def main(argv=None) -> int:
     engine = Engine(loaded)
     records = evaluate(engine, tasks, args.split, args.samples, methods, budgets, args.max_new_tokens, args.frames,
                        blank=not args.no_blank, knobs=parse_knobs(args.knob), query_agnostic=args.query_agnostic,
-                       subtasks=subtasks, checkpoint=Path(args.checkpoint) if args.checkpoint else None)
+                       subtasks=subtasks, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                       image_rows=args.budget_of_image, control_seeds=max(1, args.control_seeds))
     summary = summarise(records)
     mode = "query-agnostic" if args.query_agnostic else "question in view"
     md = (f"Long-cache scene tasks, {args.split} split, {args.samples} samples per subtask, model {args.model}, "
           f"{args.frames} frames per clip, {mode}\n\n" + markdown(summary, tasks))
+    stem = Path(args.out) if args.out else None
+    if stem is not None:
+        stem.parent.mkdir(parents=True, exist_ok=True)
+    top = headline(records, tasks, stem, args.query_agnostic) if len(budgets) > 1 or budgets != [1.0] else ""
+    if top:
+        md += "\n## Every method against the KV bytes it held\n\n" + top
+    if stem is not None:
+        stem.with_suffix(".md").write_text(md)
     print(md)
     if args.json:
         out = Path(args.json)

@@ -472,7 +472,7 @@ def pivot(summary: dict, qtype: str = "all") -> str:
 
 
 def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agnostic: bool = False,
-           control: str | None = None) -> str:
+           control: str | None = None, title: str = "Scene QA accuracy vs KV budget (held-out test scenes)") -> str:
     """Accuracy vs budget per method in its registered colour (the reference, Full, and any other method without a
     budget as horizontal lines; budget_of=image rows dashed; the control drawn thick); HTML always, PNG when
     Chromium is there."""
@@ -506,10 +506,10 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
         fig.add_hline(y=full, line_dash="dash", annotation_text=f"full cache {full:.0%}")
     mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
         ", query-agnostic" if query_agnostic else ", question in view")
-    fig.update_layout(title=f"Scene QA accuracy vs KV budget (held-out test scenes) [{mode}]",
+    fig.update_layout(title=f"{title} [{mode}]",
                       xaxis_title=("the share of Full's KV bytes each method held (measured)" if measured else
                                    "budget r (the share of the cache kept; dashed [image] rows: of the image tokens)"),
-                      yaxis_title="accuracy (all question types)", yaxis_range=[0, 1], yaxis_tickformat=".0%",
+                      yaxis_title="accuracy (every question pooled)", yaxis_range=[0, 1], yaxis_tickformat=".0%",
                       width=1000, height=560)
     _, message = save_figure(fig, stem)
     return message

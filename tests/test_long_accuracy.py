@@ -1,0 +1,45 @@
+"""benchmarks/long_accuracy.py end to end on a tiny model: every answer records the KV share it held, the controls
+are asked with several draws, the [image] rows run, and the headline per task reads them as the single-image one
+does; a resumed run asks nothing again."""
+import json
+
+import pytest
+
+from benchmarks import long_accuracy as la
+from benchmarks import vision_accuracy as va
+
+ARGS = ["--model", "tiny-llama", "--device", "cpu", "--samples", "1", "--subtasks", "which,colour_seen",
+        "--methods", "full,h2o,random,fastv", "--budgets", "0.3,0.6", "--max-new-tokens", "2", "--query-agnostic",
+        "--budget-of-image", "--control-seeds", "2", "--frames", "2"]
+
+
+def test_headline_records_and_tables(tmp_path, monkeypatch):
+    monkeypatch.setattr(va, "figure", lambda *a, **k: "figure skipped in tests")
+    ckpt, out = tmp_path / "long.jsonl", tmp_path / "long"
+    assert la.main([*ARGS, "--checkpoint", str(ckpt), "--json", str(tmp_path / "long.json"), "--out", str(out)]) == 0
+    res = json.loads((tmp_path / "long.json").read_text())
+    recs = [r for r in res["records"] if r["condition"] == "images"]
+    assert {r["task"] for r in recs} == {"scene_multi", "scene_video"}
+    assert {r["method"] for r in recs} == {"full", "h2o", "random", "fastv", "fastv[image]"}
+    for r in recs:
+        assert 0 < r["kv_share"] <= 1.0 + 1e-6, r
+    full = [r for r in recs if r["method"] == "full"]
+    assert all(r["kv_share"] == pytest.approx(1.0) for r in full) and len(full) == 2  # asked once per sample
+    draws = {(r["task"], r["budget"], r["draw"]) for r in recs if r["method"] == "random"}
+    assert draws == {(t, b, d) for t in ("scene_multi", "scene_video") for b in (0.3, 0.6) for d in (0, 1)}
+    assert all(r["draw"] == 0 for r in recs if r["method"] != "random")
+    h2o = [r["kv_share"] for r in recs if r["method"] == "h2o" and r["budget"] == 0.3]
+    assert all(s < 0.6 for s in h2o)
+    md = out.with_suffix(".md").read_text()
+    assert "### scene_multi" in md and "### scene_video" in md and "Chance, per budget" in md
+    assert "| fastv[image] |" in md and "KV " in md
+
+    summary = la.task_summary(res["records"], "scene_video")
+    assert set(summary) == {"full@1", "h2o@0.3", "h2o@0.6", "random@0.3", "random@0.6", "fastv@0.3", "fastv@0.6",
+                            "fastv[image]@0.3", "fastv[image]@0.6"}
+    assert summary["random@0.3"]["all"]["n"] == 2 and summary["random@0.3"]["draws"]["draws"] == 2
+
+    asked = []
+    monkeypatch.setattr(la, "ask", lambda *a, **k: asked.append(a) or {})
+    assert la.main([*ARGS, "--checkpoint", str(ckpt), "--no-blank"]) == 0
+    assert asked == []  # every sample and budget was in the checkpoint
