@@ -86,7 +86,7 @@ def check_first_turn(limits: Limits, loaded, prompt: str, visuals, max_new_token
     native = list(getattr(visuals, "frames", None) or [])
     if native:  # read on the family's own video path: its marker holds the pooled frames' tokens
         text_prompt = text_prompt.replace(VIDEO_MARKER, "")
-        per_visual += _native_frame_tokens(loaded, len(native))
+        per_visual += _native_frame_tokens(loaded, len(native), native[0].size)
     total = prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + int(max_new_tokens)
     text, total = total, total + sum(per_visual)
     limit = run_token_limit(limits, loaded)
@@ -104,11 +104,12 @@ def check_first_turn(limits: Limits, loaded, prompt: str, visuals, max_new_token
                      "smaller images, or lower max new tokens")
 
 
-def _native_frame_tokens(loaded, n_frames: int) -> list[int]:
-    """Per frame, the tokens of a video read natively (its pooled grids and closing newline, spread evenly)."""
+def _native_frame_tokens(loaded, n_frames: int, frame_size=None) -> list[int]:
+    """Per frame, the tokens of a video read natively (OneVision's pooled grids and closing newline, Qwen's merged
+    grid per temporal group), spread evenly."""
     from prefixkv_core.models.video import video_token_count
 
-    total = video_token_count(loaded.model.config, n_frames)
+    total = video_token_count(loaded.model.config, n_frames, frame_size, getattr(loaded, "processor", None))
     return [total // n_frames + (1 if k < total % n_frames else 0) for k in range(n_frames)]
 
 
@@ -121,11 +122,12 @@ def describe(n_images: int, n_frames: int) -> str:
 def shown(session, clip: VideoClip | None) -> ShownVisuals | None:
     """Small copies of an engine session's images and frames, in the order its model reads them, for the overlay
     (a comparison keeps them as long as its answers)."""
-    pictures, kinds = list(session.images), list(session.visuals.kinds())
-    if not pictures or len(pictures) != len(kinds):
+    order = session.visuals.layout_order()  # a native video whose tokens cover 2 frames (Qwen): each group's first
+    pictures, kinds = [p for _, p, _ in order], [k for k, _, _ in order]
+    if not pictures:
         return None
     one = kinds == ["image"]
-    stamps = iter(clip.timestamps if clip is not None else ())
+    stamps = list(clip.timestamps) if clip is not None else []
     sides = {"image": ONE_IMAGE_SIDE if one else IMAGE_SIDE, "frame": FRAME_SIDE}
     return ShownVisuals([downscale(p, sides[k]) for p, k in zip(pictures, kinds)], kinds,
-                        [next(stamps, None) if k == "frame" else None for k in kinds])
+                        [stamps[f] if f is not None and f < len(stamps) else None for _, _, f in order])

@@ -124,13 +124,23 @@ def _vision_implementation(model) -> str:
 
 
 VIDEO_KEY = "pixel_values_videos"
+# a natively read video's other inputs (Qwen: its patch grid and the seconds one temporal group spans)
+VIDEO_EXTRA_KEYS = ("video_grid_thw", "second_per_grid_ts")
 
 
-def _video_pass(model, pixels: torch.Tensor, record: bool):
-    """A natively read video through OneVision's `get_video_features` (every frame pooled, one newline) -> (its
-    features [video tokens, H], and with `record` the feature layer of every frame as crops: hidden states,
-    attention and keys, else Nones)."""
+def _video_pass(model, pixels: torch.Tensor, record: bool, grid: torch.Tensor | None = None):
+    """A natively read video through the model's `get_video_features` -> (its features [video tokens, H], and with
+    `record` the feature layer of every frame as crops: hidden states, attention and keys, else Nones).
+    OneVision's pools every frame and adds one newline; Qwen's (`grid`: video_grid_thw) merges each temporal
+    group's patches, and its tower has no single feature layer to record (`feature_layer` says so)."""
     cfg = model.config
+    if grid is not None:
+        if record:
+            feature_layer(cfg)  # ValueError: not on Qwen's tower yet
+        out = model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
+        pooled = out.pooler_output
+        features = torch.cat(list(pooled)) if isinstance(pooled, (tuple, list)) else pooled
+        return features, None, None, None
     kwargs = dict(pixel_values_videos=pixels, vision_feature_layer=cfg.vision_feature_layer,
                   vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
     if not record:
@@ -156,9 +166,16 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
     video's frames (ValueError when the tower has no single feature layer to record)."""
     vision_inputs = dict(vision_inputs)
     pixels_videos = vision_inputs.pop(VIDEO_KEY, None)
-    video, v_hidden, v_attention, v_keys = (_video_pass(model, pixels_videos, record) if pixels_videos is not None
-                                            else (None, None, None, None))
-    frames = 0 if pixels_videos is None else int(pixels_videos.shape[0] * pixels_videos.shape[1])
+    extra = {key: vision_inputs.pop(key) for key in VIDEO_EXTRA_KEYS if key in vision_inputs}
+    grid = extra.get("video_grid_thw")
+    video, v_hidden, v_attention, v_keys = (_video_pass(model, pixels_videos, record, grid)
+                                            if pixels_videos is not None else (None, None, None, None))
+    if pixels_videos is None:
+        frames = 0
+    elif grid is not None:  # Qwen: its temporal groups
+        frames = int(grid[:, 0].sum())
+    else:
+        frames = int(pixels_videos.shape[0] * pixels_videos.shape[1])
     if vision_inputs.get("pixel_values") is None:  # a video alone
         empty = torch.zeros(0, video.shape[-1], dtype=video.dtype, device=video.device)
         return VisionFeatures(empty, v_hidden, v_attention, v_keys, (), video, frames)

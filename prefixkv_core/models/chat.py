@@ -124,8 +124,15 @@ def _render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bo
         text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         from .families import hooks
 
-        marker = hooks(loaded.family).image_marker(proc)
-        return text if marker == IMAGE_TOKEN else text.replace(IMAGE_TOKEN, marker)  # the user's markers
+        family = hooks(loaded.family)
+        marker = family.image_marker(proc)
+        text = text if marker == IMAGE_TOKEN else text.replace(IMAGE_TOKEN, marker)  # the user's markers
+        video_marker = getattr(family, "video_marker", None)
+        if video_marker is not None and loaded.video_token_id is not None:  # a video read natively: its span
+            from .video import VIDEO_TOKEN
+
+            text = text.replace(VIDEO_TOKEN, video_marker(proc))
+        return text
     # No template shipped with the checkpoint: the LLaVA-1.5 conversation format.
     out = []
     for m in messages:
@@ -186,13 +193,15 @@ def as_image_list(image) -> list:
     return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
-def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True, video: list | None = None) -> dict:
+def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True, video: list | None = None,
+           video_fps: float | None = None) -> dict:
     """processor(...) -> dict of tensors on loaded.device: input_ids, attention_mask and, with images (one, or a
     list in the order their `<image>` tokens appear in `text`), every tensor the processor made for them
     (pixel_values in loaded.dtype; anyres families add image_sizes, OneVision batch_num_images).
     `add_special_tokens=False` for text that continues a conversation (no BOS). `video`: the frames of a video
-    the model reads natively (OneVision), whose one `<video>` token in `text` becomes the video's tokens, with
-    their pixel_values_videos."""
+    the model reads natively (OneVision, Qwen2-VL, Qwen2.5-VL), whose one `<video>` token in `text` becomes the
+    video's tokens, with their pixel_values_videos (Qwen: and video_grid_thw; Qwen2.5-VL's second_per_grid_ts
+    from `video_fps`, the sampled frames' rate)."""
     proc = _processor(loaded)
     images = [im.convert("RGB") if getattr(im, "mode", "RGB") != "RGB" else im for im in as_image_list(image)]
     image = images or None
@@ -200,7 +209,7 @@ def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = Tru
     if video:  # the processor refuses video tokens without its video processor: one stand-in token holds the place
         from .video import VIDEO_TOKEN
 
-        stand_in = _stand_in_token(proc.tokenizer, text)
+        stand_in = _stand_in_token(proc.tokenizer, text, proc)
         text = text.replace(VIDEO_TOKEN, stand_in)
     if images:
         batch = proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt",
@@ -218,24 +227,28 @@ def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = Tru
             floating = value.is_floating_point()
             out[key] = value.to(loaded.device, loaded.dtype) if floating else value.to(loaded.device)
     if stand_in is not None:
-        out.update(_video_tokens(loaded, proc, out, stand_in, video))
+        out.update(_video_tokens(loaded, proc, out, stand_in, video, video_fps))
     return out
 
 
-def _stand_in_token(tokenizer, text: str) -> str:
+def _stand_in_token(tokenizer, text: str, processor=None) -> str:
     """A special token of the tokenizer that is not in `text` and is neither the image nor the video token."""
     from .video import VIDEO_TOKEN
 
+    taken = {IMAGE_TOKEN, VIDEO_TOKEN, *(t for t in (getattr(owner, name, None) for owner in (tokenizer, processor)
+                                                    for name in ("image_token", "video_token")) if t)}
     for token in tokenizer.all_special_tokens:
-        if token not in (IMAGE_TOKEN, VIDEO_TOKEN) and token not in text and \
+        if token not in taken and "vision" not in token and token not in text and \
                 len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1:
             return token
     raise ModelLoadError("the tokenizer has no spare special token to place a video with")
 
 
-def _video_tokens(loaded: LoadedModel, proc, out: dict, stand_in: str, frames: list) -> dict:
-    """The encoded prompt with its stand-in token replaced by the video's tokens, and the frames' pixels."""
-    from .video import video_pixels, video_token_count
+def _video_tokens(loaded: LoadedModel, proc, out: dict, stand_in: str, frames: list,
+                  fps: float | None = None) -> dict:
+    """The encoded prompt with its stand-in token replaced by the video's tokens, and the frames' pixels (and
+    grid)."""
+    from .video import video_inputs, video_token_count
 
     ids = out["input_ids"]
     stand_in_id = proc.tokenizer.convert_tokens_to_ids(stand_in)
@@ -243,12 +256,22 @@ def _video_tokens(loaded: LoadedModel, proc, out: dict, stand_in: str, frames: l
     if where.numel() != 1:
         raise ModelLoadError(f"a prompt takes one video; found {where.numel()} places for it")
     at = int(where[0])
-    count = video_token_count(loaded.model.config, len(frames))
+    config = loaded.model.config
+    tensors = video_inputs(proc, config, frames, fps)
+    grid = tensors.get("video_grid_thw")
+    if grid is not None:  # Qwen: t·h·w patches, merge² to a token
+        merge = int(config.vision_config.spatial_merge_size)
+        count = int(grid.prod(-1).sum()) // (merge * merge)
+    else:
+        count = video_token_count(config, len(frames))
     run = ids.new_full((1, count), int(loaded.video_token_id))
     ids = torch.cat([ids[:, :at], run, ids[:, at + 1:]], dim=1)
     mask = torch.ones_like(ids, dtype=out["attention_mask"].dtype)
-    pixels = video_pixels(proc, frames).to(loaded.device, loaded.dtype)
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values_videos": pixels}
+    placed = {"input_ids": ids, "attention_mask": mask}
+    for key, value in tensors.items():
+        placed[key] = value.to(loaded.device, loaded.dtype) if value.is_floating_point() and key != \
+            "second_per_grid_ts" else value.to(loaded.device)
+    return placed
 
 
 def vision_inputs(batch: dict) -> dict:

@@ -76,8 +76,8 @@ def attach_video_preprocessing(processor, config, source: str | None = None):
     steps of `video.video_pixels`. Returns the processor."""
     from .video import reads_video_natively, video_settings
 
-    if not reads_video_natively(config):
-        return processor
+    if not reads_video_natively(config) or getattr(config, "model_type", None) != "llava_onevision":
+        return processor  # Qwen's: `family/qwen_vl.attach_video`
     if source is not None:
         try:
             from transformers import AutoVideoProcessor

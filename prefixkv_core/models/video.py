@@ -1,9 +1,12 @@
-"""A video the way a family reads it natively: LLaVA-OneVision's video path.
+"""A video the way a family reads it natively: LLaVA-OneVision's, Qwen2-VL's and Qwen2.5-VL's video paths.
 
 OneVision reads a video as its own kind of input: every sampled frame squashed to the tower's square, through the
 vision tower and the projector, each frame's patch grid bilinearly pooled to half its side, and one image-newline
 token after the last frame (`get_video_features`); its prompt holds one `<video>` token per pooled patch plus that
-newline. The other families read a video's frames as a run of images (`session/visuals.py`).
+newline. Qwen2-VL and Qwen2.5-VL cut the frames into patches of temporal_patch_size (2) frames, so one
+`<|video_pad|>` token covers two frames of a merged cell (`family/qwen_vl.py`, video section). The other families
+(Qwen3-VL among them: its processor interleaves per-frame timestamps) read a video's frames as a run of images
+(`session/visuals.py`).
 
 The frames' pixels come from the checkpoint's own video processor where transformers can build it (it needs
 torchvision). Where it cannot (PyPI's torchvision does not match the CPU torch wheel), the same preprocessing runs
@@ -22,7 +25,8 @@ import torch
 
 from .layout import GridView, ImageLayout
 
-NATIVE_VIDEO_MODEL_TYPES = ("llava_onevision",)
+NATIVE_VIDEO_MODEL_TYPES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
+QWEN_VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 VIDEO_TOKEN = "<video>"
 SETTINGS_FILE = "video_preprocessor_config.json"
 
@@ -39,14 +43,41 @@ def pooled_side(config) -> int:
     return math.ceil((int(vc.image_size) // int(vc.patch_size)) / 2)
 
 
-def video_token_count(config, n_frames: int) -> int:
-    """The `<video>` tokens of a video of `n_frames` frames: every frame's pooled grid, then one newline."""
+def _qwen(config) -> bool:
+    return getattr(config, "model_type", "") in QWEN_VIDEO_MODEL_TYPES
+
+
+def video_token_count(config, n_frames: int, frame_size: tuple[int, int] | None = None, processor=None) -> int:
+    """The video tokens of a video of `n_frames` frames: OneVision's, every frame's pooled grid then one newline;
+    Qwen's, its merged grid per temporal group (frames of `frame_size` (width, height) resized as its video
+    processor resizes them)."""
+    if _qwen(config):
+        from .family.qwen_vl import video_token_count as qwen_count
+
+        if frame_size is None:
+            raise ValueError("a Qwen video's token count follows its frames' size")
+        return qwen_count(config, processor, n_frames, frame_size)
     return n_frames * pooled_side(config) ** 2 + 1
 
 
-def video_layout(config, n_frames: int, frame_size: tuple[int, int], first_index: int = 0) -> ImageLayout:
-    """Where each video token comes from: one pooled grid per frame (over the whole frame: it is squashed to the
-    square), then the newline token (a view with no patches)."""
+def frames_per_token(config, processor=None) -> int:
+    """How many frames one video token covers: 1 (OneVision pools each frame), Qwen's temporal patch size."""
+    if _qwen(config):
+        from .family.qwen_vl import frames_per_token as qwen_frames
+
+        return qwen_frames(config, processor)
+    return 1
+
+
+def video_layout(config, n_frames: int, frame_size: tuple[int, int], first_index: int = 0,
+                 processor=None) -> ImageLayout:
+    """Where each video token comes from. OneVision: one pooled grid per frame (over the whole frame: it is
+    squashed to the square), then the newline token (a view with no patches). Qwen: one merged grid per temporal
+    group ("frames 1-2"), each group one of the layout's images."""
+    if _qwen(config):
+        from .family.qwen_vl import video_layout as qwen_layout
+
+        return qwen_layout(config, processor, n_frames, frame_size, first_index)
     side = pooled_side(config)
     views = tuple(GridView(f"frame {k + 1}", side, side, image=first_index + k) for k in range(n_frames))
     newline = GridView("video newline", 1, 0, newline=True, image=first_index + max(n_frames - 1, 0))
@@ -108,3 +139,14 @@ def video_pixels(processor, frames: list) -> torch.Tensor:
                           input_data_format=ChannelDimension.LAST)
         out.append(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)))
     return torch.stack(out)[None]
+
+
+def video_inputs(processor, config, frames: list, fps: float | None = None) -> dict:
+    """The model inputs of a natively read video: OneVision's pixel_values_videos [1, F, 3, S, S]; Qwen's
+    pixel_values_videos [patches, C·T·P·P] with video_grid_thw (and Qwen2.5-VL's second_per_grid_ts, from `fps`,
+    the sampled frames' rate)."""
+    if _qwen(config):
+        from .family.qwen_vl import video_inputs as qwen_inputs
+
+        return qwen_inputs(processor, config, frames, fps)
+    return {"pixel_values_videos": video_pixels(processor, frames)}

@@ -66,7 +66,7 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
     not fit the model's context."""
     images = visuals.images
     text = format_prompt(loaded, visuals.prompt, with_image=len(images)) if chat_template else visuals.prompt
-    inputs = encode(loaded, images or None, text, video=visuals.frames or None)
+    inputs = encode(loaded, images or None, text, video=visuals.frames or None, video_fps=visuals.video_fps)
     ids = inputs["input_ids"]
     n = ids.shape[1]
     is_image = loaded.visual_mask(ids)
@@ -159,6 +159,13 @@ class Prefiller:
         policy = state.policy
         resizes = bool(getattr(policy, "resizes_image", False) and p.n_image)
         if resizes and (p.video or not p.images):  # a native video's frames are no images to resize: pooled
+            from ..models.families import uses_mrope
+
+            if p.video and uses_mrope(self.loaded.model.config):
+                raise EngineError(f"{policy.label} cannot shrink {self.loaded.model.config.model_type}'s native video "
+                                  "yet: its frames are not resized before the vision tower, and pooling inside "
+                                  "Qwen's tower is not supported; compare it on images, or with the frames given "
+                                  "as images")
             policy, resizes = policy.pooling_instead(), False
         resized = self._resized(policy) if resizes else None
         if resized is not None:  # the images resized before the tower: the model's own path reads the new prompt

@@ -36,7 +36,8 @@ def question_start(loaded: LoadedModel, visuals, text: str, ids: torch.Tensor, i
     placeholder = hooks(loaded.family).image_placeholder(loaded.processor)  # what the template writes per image
     before_images = visuals.images[:head.count(placeholder)]
     video = visuals.frames if visuals.frames and VIDEO_TOKEN in head else None
-    before = encode(loaded, before_images or None, head, video=video)["input_ids"][0].tolist() if at > 0 else []
+    before = encode(loaded, before_images or None, head, video=video, video_fps=visuals.video_fps
+                    )["input_ids"][0].tolist() if at > 0 else []
     full = ids[0].tolist()
     split = 0
     while split < min(len(before), len(full)) and before[split] == full[split]:
@@ -85,7 +86,8 @@ def image_token_layout(loaded: LoadedModel, visuals, ids: torch.Tensor, is_image
         while before < len(layouts) and tokens >= layouts[before].n_tokens:
             tokens -= layouts[before].n_tokens
             before += 1
-        video = video_layout(loaded.model.config, len(visuals.frames), visuals.frames[0].size)
+        video = video_layout(loaded.model.config, len(visuals.frames), visuals.frames[0].size,
+                             processor=loaded.processor)
         layouts = layouts[:before] + [video] + layouts[before:]
     if all(layout is not None for layout in layouts) and sum(layout.n_tokens for layout in layouts) == n_image:
         return join_layouts(layouts)

@@ -1,9 +1,10 @@
 """What a turn shows the model: its images and a video's sampled frames, and the prompt placing them. Checked
 before anything is encoded: marker counts, and whether they fit the context.
 
-A video is read the way its family reads one: LLaVA-OneVision on its own video path (one `<video>` block, every
-frame pooled: `models/video.py`), the other families as a run of images after the turn's images (the way
-LLaVA-Interleave reads video). Without markers every image, then the video, comes before the prompt's text;
+A video is read the way its family reads one: LLaVA-OneVision, Qwen2-VL and Qwen2.5-VL on their own video path
+(one video block: OneVision's every frame pooled, Qwen's a merged grid per group of temporal_patch_size frames:
+`models/video.py`), the other families as a run of images after the turn's images (the way LLaVA-Interleave reads
+video). Without markers every image, then the video, comes before the prompt's text;
 `<image>` markers place the images (one each), and a `<video>` marker the video."""
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class TurnVisuals:
     video: Any = None  # the VideoClip the frames came from
     frames: list[Image.Image] = field(default_factory=list)
     frames_at: int = 0
+    frames_per_view: int = 1  # a native video's frames per token (Qwen's temporal patch: one grid per 2 frames)
 
     @property
     def count(self) -> int:
@@ -51,6 +53,30 @@ class TurnVisuals:
         n_frames = len(self.images) - self.n_images
         return [("frame" if self.frames_at <= k < self.frames_at + n_frames else "image", im)
                 for k, im in enumerate(self.images)]
+
+    @property
+    def video_fps(self) -> float | None:
+        """The sampled frames' rate (frames per second of the stream they were drawn from), None if unknown."""
+        clip = self.video
+        total, fps = getattr(clip, "total_frames", 0), getattr(clip, "fps", 0)
+        if not self.frames or not total or not fps:
+            return None
+        return len(self.frames) / total * fps
+
+    def layout_order(self) -> list[tuple[str, Image.Image, int | None]]:
+        """One (kind, picture, frame index) per image of the prompt's token layout, in reading order: every image
+        and frame, but where a native video's token covers several frames (Qwen), the first frame of each group
+        (its index among the video's frames; None for an image)."""
+        out, frame = [], 0
+        step = max(1, self.frames_per_view) if self.native_video else 1
+        for kind, picture in self.in_order():
+            if kind == "frame":
+                if frame % step == 0:
+                    out.append((kind, picture, frame))
+                frame += 1
+            else:
+                out.append((kind, picture, None))
+        return out
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.in_order()]
@@ -101,8 +127,10 @@ def _check_fits(loaded, visuals: TurnVisuals, max_new_tokens: int) -> None:
     per_visual = [limits.image_tokens(loaded, im.size) for im in visuals.images]
     text_prompt = visuals.prompt.replace(VIDEO_MARKER, "") if visuals.native_video else visuals.prompt
     text = limits.prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + max_new_tokens
-    if visuals.native_video:  # the frames pooled, then one newline: about the same per frame
-        per_visual += [video_token_count(config, len(visuals.frames)) // len(visuals.frames)] * len(visuals.frames)
+    if visuals.native_video:  # the video's tokens, spread evenly over its frames
+        total = video_token_count(config, len(visuals.frames), visuals.frames[0].size, loaded.processor)
+        n_frames = len(visuals.frames)
+        per_visual += [total // n_frames + (1 if k < total % n_frames else 0) for k in range(n_frames)]
     total = text + sum(per_visual)
     if total <= loaded.max_context:
         return
@@ -144,7 +172,10 @@ def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, f
     at = prompt.find(VIDEO_MARKER)
     frames_at = image_markers(prompt[:at]) if frame_list and at >= 0 and image_markers(prompt) else len(images)
     if native:
-        visuals = TurnVisuals(images, placed, len(images), clip, frame_list, frames_at)
+        from ..models.video import frames_per_token
+
+        visuals = TurnVisuals(images, placed, len(images), clip, frame_list, frames_at,
+                              frames_per_token(config, getattr(loaded, "processor", None)))
     else:
         visuals = TurnVisuals(images[:frames_at] + frame_list + images[frames_at:], placed, len(images), clip,
                               frames_at=frames_at)

@@ -1,0 +1,341 @@
+"""Qwen2-VL and Qwen2.5-VL read a video on their own path (tiny random models, CPU): the chat template's video span
+expanded to t·h·w/merge² `<|video_pad|>` tokens, the frames preprocessed as Qwen's video processor does (here on
+transformers' PIL backend), the temporal groups' 3-D positions from the model's own rope index, and every method
+on it as on images. Qwen3-VL keeps reading a video's frames as images."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from prefixkv_core import Engine, EngineError, GenerationSettings
+from prefixkv_core import models as M
+from prefixkv_core.decoding import runner
+from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
+from prefixkv_core.models.families import hooks
+from prefixkv_core.models.video import video_inputs, video_token_count
+from prefixkv_core.policies import METHODS, make_policy
+from prefixkv_core.policies.base import PrefillView, apply_plans
+from prefixkv_core.session.video_input import write_video
+from prefixkv_core.testing import kept_entry_masks, masked_reference_cache
+
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
+PROMPT = "what moves in the clip?"
+NOT_ON_QWEN_VIDEO = ("visionzip", "downsample")  # refused on Qwen's native video, each with its own message
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("models"))
+    return {family: M.load_model(f"tiny-{family}", device="cpu", cache_dir=cache)
+            for family in (*VIDEO_FAMILIES, "qwen3-vl")}
+
+
+@pytest.fixture(params=VIDEO_FAMILIES)
+def lm(request, models):
+    return models[request.param]
+
+
+def frames(n: int = 4, size=(64, 48)) -> list[Image.Image]:
+    """Frame i shows a dot at x = 6 i over a noisy background."""
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(n):
+        im = Image.fromarray(rng.integers(0, 90, (size[1], size[0], 3), dtype=np.uint8))
+        ImageDraw.Draw(im).ellipse((6 * i, 16, 6 * i + 12, 28), fill=(230, 40, 40))
+        out.append(im)
+    return out
+
+
+def types_of(lm, ids):
+    """mm_token_type_ids as the processor makes them: 1 image, 2 video."""
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[ids == lm.image_token_id] = 1
+    types[ids == lm.video_token_id] = 2
+    return types
+
+
+def encoded(lm, n_frames: int = 4, prompt: str = "<video> " + PROMPT, fps: float | None = 2.0):
+    text = M.format_prompt(lm, prompt, with_image=0)
+    return M.encode(lm, None, text, video=frames(n_frames), video_fps=fps)
+
+
+# -- the prompt, the pixels, the grid --------------------------------------------------------------------------------
+
+def test_the_video_span_is_expanded_to_the_grids_tokens(lm):
+    inputs = encoded(lm, 4)
+    ids = inputs["input_ids"][0]
+    text = M.format_prompt(lm, "<video> " + PROMPT, with_image=0)
+    assert "<|vision_start|><video><|vision_end|>" in text
+    t, h, w = inputs["video_grid_thw"][0].tolist()
+    merge = lm.model.config.vision_config.spatial_merge_size
+    assert t == 2 and inputs["pixel_values_videos"].shape == (t * h * w, 3 * 2 * 8 * 8)
+    video = (ids == lm.video_token_id).nonzero().flatten()
+    assert len(video) == t * h * w // merge ** 2 == video_token_count(lm.model.config, 4, (64, 48), lm.processor)
+    assert int(video[-1] - video[0]) + 1 == len(video)  # one block
+    start = lm.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    end = lm.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    assert int(ids[video[0] - 1]) == start and int(ids[video[-1] + 1]) == end
+    assert int(lm.visual_mask(inputs["input_ids"]).sum()) == len(video)
+    if lm.family == "qwen2.5-vl":  # two frames a group at 2 fps: one second
+        assert inputs["second_per_grid_ts"].tolist() == [1.0]
+    else:
+        assert "second_per_grid_ts" not in inputs
+
+
+def test_tokens_and_grid_match_the_models_own_video_features(lm):
+    inputs = encoded(lm, 4)
+    with torch.inference_mode():
+        out = lm.model.model.get_video_features(pixel_values_videos=inputs["pixel_values_videos"],
+                                                video_grid_thw=inputs["video_grid_thw"], return_dict=True)
+    features = torch.cat(list(out.pooler_output))
+    assert features.shape[0] == int((inputs["input_ids"] == lm.video_token_id).sum())
+
+
+@pytest.mark.parametrize("n_frames", [1, 2])
+def test_a_group_of_one_frame_is_that_frames_image_patches(lm, n_frames):
+    """One frame padded with itself, or two equal frames, make the patches the image processor makes of that frame
+    (it repeats an image over the temporal patch): the same resize, rescale, normalise and patch order."""
+    picture = frames(1)[0]
+    video = video_inputs(lm.processor, lm.model.config, [picture] * n_frames)
+    image = M.encode(lm, picture, M.format_prompt(lm, "<image> hi", with_image=1))
+    assert video["video_grid_thw"].tolist() == image["image_grid_thw"].tolist()
+    torch.testing.assert_close(video["pixel_values_videos"], image["pixel_values"], atol=1e-5, rtol=1e-5)
+
+
+def test_an_odd_number_of_frames_repeats_the_last(lm):
+    """Three frames: two temporal groups, the second the third frame twice; the layout names them."""
+    three = frames(3)
+    padded = video_inputs(lm.processor, lm.model.config, three)
+    four = video_inputs(lm.processor, lm.model.config, three + [three[-1]])
+    assert padded["video_grid_thw"][0, 0] == 2
+    torch.testing.assert_close(padded["pixel_values_videos"], four["pixel_values_videos"])
+    session = Engine(lm).new_session(None, PROMPT, ["full", "h2o"], 0.5, GenerationSettings(max_new_tokens=2),
+                                     video=three, frames=3)
+    list(session.run())
+    layout = session.image_layout
+    assert [v.name for v in layout.views] == ["frames 1-2", "frame 3"]
+    assert layout.n_images == 2 and layout.n_tokens == session.prefill.image_tokens
+    record = session.record.to_dict()
+    assert len(record["prefill"]["image_ranges"]) == 2
+    assert len(record["methods"]["h2o"]["kept_per_image"]) == 2
+    assert session.visuals.describe()["video"]["read_as"] == "video"
+    # the overlay shows one frame per temporal group: the layout's images and the pictures drawn agree
+    from ui.visual_request import shown
+
+    assert [(k, f) for k, _, f in session.visuals.layout_order()] == [("frame", 0), ("frame", 2)]
+    display = shown(session, session.visuals.video)
+    assert display.kinds == ["frame", "frame"] and len(display.images) == layout.n_images
+
+
+def test_the_video_processors_own_output_is_used_where_it_exists(lm):
+    """Where transformers builds the video processor (torchvision present) its output is what the model reads."""
+    made = video_inputs(lm.processor, lm.model.config, frames(2))
+
+    class Own:
+        size = {"shortest_edge": 256, "longest_edge": 4096}
+        patch_size, merge_size, temporal_patch_size = 8, 2, 2
+        calls = []
+
+        def __call__(self, videos, return_tensors):
+            self.calls.append(len(videos[0]))
+            return {"pixel_values_videos": made["pixel_values_videos"] + 1, "video_grid_thw": made["video_grid_thw"]}
+
+    proc = lm.processor
+    own = Own()
+    try:
+        proc.video_processor = own
+        got = video_inputs(proc, lm.model.config, frames(2))
+    finally:
+        proc.video_processor = None
+    assert own.calls == [2]
+    torch.testing.assert_close(got["pixel_values_videos"], made["pixel_values_videos"] + 1)
+
+
+# -- the engine against the model's own path -------------------------------------------------------------------------
+
+def test_full_equals_the_models_own_generate(lm):
+    session = Engine(lm).new_session(None, "<video> " + PROMPT, ["full"], 1.0, GenerationSettings(max_new_tokens=6),
+                                     video=frames(4), frames=4)
+    list(session.run())
+    inputs = session.encoded.inputs
+    ids = inputs["input_ids"]
+    assert set(inputs) >= {"pixel_values_videos", "video_grid_thw"}
+    with torch.inference_mode():
+        own = lm.model(**inputs, mm_token_type_ids=types_of(lm, ids)).logits[0, -1]
+        out = lm.model.generate(**inputs, mm_token_type_ids=types_of(lm, ids), max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(session.states["full"].first_logits, own, atol=1e-4, rtol=1e-4)
+    assert session.states["full"].turn_ids == out[0, ids.shape[1]:].tolist()
+
+
+def test_positions_are_the_models_rope_index_over_the_video(lm):
+    """The video's tokens get (t, h, w) positions, one temporal step per group (Qwen2.5-VL: spaced by the
+    seconds a group spans), and the next text follows the grid."""
+    inputs = encoded(lm, 4, fps=2.0)
+    ids = inputs["input_ids"]
+    positions, _ = hooks(lm.family).rope_index(lm.model, ids, M.vision_inputs(inputs))
+    video = (ids[0] == lm.video_token_id).nonzero().flatten()
+    temporal = positions[0, 0, video]
+    per_group = len(video) // 2
+    first, second = temporal[:per_group], temporal[per_group:]
+    assert bool((first == first[0]).all()) and bool((second == second[0]).all())
+    step = int(second[0] - first[0])
+    assert step == (int(lm.model.config.vision_config.tokens_per_second) * 1 if lm.family == "qwen2.5-vl" else 1)
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache"])
+def test_eviction_equals_masking_with_a_video(lm, method):
+    inputs = encoded(lm, 4, "<video> " + PROMPT + " describe every frame in detail")
+    ids = inputs["input_ids"]
+    is_image = lm.visual_mask(ids)
+    policy = make_policy(method, 0.3)
+    with tracked_attention_enabled(lm.model):
+        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
+                                    lm.device, lm.image_token_id)
+    n = shared.prompt_len
+    assert shared.cache.rope_deltas is not None
+    compressed = shared.cache.clone()
+    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, 0.3,
+                                          policy.prefill_stats(n).window))
+    apply_plans(compressed, plans)
+    assert min(layer.length for layer in compressed.layers) < n
+    video = set((ids[0] == lm.video_token_id).nonzero().flatten().tolist())
+    assert video - set(compressed.layers[-1].positions[0, 0].tolist())  # some video entries evicted
+    engine = Engine(lm)
+    token = torch.tensor([[7]])
+    with tracked_attention_enabled(lm.model):
+        evicted = engine.forward(compressed, token, n, AttentionProbe())
+        masked = engine.forward(shared.cache.clone(), token, n,
+                                AttentionProbe(key_masks=kept_entry_masks(compressed, n)))
+    torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
+
+
+def test_vlcaches_post_vision_queries_follow_the_video(lm):
+    """VL-Cache's post-vision queries are the ones after the last video token (its flags are the visual mask)."""
+    from prefixkv_core.kv.attention import post_vision_queries
+
+    ids = encoded(lm, 2)["input_ids"]
+    after = post_vision_queries(lm.visual_mask(ids))[0]
+    last = int((ids[0] == lm.video_token_id).nonzero().max())
+    assert after.nonzero().flatten().tolist() == list(range(last + 1, ids.shape[1]))
+
+
+@pytest.mark.parametrize("method", ["fastv", "dart"])
+def test_token_drop_equals_the_masked_forward_with_a_video(lm, method):
+    inputs = encoded(lm, 4)
+    ids = inputs["input_ids"]
+    is_image = lm.visual_mask(ids)
+    policy = make_policy(method, 0.7)
+    with tracked_attention_enabled(lm.model):
+        own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
+                                 lm.image_token_id)
+        n = own.prompt_len
+        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
+        kept = own.cache.layers[-1].positions[0, 0]
+        video = set((ids[0] == lm.video_token_id).nonzero().flatten().tolist())
+        assert video - set(kept.tolist())  # the drop reached the video's tokens
+        logits, reference = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+        torch.testing.assert_close(own.logits, logits, atol=1e-4, rtol=1e-4)
+        engine = Engine(lm)
+        token = torch.tensor([[7]])
+        dropped = engine.forward(own.cache, token, n, AttentionProbe())
+        masked = engine.forward(reference, token, n, AttentionProbe(key_masks=kept_entry_masks(own.cache, n)))
+    torch.testing.assert_close(dropped, masked, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
+def test_batched_equals_alone_with_a_video(lm, query_agnostic):
+    """Every method with an image and a video, batched == alone; the vision-side reductions refuse Qwen's native
+    video with a message that says so."""
+    picture = frames(1, (48, 40))[0]
+    settings = GenerationSettings(max_new_tokens=3)
+    answers = []
+    for batched in (True, False):
+        session = Engine(lm).new_session(picture, "<image> photo, <video> clip: " + PROMPT, "all", 0.3, settings,
+                                         video=frames(3), frames=3, query_agnostic=query_agnostic, batched=batched)
+        list(session.run())
+        assert set(session.states) == set(METHODS)
+        for name, state in session.states.items():
+            if name in NOT_ON_QWEN_VIDEO:
+                assert state.error is not None and ("not yet on Qwen" in str(state.error)
+                                                    or "native video" in str(state.error)), (name, state.error)
+            else:
+                assert state.error is None, (name, state.error)
+        answers.append({n: list(s.turn_ids) for n, s in session.states.items() if s.error is None})
+        record = session.record.to_dict()
+        assert len(record["prefill"]["image_ranges"]) == 3  # the image, then two temporal groups
+        assert all(len(r["kept_per_image"]) == 3 for n, r in record["methods"].items() if n not in NOT_ON_QWEN_VIDEO)
+    assert answers[0] == answers[1]
+
+
+def test_query_agnostic_full_answers_as_the_models_own_generate(lm):
+    session = Engine(lm).new_session(None, "<video> " + PROMPT, ["full"], 1.0, GenerationSettings(max_new_tokens=5),
+                                     video=frames(4), frames=4, query_agnostic=True)
+    list(session.run())
+    encoded_prompt = session.encoded
+    ids = encoded_prompt.ids
+    assert encoded_prompt.split < ids.shape[1]
+    assert not bool(encoded_prompt.is_image[0, encoded_prompt.split:].any())
+    with torch.inference_mode():
+        out = lm.model.generate(**encoded_prompt.inputs, mm_token_type_ids=types_of(lm, ids), max_new_tokens=5,
+                                do_sample=False)
+    assert session.states["full"].turn_ids == out[0, ids.shape[1]:].tolist()
+
+
+def test_downsample_and_visionzip_refuse_a_native_video(lm):
+    session = Engine(lm).new_session(None, PROMPT, ["full", "downsample", "visionzip"], 0.3,
+                                     GenerationSettings(max_new_tokens=2), video=frames(2), frames=2)
+    list(session.run())
+    assert session.states["full"].error is None
+    assert "native video" in str(session.states["downsample"].error)
+    assert "not yet on Qwen" in str(session.states["visionzip"].error)
+
+
+# -- refusals, Qwen3-VL, the CLI -------------------------------------------------------------------------------------
+
+def test_too_many_frames_for_the_context_are_refused_before_encoding(lm, monkeypatch):
+    from prefixkv_core.session import prefill
+
+    small = dataclasses.replace(lm, max_context=120)
+    per_group = video_token_count(lm.model.config, 2, (64, 48), lm.processor)
+
+    def never(*args, **kwargs):
+        raise AssertionError("encoded")
+
+    monkeypatch.setattr(prefill, "encode", never)
+    with pytest.raises(EngineError) as err:
+        Engine(small).new_session(None, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=4),
+                                  video=frames(16), frames=16)
+    message = str(err.value)
+    assert f"16 frames take {8 * per_group} tokens" in message and "context of 120" in message
+    fit = int(message.split("at most ")[1].split(" ")[0])
+    assert 0 < fit < 16
+
+
+def test_qwen3_vl_reads_a_videos_frames_as_images(models):
+    lm = models["qwen3-vl"]
+    assert lm.video_token_id is None
+    session = Engine(lm).new_session(None, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=1),
+                                     video=frames(2), frames=2)
+    list(session.run())
+    assert session.visuals.kinds() == ["frame", "frame"] and not session.visuals.native_video
+    assert session.visuals.describe()["video"]["read_as"] == "images"
+
+
+def test_cli_compare_takes_a_video_on_a_qwen_model(tmp_path):
+    from prefixkv_core.__main__ import main
+
+    video = write_video(frames(6), tmp_path / "dot.mp4", fps=6)
+    out = tmp_path / "out.json"
+    code = main(["compare", "--model", "tiny-qwen2.5-vl", "--video", str(video), "--frames", "3",
+                 "--prompt", "what moves?", "--methods", "full,h2o,fastv", "--max-new-tokens", "2",
+                 "--json", str(out), "--quiet"])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    assert payload["visuals"]["video"]["frames"] == 3 and payload["visuals"]["video"]["read_as"] == "video"
+    assert len(payload["prefill"]["image_ranges"]) == 2
+    assert all(len(m["kept_per_image"]) == 2 for m in payload["methods"].values())
