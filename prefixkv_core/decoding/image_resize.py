@@ -8,7 +8,11 @@ every vision-side reduction); counts come from the family's layout (`LoadedModel
 run. The resized prompt is then encoded by the processor, so the model reads it by its own path (positions
 included: Qwen-VL's 3-D positions come from the resized grid). What each fed token stands for among the original
 prompt's image tokens is told by geometry: a resized grid cell covers the original tokens of the same view whose
-centres fall in its box (the nearest one when none does)."""
+centres fall in its box (the nearest one when none does).
+
+A video read natively on Qwen2-VL's or Qwen2.5-VL's own path is resized the same way: every frame by one factor,
+the video's share of the budget over its tokens (each merged grid covers two frames), its groups' fed tokens told
+apart by group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -81,36 +85,64 @@ class ResizedPrompt:
     record: ImageTokenSources  # what each fed image token stands for among the original prompt's
 
 
-def resized_prompt(loaded, images: list[Image.Image], text: str, wanted: int, prompt_image_tokens: int
+def resized_prompt(loaded, images: list[Image.Image], text: str, wanted: int, prompt_image_tokens: int,
+                   frames: list[Image.Image] | None = None, frames_at: int = 0, video_fps: float | None = None
                    ) -> ResizedPrompt | None:
     """The prompt `text` encoded with `images` each scaled so that all of them together take about `wanted` image
-    tokens (each its share, in proportion to its tokens); None when no image would be made smaller."""
+    tokens (each its share, in proportion to its tokens); None when no image would be made smaller. `frames`: a
+    video read natively on Qwen's own path, after the first `frames_at` images, all its frames scaled alike."""
     from ..models import encode
 
-    originals = [loaded.image_layout(*im.size) for im in images]
+    items: list[tuple[str, Image.Image]] = [("image", im) for im in images]
+    if frames:
+        items.insert(frames_at, ("video", frames[0]))
+    token_count = {"image": loaded.image_tokens, "video": _video_tokens(loaded, len(frames or ()))}
+    layout_of = {"image": loaded.image_layout, "video": _video_layout(loaded, len(frames or ()))}
+    originals = [layout_of[kind](*im.size) for kind, im in items]
     counts = [lay.n_tokens for lay in originals]
     total = sum(counts) or 1
     sizes = []
-    for im, count in zip(images, counts):
-        share = wanted if len(images) == 1 else int(round(wanted * count / total))
-        sizes.append(scaled_size(loaded.image_tokens, im.size[0], im.size[1], share))
-    if all(size == im.size for size, im in zip(sizes, images)):
+    for (kind, im), count in zip(items, counts):
+        share = wanted if len(items) == 1 else int(round(wanted * count / total))
+        sizes.append(scaled_size(token_count[kind], im.size[0], im.size[1], share))
+    if all(size == im.size for size, (_, im) in zip(sizes, items)):
         return None
-    resized = [im if size == im.size else im.resize(size, Image.BICUBIC) for im, size in zip(images, sizes)]
-    inputs = encode(loaded, resized, text)
+    resized = [im if size == im.size else im.resize(size, Image.BICUBIC)
+               for size, (kind, im) in zip(sizes, items) if kind == "image"]
+    video = None
+    if frames:
+        size = sizes[frames_at]
+        video = [f if f.size == size else f.resize(size, Image.BICUBIC) for f in frames]
+    inputs = encode(loaded, resized or None, text, video=video, video_fps=video_fps)
     ids = inputs["input_ids"]
     is_image = loaded.visual_mask(ids)
-    layouts = [loaded.image_layout(*size) for size in sizes]
+    layouts = [layout_of[kind](*size) for size, (kind, _) in zip(sizes, items)]
     if int(is_image.sum()) != sum(lay.n_tokens for lay in layouts) or total != prompt_image_tokens:
         raise ValueError("the resized prompt's image tokens do not follow the images' layouts")
-    kinds, cells, which, offset = [], [], [], 0
-    for i, (orig, lay) in enumerate(zip(originals, layouts)):
+    kinds, cells, which, offset, picture = [], [], [], 0, 0
+    for orig, lay in zip(originals, layouts):
         covered = covered_tokens(orig, lay)
         cells += [c + offset for c in covered]
         kinds += ["pooled"] * len(covered)
-        which += [i] * len(covered)
+        for view in lay.views:  # an image's views are all its own; a video's are one per group of frames
+            which += [picture + view.image] * view.n_tokens
         offset += orig.n_tokens
-    record = ImageTokenSources(kinds, cells, offset, len(images), {k: kinds.count(k) for k in KINDS},
+        picture += lay.n_images
+    record = ImageTokenSources(kinds, cells, offset, picture, {k: kinds.count(k) for k in KINDS},
                                is_image[0].nonzero().flatten().cpu().numpy(), np.array(which, dtype=np.int64),
                                list(sizes))
     return ResizedPrompt(ids, is_image, inputs, sizes, record)
+
+
+def _video_tokens(loaded, n_frames: int):
+    """(width, height) of the frames -> the tokens of a native video of `n_frames` such frames."""
+    from ..models.video import video_token_count
+
+    return lambda w, h: video_token_count(loaded.model.config, n_frames, (int(w), int(h)), loaded.processor)
+
+
+def _video_layout(loaded, n_frames: int):
+    """(width, height) of the frames -> the layout of a native video of `n_frames` such frames."""
+    from ..models.video import video_layout
+
+    return lambda w, h: video_layout(loaded.model.config, n_frames, (int(w), int(h)), processor=loaded.processor)

@@ -10,7 +10,8 @@ Where the image is made coarser is the knob `where`:
 - `image` (the default where the family's token count follows the image size: LLaVA-NeXT and OneVision's anyres
   tiles, Qwen-VL's native resolution), as the benchmark draws it: every image is resized before the vision tower,
   scaled on both sides so that the processor makes the most tokens not above its share of the budget, and the
-  prompt is re-encoded with the smaller images (`decoding.image_resize`); the model reads it by its own path.
+  prompt is re-encoded with the smaller images (`decoding.image_resize`); the model reads it by its own path. A video
+  Qwen2-VL or Qwen2.5-VL reads natively has every frame scaled alike (OneVision's native video is pooled instead).
 - `projector_out` (the default on fixed-resolution towers, LLaVA-1.5, Interleave and the embedded model, where a
   smaller image is resized back to the tower's input and changes nothing): a prefill token reduction through the
   same extension point as VisionZip (`vision_plan`): every crop the tower encodes has its side x side patch grid

@@ -45,6 +45,9 @@ class EncodedPrompt:
     images: list = field(default_factory=list)  # the images encoded, in prompt order (none for a native video)
     text: str = ""  # the prompt text the processor expanded
     video: bool = False  # a video read natively is in the prompt
+    frames: list = field(default_factory=list)  # its frames
+    frames_at: int = 0  # how many of `images` come before it
+    video_fps: float | None = None  # its sampled frames' rate
 
     @property
     def n(self) -> int:
@@ -80,7 +83,8 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
     split = question_start(loaded, visuals, text, ids, is_image) if query_agnostic else n
     return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
                          image_token_layout(loaded, visuals, ids[0], is_image[0]), images=list(images), text=text,
-                         video=bool(visuals.frames))
+                         video=bool(visuals.frames), frames=list(visuals.frames), frames_at=visuals.frames_at,
+                         video_fps=visuals.video_fps)
 
 
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:
@@ -158,14 +162,10 @@ class Prefiller:
         p = self.prompt
         policy = state.policy
         resizes = bool(getattr(policy, "resizes_image", False) and p.n_image)
-        if resizes and (p.video or not p.images):  # a native video's frames are no images to resize: pooled
-            from ..models.families import uses_mrope
+        from ..models.families import uses_mrope
 
-            if p.video and uses_mrope(self.loaded.model.config):
-                raise EngineError(f"{policy.label} cannot shrink {self.loaded.model.config.model_type}'s native video "
-                                  "yet: its frames are not resized before the vision tower, and pooling inside "
-                                  "Qwen's tower is not supported; compare it on images, or with the frames given "
-                                  "as images")
+        frames_resized = p.video and uses_mrope(self.loaded.model.config)  # Qwen's video: its frames resized
+        if resizes and (p.video or not p.images) and not frames_resized:  # OneVision's video frames: pooled instead
             policy, resizes = policy.pooling_instead(), False
         resized = self._resized(policy) if resizes else None
         if resized is not None:  # the images resized before the tower: the model's own path reads the new prompt
@@ -195,15 +195,17 @@ class Prefiller:
 
     def _resized(self, policy: Policy):
         """The prompt with its images resized for a policy that resizes them before the tower (Downsample's
-        `where = image`), None when no image gets smaller. (A prompt with a native video is not resized: its
-        frames are no images the processor resizes; it is pooled after the projector instead.)"""
+        `where = image`), None when no image gets smaller. (A prompt with OneVision's native video is not resized:
+        its frames are no images the processor resizes; it is pooled after the projector instead. Qwen's native
+        video is: every frame scaled alike, `resized_prompt`.)"""
         from ..decoding.image_resize import resized_prompt
 
         p = self.prompt
         if p.split < p.n and bool(p.is_image[0, p.split:].any()):
             raise EngineError("an image after the held-back question cannot be resized with the prompt")
         wanted = policy.kept_image_tokens(p.split, p.n_image)
-        return resized_prompt(self.loaded, p.images, p.text, wanted, p.n_image)
+        return resized_prompt(self.loaded, p.images, p.text, wanted, p.n_image, p.frames if p.video else None,
+                              p.frames_at, p.video_fps)
 
     def _prefill(self, policies) -> runner.Prefill:
         """One prefill of the compressed context recording what `policies` ask for (the uncompressed cache's bytes
