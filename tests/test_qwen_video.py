@@ -366,3 +366,22 @@ def test_cli_compare_takes_a_video_on_a_qwen_model(tmp_path):
     assert payload["visuals"]["video"]["frames"] == 3 and payload["visuals"]["video"]["read_as"] == "video"
     assert len(payload["prefill"]["image_ranges"]) == 2
     assert all(len(m["kept_per_image"]) == 2 for m in payload["methods"].values())
+
+
+def test_a_follow_up_after_a_video_runs_at_its_logical_positions(lm):
+    """Full over two turns with a video in the first: the follow-up's tokens at their true positions plus the
+    video prompt's rope delta, as the model's own generate over the whole conversation."""
+    engine = Engine(lm)
+    session = engine.new_session(None, "<video> " + PROMPT, ["full"], 1.0, GenerationSettings(max_new_tokens=4),
+                                 video=frames(3), frames=3)
+    list(session.run())
+    first = list(session.states["full"].turn_ids)
+    list(session.follow_up("and then?"))
+    inputs = session.encoded.inputs
+    answer = first[:-1] if first[-1] in engine.eos_ids else first
+    follow = M.encode(lm, None, M.format_followup(lm, "and then?"), add_special_tokens=False)["input_ids"]
+    ids = torch.cat([inputs["input_ids"], torch.tensor([answer]), follow], dim=1)
+    with torch.inference_mode():
+        out = lm.model.generate(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                mm_token_type_ids=types_of(lm, ids), max_new_tokens=4, do_sample=False)
+    assert session.states["full"].turn_ids == out[0, ids.shape[1]:].tolist()
