@@ -18,7 +18,7 @@ from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenize
 
 __all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
            "FAMILIES", "QWEN_FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
-           "kept_entry_masks", "synthetic_prompt_cache", "synthetic_extra_stats", "WIDE_PICTURE_SIZE",
+           "kept_entry_masks", "prefill_and_compress", "synthetic_prompt_cache", "synthetic_extra_stats", "WIDE_PICTURE_SIZE",
            "wide_noise_picture", "wait_until"]
 
 # The families with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), tested beside the LLaVA ones (FAMILIES).
@@ -97,6 +97,27 @@ def held_positions(prefilled, plans) -> list[list[int]]:
     compressed = prefilled.clone()
     apply_plans(compressed, plans)
     return [layer.positions[0, 0].tolist() for layer in compressed.layers]
+
+
+def prefill_and_compress(loaded, policy, inputs: dict, budget: float):
+    """One tracked prefill of an encoded prompt for `policy` and its cache compressed by the policy's prefill plans:
+    (the prefill, the compressed copy of its cache, the prompt length). The prefill's own cache stays whole (the
+    masked side of an eviction == masking test)."""
+    from .decoding import runner
+    from .kv.attention import tracked_attention_enabled
+    from .models import vision_inputs
+    from .policies.base import PrefillView, apply_plans
+
+    ids = inputs["input_ids"]
+    with tracked_attention_enabled(loaded.model):
+        shared = runner.prefill_for(loaded.model, policy, ids, loaded.visual_mask(ids), vision_inputs(inputs),
+                                    loaded.num_layers, loaded.device, loaded.image_token_id)
+    n = shared.prompt_len
+    compressed = shared.cache.clone()
+    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
+                                          policy.prefill_stats(n).window))
+    apply_plans(compressed, plans)
+    return shared, compressed, n
 
 
 def masked_reference_cache(loaded, ids, is_image, vision_inputs, drop_layer: int, kept_positions):

@@ -19,9 +19,8 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.models.families import hooks
 from prefixkv_core.models.video import video_inputs, video_token_count
 from prefixkv_core.policies import METHODS, make_policy
-from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.session.video_input import write_video
-from prefixkv_core.testing import kept_entry_masks, masked_reference_cache
+from prefixkv_core.testing import kept_entry_masks, masked_reference_cache, prefill_and_compress
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
 PROMPT = "what moves in the clip?"
@@ -191,17 +190,8 @@ def test_positions_are_the_models_rope_index_over_the_video(lm):
 def test_eviction_equals_masking_with_a_video(lm, method):
     inputs = encoded(lm, 4, "<video> " + PROMPT + " describe every frame in detail")
     ids = inputs["input_ids"]
-    is_image = lm.visual_mask(ids)
-    policy = make_policy(method, 0.3)
-    with tracked_attention_enabled(lm.model):
-        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
-                                    lm.device, lm.image_token_id)
-    n = shared.prompt_len
+    shared, compressed, n = prefill_and_compress(lm, make_policy(method, 0.3), inputs, 0.3)
     assert shared.cache.rope_deltas is not None
-    compressed = shared.cache.clone()
-    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, 0.3,
-                                          policy.prefill_stats(n).window))
-    apply_plans(compressed, plans)
     assert min(layer.length for layer in compressed.layers) < n
     video = set((ids[0] == lm.video_token_id).nonzero().flatten().tolist())
     assert video - set(compressed.layers[-1].positions[0, 0].tolist())  # some video entries evicted

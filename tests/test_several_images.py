@@ -18,7 +18,8 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.session.video_input import write_video
-from prefixkv_core.testing import FAMILIES, build_tiny_family, kept_entry_masks, masked_reference_cache
+from prefixkv_core.testing import (FAMILIES, build_tiny_family, kept_entry_masks, masked_reference_cache,
+                                   prefill_and_compress)
 
 PROMPT = "describe the pictures in detail"
 
@@ -414,14 +415,7 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
     ids = inputs["input_ids"]
     is_image = lm.visual_mask(ids)
     policy = make_policy(method, 0.3)
-    with tracked_attention_enabled(lm.model):
-        shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
-                                    lm.device, lm.image_token_id)
-    n = shared.prompt_len
-    compressed = shared.cache.clone()
-    plans, _ = policy.prefill(PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, 0.3,
-                                          policy.prefill_stats(n).window))
-    apply_plans(compressed, plans)
+    shared, compressed, n = prefill_and_compress(lm, policy, inputs, 0.3)
     uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):
         drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
