@@ -18,8 +18,9 @@ What differs from the LLaVA towers (`vision_tokens`):
 
 The block is read through a forward pre-hook on its attention module (a public PyTorch extension point): the hook
 takes the inputs the block hands its attention (hidden states, the rotary embeddings, the crops' boundaries) and
-recomputes the probabilities in fp32, one head at a time, while the tower's own attention implementation computes
-every output, so the features are exactly a plain pass's.
+recomputes the probabilities in fp32, one head and one block of queries at a time (only the merge-pooled matrix is
+kept), while the tower's own attention implementation computes every output, so the features are exactly a plain
+pass's.
 
 The plan (`VisionZipPolicy.vision_plan` over `VisionCrops` of merged tokens) then weighs the merger's outputs, the
 embeddings the language model reads: a dominant token is fed as it is, a contextual token as the weighted mean of
@@ -45,6 +46,9 @@ import torch
 
 from ..policies.base import Policy
 from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan
+
+
+_QUERY_BLOCK = 1024  # queries whose probabilities are computed at once
 
 
 def score_block(config) -> int:
@@ -112,16 +116,24 @@ class _BlockRecorder:
         q, k = q.float(), k.float()  # [n, heads, d]
         scale = float(module.scaling)
         bounds = _crop_bounds(self.grid)
+        heads, unit = q.shape[1], self.unit
         for a, b in zip(bounds[:-1], bounds[1:]):
-            probs = torch.zeros(b - a, b - a, dtype=torch.float32, device=q.device)
-            for h in range(q.shape[1]):  # one head's [T, T] at a time
-                probs += torch.softmax(q[a:b, h] @ k[a:b, h].T * scale, dim=-1)
-            probs /= q.shape[1]
-            t = (b - a) // self.unit
-            # merge-pooled: entry (i, j) the mean over group i's queries and group j's keys, so its column means are
-            # the mean attention group j's patches receive
-            self.attention.append(probs.reshape(t, self.unit, t, self.unit).mean(dim=(1, 3)).cpu())
-            self.keys.append(k[a:b].mean(dim=1).reshape(t, self.unit, -1).mean(dim=1).cpu())
+            t = (b - a) // unit
+            # merge-pooled: entry (i, j) the mean over group i's queries and group j's keys (and the heads), so its
+            # column means are the mean attention group j's patches receive. Made a block of queries at a time, so
+            # at most a block's [rows, T] probabilities exist besides the pooled [T', T']
+            pooled = torch.zeros(t, t, dtype=torch.float32, device=q.device)
+            step = max(unit, _QUERY_BLOCK // unit * unit)
+            for s in range(a, b, step):
+                e = min(b, s + step)
+                block = torch.zeros(e - s, b - a, dtype=torch.float32, device=q.device)
+                for h in range(heads):
+                    block += torch.softmax(q[s:e, h] @ k[a:b, h].T * scale, dim=-1)
+                rows = (e - s) // unit
+                pooled[(s - a) // unit:(s - a) // unit + rows] = \
+                    block.reshape(rows, unit, t, unit).mean(dim=(1, 3)) / heads
+            self.attention.append(pooled.cpu())
+            self.keys.append(k[a:b].mean(dim=1).reshape(t, unit, -1).mean(dim=1).cpu())
 
     @contextlib.contextmanager
     def installed(self):

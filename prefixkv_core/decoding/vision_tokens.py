@@ -13,6 +13,9 @@ tokens in the plan's order (the CLS token, the dominant patches in raster order,
 of several crops (the anyres tiles) gives the dominant patches of all its crops in raster order over the whole
 tile grid, then the crops' CLS tokens, then their contextual tokens; pooled tokens are placed as dominant ones, by
 the first patch they cover. Newline tokens are not fed: the reduced tokens no longer form rows.
+
+Qwen's towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are reduced per merged token by `qwen_vision`, whose fed tokens keep
+the unreduced prompt's 3-D positions instead of contiguous ones.
 """
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ A prefill token reduction on the vision side: in each crop the vision tower enco
 attends to most are kept as they are (dominant: the attention the CLS token pays them; for towers without a CLS
 token, such as SigLIP, the attention they receive from every token), and the rest are merged into a few
 contextual tokens by key similarity. The runner (`vision_tokens`) feeds the language model the shorter image
-block; nothing is evicted afterwards, and generated tokens are all kept.
+block; nothing is evicted afterwards, and generated tokens are all kept. On Qwen's towers the crops' tokens are
+the merged 2x2 groups (`VisionCrops.merged`, `decoding.qwen_vision`): the plan weighs the language model's own image
+embeddings, and a contextual token is a weighted mean (the reference's sum, halved).
 """
 from __future__ import annotations
 
