@@ -430,3 +430,13 @@ def test_a_native_video_session_runs(video_lm):
     assert all(s.error is None for s in session.states.values())
     kept = session.record.to_dict()["methods"]["visionzip"]["kept_per_image"]
     assert len(kept) == 3 and all(0 < k < 1 for k in kept)  # the image, then each temporal group
+
+
+@pytest.mark.parametrize("where", ["projector_in", "projector_out"])
+def test_grid_pooling_is_refused_on_qwen(lm, where):
+    """Downsample's grid pooling needs the LLaVA towers' square crops; on Qwen it resizes the image instead."""
+    inputs = M.encode(lm, wide_noise_picture().resize((64, 64)), M.format_prompt(lm, PROMPT, 1))
+    ids = inputs["input_ids"]
+    policy = make_policy("downsample", 0.3, budget_of="image", where=where)
+    with pytest.raises(ValueError, match="not on Qwen-VL"):
+        reduce_image(lm.model, policy, ids, lm.visual_mask(ids), M.vision_inputs(inputs), lm.image_token_id)

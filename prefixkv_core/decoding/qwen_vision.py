@@ -286,6 +286,9 @@ def reduce_qwen(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
                                               total if len(items) > 1 else None, merged=True))
         if plan is None:
             return None
+        if not plan.projected or any("pooled" in merge.kinds for merge in plan.crops):
+            raise ValueError("grid pooling needs the LLaVA towers' square crops: not on Qwen-VL's merged grids "
+                             "(Downsample resizes the image before the tower there, where = image)")
         plans.append(plan)
     positions, deltas = hooks_of(config).rope_index(model, ids, vision_inputs)
     embed = model.get_input_embeddings()
