@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..policies.base import Policy
-from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan
+from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops
 
 
 _QUERY_BLOCK = 1024  # queries whose probabilities are computed at once
