@@ -19,7 +19,7 @@ from prefixkv_core import models as M
 from prefixkv_core.decoding import runner
 from prefixkv_core.decoding.qwen_vision import score_block, tower_pass
 from prefixkv_core.decoding.vision_tokens import reduce_image
-from prefixkv_core.kv.attention import tracked_attention_enabled
+from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.models.families import hooks
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.reduction import CropMerge, VisionPlan
@@ -310,7 +310,17 @@ def _check_reduced_prefill(lm, inputs, ids, is_image, policy):
     torch.testing.assert_close(own.logits[0], reference, atol=1e-4, rtol=1e-4)
     # what follows the prompt runs where it runs after the unreduced prompt
     _, deltas = hooks(lm.family).rope_index(lm.model, ids, vision)
-    assert int(own.cache.rope_deltas[0]) + own.prompt_len == int(deltas[0]) + ids.shape[1]
+    nxt = int(deltas[0]) + ids.shape[1]
+    assert int(own.cache.rope_deltas[0]) + own.prompt_len == nxt
+    token = torch.tensor([[7]])
+    with tracked_attention_enabled(lm.model):
+        after = Engine(lm).forward(own.cache, token, own.prompt_len, AttentionProbe())
+    with torch.inference_mode():
+        token_embed = lm.model.get_input_embeddings()(token)[0].float()
+    longer = torch.cat([embeds, token_embed])
+    at = torch.cat([expected_pos, torch.full((3, 1), nxt, dtype=torch.long)], dim=1)
+    mask = torch.cat([reduced.is_image, torch.zeros(1, 1, dtype=torch.bool)], dim=1)
+    torch.testing.assert_close(after, model_logits(lm, longer, at, mask, deep), atol=1e-4, rtol=1e-4)
     return reduced, own
 
 
@@ -318,7 +328,8 @@ def _check_reduced_prefill(lm, inputs, ids, is_image, policy):
 def test_the_reduced_prefill_is_the_models_own_forward(lm, contextual):
     """Two images at half their tokens: the engine's prefill equals the model's own forward fed the reduced
     features (built naively from the model's own features) at the kept tokens' 3-D positions; on Qwen3-VL with each
-    fed token's DeepStack features (the dropped tokens' pruned, a contextual token's merged alike)."""
+    fed token's DeepStack features (the dropped tokens' pruned, a contextual token's merged alike); and the next token
+    runs at the position it has after the unreduced prompt."""
     inputs, ids, is_image = two_image_prompt(lm)
     policy = make_policy("visionzip", 0.5, budget_of="image", contextual=contextual)
     reduced, _ = _check_reduced_prefill(lm, inputs, ids, is_image, policy)
