@@ -24,7 +24,6 @@ from prefixkv_core.testing import kept_entry_masks, masked_reference_cache, pref
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
 PROMPT = "what moves in the clip?"
-NOT_ON_QWEN_VIDEO = ("visionzip",)  # not on Qwen's vision tower yet: refused with a message that says so
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +238,7 @@ def test_token_drop_equals_the_masked_forward_with_a_video(lm, method):
 
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
 def test_batched_equals_alone_with_a_video(lm, query_agnostic):
-    """Every method with an image and a video, batched == alone; the vision-side reductions refuse Qwen's native
-    video with a message that says so."""
+    """Every method with an image and a video (VisionZip reducing each temporal group), batched == alone."""
     picture = frames(1, (48, 40))[0]
     settings = GenerationSettings(max_new_tokens=3)
     answers = []
@@ -250,14 +248,11 @@ def test_batched_equals_alone_with_a_video(lm, query_agnostic):
         list(session.run())
         assert set(session.states) == set(METHODS)
         for name, state in session.states.items():
-            if name in NOT_ON_QWEN_VIDEO:
-                assert "not yet on Qwen" in str(state.error), (name, state.error)
-            else:
-                assert state.error is None, (name, state.error)
-        answers.append({n: list(s.turn_ids) for n, s in session.states.items() if s.error is None})
+            assert state.error is None, (name, state.error)
+        answers.append({n: list(s.turn_ids) for n, s in session.states.items()})
         record = session.record.to_dict()
         assert len(record["prefill"]["image_ranges"]) == 3  # the image, then two temporal groups
-        assert all(len(r["kept_per_image"]) == 3 for n, r in record["methods"].items() if n not in NOT_ON_QWEN_VIDEO)
+        assert all(len(r["kept_per_image"]) == 3 for r in record["methods"].values())
     assert answers[0] == answers[1]
 
 
@@ -275,12 +270,13 @@ def test_query_agnostic_full_answers_as_the_models_own_generate(lm):
     assert session.states["full"].turn_ids == out[0, ids.shape[1]:].tolist()
 
 
-def test_visionzip_refuses_a_native_video(lm):
+def test_visionzip_reduces_a_native_video(lm):
     session = Engine(lm).new_session(None, PROMPT, ["full", "visionzip"], 0.3, GenerationSettings(max_new_tokens=2),
                                      video=frames(2), frames=2)
     list(session.run())
-    assert session.states["full"].error is None
-    assert "not yet on Qwen" in str(session.states["visionzip"].error)
+    assert all(state.error is None for state in session.states.values())
+    sources = session.states["visionzip"].policy.image_token_sources(session.states["visionzip"].policy_state)
+    assert sources is not None and sources.tokens < sources.original_tokens
 
 
 def test_downsample_resizes_a_native_videos_frames_before_the_tower(lm):

@@ -295,7 +295,8 @@ def vision_kwargs(vision_inputs) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe | StatRequest,
                   image_flags: torch.Tensor | None = None, vision_inputs: VisionInputs = None,
-                  inputs_embeds: torch.Tensor | None = None, rope_inputs: VisionInputs = None
+                  inputs_embeds: torch.Tensor | None = None, rope_inputs: VisionInputs = None,
+                  given_positions: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
     """Feed `ids` [B, T] at true positions start..start+T-1 through ONE cache whose B rows share a layout (the
     plain path: no padding, no copies). Returns the last position's logits [B, V] and the statistics asked for
@@ -303,13 +304,17 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
     `vision_inputs`: see `vision_kwargs` (prefill only). `inputs_embeds` [B, T, H]: the input embeddings of
     `ids` already computed (a vision-side token reduction built them), fed instead of the ids. `rope_inputs`: the
     prompt's image tensors when `vision_inputs` is not fed (its image grids give a 3-D-position model its prompt's
-    positions; see `model_positions`)."""
+    positions; see `model_positions`). `given_positions`: a prompt's 3-D positions [3, B, T] and rope deltas [B]
+    already known (a vision-side reduction on Qwen keeps those of the unreduced prompt), used as they are."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
     cache.set_pending(positions, flags)
-    model_pos = model_positions(model, cache, ids, positions, start,
-                                vision_inputs if rope_inputs is None else rope_inputs)
+    if given_positions is not None:
+        model_pos, cache.rope_deltas = (x.to(ids.device) for x in given_positions)
+    else:
+        model_pos = model_positions(model, cache, ids, positions, start,
+                                    vision_inputs if rope_inputs is None else rope_inputs)
     if isinstance(probe, StatRequest):
         probe = AttentionProbe(probe)
     if probe.request.post_vision is not None and probe.after_image is None:
@@ -495,18 +500,23 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     from . import vision_tokens
 
     t0 = now(device)
-    embeds, reduction = None, None
+    embeds, reduction, given = None, None, None
+    own_features = None  # Qwen3-VL's reduced features, read by the model's forward (DeepStack included)
     if vision_inputs is not None and image_token_id is not None and bool(is_image.any()):
         if turn_image is None and vision_tokens.has_vision_plan(policy):  # its one pass also feeds an unreduced image
             turn_image = TurnImage(model, vision_kwargs(vision_inputs), record=True)
         reduced = vision_tokens.reduce_image(model, policy, ids, is_image, vision_inputs, image_token_id, turn_image)
         if reduced is not None:  # the language model sees the reduced image block instead
             ids, is_image, embeds, reduction = reduced.ids, reduced.is_image, reduced.inputs_embeds, reduced.record
-    if embeds is None and turn_image is not None:  # the image as the model's own path encodes it, once a turn
-        embeds = turn_image.prompt_embeds(ids, is_image)
+            if reduced.positions is not None:
+                given = (reduced.positions, reduced.rope_deltas)
+            if reduced.encoder_outputs is not None:
+                own_features = {"mm_encoder_outputs": reduced.encoder_outputs}
+    if embeds is None and own_features is None and turn_image is not None and _tower_shared(model):
+        embeds = turn_image.prompt_embeds(ids, is_image)  # the image as the model's own path encodes it, once a turn
     rope_inputs = vision_inputs
-    if embeds is not None:
-        vision_inputs = None
+    if embeds is not None or own_features is not None:
+        vision_inputs = own_features
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
     probe = AttentionProbe(request)
@@ -515,10 +525,20 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     dropping = tokens_dropped(model, drop, cache, probe) if drop is not None else contextlib.nullcontext()
     with dropping:
         logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds,
-                                      rope_inputs=rope_inputs)
+                                      rope_inputs=rope_inputs, given_positions=given)
     seconds = now(device) - t0
     cache.add_scores({l: s["colsum"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds, reduction)
+
+
+def _tower_shared(model) -> bool:
+    """Whether the model's forward reads nothing of the images but their embeddings (not Qwen3-VL's DeepStack)."""
+    from ..models.errors import ModelLoadError
+
+    try:
+        return hooks_of(model.config).tower_shared(model.config)
+    except ModelLoadError:  # a model outside the registry's families: a LLaVA-style forward
+        return True
 
 
 def prefill_for(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,

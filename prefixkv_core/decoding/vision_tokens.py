@@ -13,6 +13,9 @@ tokens in the plan's order (the CLS token, the dominant patches in raster order,
 of several crops (the anyres tiles) gives the dominant patches of all its crops in raster order over the whole
 tile grid, then the crops' CLS tokens, then their contextual tokens; pooled tokens are placed as dominant ones, by
 the first patch they cover. Newline tokens are not fed: the reduced tokens no longer form rows.
+
+Qwen's towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are reduced per merged token by `qwen_vision`, whose fed tokens keep
+the unreduced prompt's 3-D positions instead of contiguous ones.
 """
 from __future__ import annotations
 
@@ -31,8 +34,14 @@ from .vision_tower import TurnImage, vision_features
 class ReducedPrompt:
     ids: torch.Tensor  # [B, N'] the prompt with the shorter image block
     is_image: torch.Tensor  # [B, N']
-    inputs_embeds: torch.Tensor  # [B, N', H]: text embeddings, the reduced image features in the image block
+    inputs_embeds: torch.Tensor | None  # [B, N', H]: text embeddings, the reduced image features in the image block
     record: ImageTokenSources  # of the first row (every row of a batch has the same layout)
+    # Qwen (`qwen_vision`): the fed tokens' 3-D positions [3, B, N'] and rope deltas [B] from the unreduced prompt's
+    # rope index; Qwen3-VL: the reduced features as the model's forward reads them (`mm_encoder_outputs`, DeepStack
+    # features included) instead of input embeddings
+    positions: torch.Tensor | None = None
+    rope_deltas: torch.Tensor | None = None
+    encoder_outputs: dict | None = None
 
 
 def _order(plan: VisionPlan, views: tuple[int, ...], raster: tuple[np.ndarray, ...], has_cls: bool
@@ -145,6 +154,14 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
         vision_inputs = {"pixel_values": vision_inputs}
     config = model.config
     found = turn_image.recorded() if turn_image is not None else vision_features(model, dict(vision_inputs))
+    if found.qwen is not None:  # Qwen's towers: per merged token, 3-D positions kept (`qwen_vision`)
+        from .qwen_vision import reduce_qwen
+
+        got = reduce_qwen(model, policy, ids, is_image, dict(vision_inputs), found.qwen)
+        if got is None:
+            return None
+        return ReducedPrompt(got.ids, got.is_image, got.inputs_embeds, got.record, got.positions, got.rope_deltas,
+                             got.encoder_outputs)
     hidden, attention, keys = found.hidden, found.attention, found.keys
     # the text's embeddings: the shared prompt's rows outside the image blocks are exactly the ids' embeddings
     embedded = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None

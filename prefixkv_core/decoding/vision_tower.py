@@ -5,7 +5,8 @@ family) and returns what a prefill reads of it: the image features the model sca
 and, for a vision-side reduction (`vision_tokens`), the feature layer's hidden states, attention probabilities and
 keys. Those two are recorded through one public extension point: an attention function registered for the vision
 config (transformers' `AttentionInterface`) that records the feature layer's probabilities and keys, averaged over
-heads, while the tower's own implementation computes every output.
+heads, while the tower's own implementation computes every output. Qwen's towers (no single feature layer, patches
+merged 2x2) are recorded by `qwen_vision.tower_pass` instead: a hook on one full-attention block.
 
 `TurnImage`: in a comparison every prefill of the first turn reads the same image (the shared prefill and every
 own prefill: FastV, DART, VisionZip, Downsample), so the tower runs once, when the first prefill asks, and the
@@ -34,15 +35,18 @@ class VisionFeatures:
     keys: torch.Tensor | None = None  # [C, T, D] fp32: its keys averaged over heads
     per_image: tuple[int, ...] = ()  # the image features of each image, in order (their sum: image's rows)
     video: torch.Tensor | None = None  # [video tokens, H]: a video read natively (OneVision), every frame pooled
-    video_frames: int = 0  # its frames: the last crops of hidden/attention/keys when recorded
+    video_frames: int = 0  # its frames: the last crops of hidden/attention/keys when recorded (Qwen: its temporal
+    # groups)
+    qwen: object | None = None  # Qwen's towers: the recorded pass (`qwen_vision.QwenTower`) instead of the above
 
     @property
     def recorded(self) -> bool:
-        return self.attention is not None
+        return self.attention is not None or self.qwen is not None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.image, self.hidden, self.attention, self.keys,
+        held = sum(t.numel() * t.element_size() for t in (self.image, self.hidden, self.attention, self.keys,
                                                           self.video) if t is not None)
+        return held + (self.qwen.nbytes() if self.qwen is not None else 0)
 
 
 def feature_layer(config) -> tuple[int, int]:
@@ -51,8 +55,8 @@ def feature_layer(config) -> tuple[int, int]:
     from ..models.families import uses_mrope
 
     if uses_mrope(config):
-        raise ValueError(f"not yet on Qwen's vision tower: {config.model_type}'s permuted, 2x2-merged patches are not "
-                         "read by the vision-side reductions yet")
+        raise ValueError(f"{config.model_type}'s tower has no single feature layer: its 2x2-merged patches are read "
+                         "per merged token (`qwen_vision`)")
     vfl = getattr(config, "vision_feature_layer", -1)
     if not isinstance(vfl, int):
         raise ValueError(f"a vision-side reduction needs one vision feature layer; this model concatenates {vfl}")
@@ -132,11 +136,9 @@ def _video_pass(model, pixels: torch.Tensor, record: bool, grid: torch.Tensor | 
     """A natively read video through the model's `get_video_features` -> (its features [video tokens, H], and with
     `record` the feature layer of every frame as crops: hidden states, attention and keys, else Nones).
     OneVision's pools every frame and adds one newline; Qwen's (`grid`: video_grid_thw) merges each temporal
-    group's patches, and its tower has no single feature layer to record (`feature_layer` says so)."""
+    group's patches, and its tower is recorded on its own (`qwen_vision.tower_pass`)."""
     cfg = model.config
     if grid is not None:
-        if record:
-            feature_layer(cfg)  # ValueError: not on Qwen's tower yet
         out = model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
         pooled = out.pooler_output
         features = torch.cat(list(pooled)) if isinstance(pooled, (tuple, list)) else pooled
@@ -163,8 +165,11 @@ def _joined(*parts: torch.Tensor | None) -> torch.Tensor | None:
 def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFeatures:
     """The model's own image path once over every crop the tower encodes (and its video path over a video's
     frames); with `record`, the feature layer's hidden states, attention and keys too, the images' crops then the
-    video's frames (ValueError when the tower has no single feature layer to record)."""
+    video's frames (ValueError when the tower has no single feature layer to record). Qwen's towers record one
+    full-attention block per image and temporal group instead (`qwen_vision`)."""
     vision_inputs = dict(vision_inputs)
+    if record and _is_qwen(model):
+        return _qwen_features(model, vision_inputs)
     pixels_videos = vision_inputs.pop(VIDEO_KEY, None)
     extra = {key: vision_inputs.pop(key) for key in VIDEO_EXTRA_KEYS if key in vision_inputs}
     grid = extra.get("video_grid_thw")
@@ -193,6 +198,26 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
     return VisionFeatures(torch.cat(list(out.pooler_output)), _joined(out.hidden_states[hidden_index], v_hidden),
                           _joined(probe.attention, v_attention), _joined(probe.keys, v_keys), _per_image(out), video,
                           frames)
+
+
+def _is_qwen(model) -> bool:
+    from ..models.families import uses_mrope
+
+    return uses_mrope(model.config)
+
+
+def _qwen_features(model, vision_inputs: dict) -> VisionFeatures:
+    from .qwen_vision import tower_pass
+
+    tower = tower_pass(model, vision_inputs)
+    merge2 = int(model.config.vision_config.spatial_merge_size) ** 2
+    image_grid, video_grid = vision_inputs.get("image_grid_thw"), vision_inputs.get("video_grid_thw")
+    per_image = tuple((image_grid.prod(-1) // merge2).tolist()) if image_grid is not None else ()
+    image = tower.image
+    if image is None:
+        image = torch.zeros(0, tower.video.shape[-1], dtype=tower.video.dtype, device=tower.video.device)
+    frames = int(video_grid[:, 0].sum()) if tower.video is not None else 0
+    return VisionFeatures(image, per_image=per_image, video=tower.video, video_frames=frames, qwen=tower)
 
 
 def _per_image(out) -> tuple[int, ...]:
@@ -227,7 +252,8 @@ class TurnImage:
 
     def __init__(self, model, vision_inputs: dict, record: bool):
         self.model, self.vision_inputs = model, dict(vision_inputs)
-        self.record = record and _vision_implementation(model) != "eager"
+        # a LLaVA tower records through its attention function (not an eager one's); Qwen's through a hook
+        self.record = record and (_is_qwen(model) or _vision_implementation(model) != "eager")
         self.passes = 0  # tower passes run (one, or two when an eager tower had to record on its own)
         self._features: VisionFeatures | None = None
         self._recorded: VisionFeatures | None = None

@@ -30,6 +30,8 @@ class VisionCrops:
     prompt_len: int  # N: the prompt's tokens, its image blocks as the processor expanded them
     image_tokens: int  # this image's tokens (every crop's patches that are shown, newline tokens included)
     prompt_image_tokens: int | None = None  # every image's tokens in the prompt (None: this is its only image)
+    merged: bool = False  # the crop's tokens are the language model's own image tokens (Qwen's merged 2x2 groups:
+    # attention and keys pooled over each group): a plan weighs them directly (`VisionPlan.projected`)
 
     def image_part(self, wanted: int) -> int:
         """This image's part of `wanted` image tokens asked for the whole prompt: in proportion to its tokens (all
@@ -54,10 +56,13 @@ class VisionCrops:
 @dataclass
 class CropMerge:
     """The output tokens of one crop: output k = Σ_t weights[k, t] · feature_t over the crop's feature-layer
-    tokens (CLS included when there is one); `kinds[k]` says what it is (one of KINDS)."""
+    tokens (CLS included when there is one); `kinds[k]` says what it is (one of KINDS). `anchors[k]`: the crop
+    token output k stands at (a contextual token's anchor; None: each output's first source), which gives it its
+    position where tokens carry their own (Qwen's 3-D positions)."""
 
     weights: torch.Tensor  # [K, T] fp32
     kinds: list[str]
+    anchors: list[int] | None = None
 
     def __post_init__(self):
         if self.weights.shape[0] != len(self.kinds) or any(k not in KINDS for k in self.kinds):
@@ -66,6 +71,10 @@ class CropMerge:
     def sources(self, k: int) -> np.ndarray:
         """The crop tokens output k is made from."""
         return self.weights[k].nonzero().flatten().cpu().numpy()
+
+    def anchor(self, k: int) -> int:
+        """The crop token output k stands at."""
+        return int(self.anchors[k]) if self.anchors is not None else int(self.sources(k)[0])
 
 
 @dataclass

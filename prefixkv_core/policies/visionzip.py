@@ -7,7 +7,9 @@ A prefill token reduction on the vision side: in each crop the vision tower enco
 attends to most are kept as they are (dominant: the attention the CLS token pays them; for towers without a CLS
 token, such as SigLIP, the attention they receive from every token), and the rest are merged into a few
 contextual tokens by key similarity. The runner (`vision_tokens`) feeds the language model the shorter image
-block; nothing is evicted afterwards, and generated tokens are all kept.
+block; nothing is evicted afterwards, and generated tokens are all kept. On Qwen's towers the crops' tokens are
+the merged 2x2 groups (`VisionCrops.merged`, `decoding.qwen_vision`): the plan weighs the language model's own image
+embeddings, and a contextual token is a weighted mean (the reference's sum, halved).
 """
 from __future__ import annotations
 
@@ -50,19 +52,24 @@ def contextual_merge(keys: torch.Tensor, rest: torch.Tensor, count: int) -> tupl
     return anchors, [others[nearest == j] for j in range(count)]
 
 
-def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, dominant: int, contextual: int) -> CropMerge:
+def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, dominant: int, contextual: int,
+               mean: bool = False) -> CropMerge:
     """One crop's output tokens: its CLS token (when it has one) and the top patches by `dominant_scores` (together
-    `dominant` tokens), then `contextual` tokens, each its anchor plus the mean of the tokens merged into it."""
+    `dominant` tokens), then `contextual` tokens, each its anchor plus the mean of the tokens merged into it (with
+    `mean`, that sum halved: a weighted mean that stays on the scale of tokens fed as they are, as the language
+    model's own embeddings on Qwen)."""
     t = attention.shape[0]
     first = 1 if has_cls else 0
     picked = first_best(dominant_scores(attention, has_cls)[first:], max(0, dominant - first)) + first
-    rows, kinds = [], []
+    rows, kinds, at = [], [], []
     if has_cls:
         rows.append(torch.nn.functional.one_hot(torch.tensor(0), t).float())
         kinds.append("cls")
+        at.append(0)
     for i in picked.tolist():
         rows.append(torch.nn.functional.one_hot(torch.tensor(i), t).float())
         kinds.append("dominant")
+        at.append(i)
     rest = torch.tensor(sorted(set(range(first, t)) - set(picked.tolist())), dtype=torch.long)
     if contextual > 0 and rest.numel():
         anchors, groups = contextual_merge(keys, rest, contextual)
@@ -71,9 +78,10 @@ def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, domin
             if group.numel():
                 row[group] = 1.0 / group.numel()
             row[anchor] = 1.0
-            rows.append(row)
+            rows.append(row / row.sum() if mean else row)
             kinds.append("contextual")
-    return CropMerge(torch.stack(rows), kinds)
+            at.append(anchor)
+    return CropMerge(torch.stack(rows), kinds, at)
 
 
 def per_crop_counts(total: int, crops: int, limit: int) -> list[int]:
@@ -124,8 +132,8 @@ class VisionZipPolicy(Policy):
         for c, k in enumerate(counts):
             contextual = int(round(self.contextual * k)) if k > 1 else 0
             dominant = max(1, k - contextual)
-            merges.append(crop_merge(attention[c], keys[c], crops.has_cls, dominant, k - dominant))
-        return VisionPlan(merges)
+            merges.append(crop_merge(attention[c], keys[c], crops.has_cls, dominant, k - dominant, crops.merged))
+        return VisionPlan(merges, projected=crops.merged)
 
     def prefill(self, view: PrefillView) -> Prefilled:
         sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None

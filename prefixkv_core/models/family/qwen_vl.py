@@ -353,8 +353,11 @@ def max_image_tokens(config, processor) -> int:
 
 
 def crop_patches(config, width: int, height: int):
-    raise ValueError(f"not yet on Qwen's vision tower: {config.model_type} permutes and merges its patches, and a "
-                     "vision-side reduction does not map them to its tokens yet")
+    """No fixed crop of patches per token here: the tower reads each 2x2 merge group's patches one after the other
+    and the merger makes them one token, so the vision-side reductions read Qwen's tower per merged token
+    (`decoding.qwen_vision`) and an image's tokens are its merged grid (`image_layout`)."""
+    raise ValueError(f"{config.model_type} has no per-patch crop map: its vision-side reductions read the tower per "
+                     "merged token (decoding.qwen_vision)")
 
 
 # -- positions -----------------------------------------------------------------------------------------------------
