@@ -311,6 +311,9 @@ def test_downsample_resizes_the_image_before_the_tower(lm, square):
     count = lm.image_tokens(*size)
     assert count <= round(0.5 * pre.image_tokens) and count == 16 and pre.image_tokens == 80
     assert state.prompt_len == pre.prompt_tokens - pre.image_tokens + count
+    # the one tile the resized image takes stands for the original thumbnail's cells (both see the whole image)
+    sources = state.policy_state.sources
+    assert [c.tolist() for c in sources.cells] == [[64 + k] for k in range(16)]
     text = M.format_prompt(lm, PROMPT, with_image=True)
     inputs = M.encode(lm, square.resize(size, Image.BICUBIC), text)
     with torch.inference_mode():
