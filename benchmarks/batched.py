@@ -55,12 +55,14 @@ def _processed_batch(sm: LoadedModel, batch: int, prompt_len: int, seed: int):
     import numpy as np
     from PIL import Image
 
-    from prefixkv_core.models import IMAGE_TOKEN, vision_inputs
+    from prefixkv_core.models import vision_inputs
+    from prefixkv_core.models.families import hooks
 
     rng = np.random.default_rng(seed)
     side = sm.image_size
     image = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
-    encoded = sm.processor(images=image, text=IMAGE_TOKEN, return_tensors="pt")
+    placeholder = hooks(sm.family).image_placeholder(sm.processor)  # what the family's processor expands
+    encoded = sm.processor(images=image, text=placeholder, return_tensors="pt")
     n_img = int((encoded["input_ids"][0] == sm.image_token_id).sum())
     if prompt_len < n_img + 2:
         raise ValueError(f"prompt length {prompt_len} is shorter than the image block ({n_img} tokens for a "

@@ -87,10 +87,24 @@ def text_tokens(loaded, text: str) -> int:
 
 
 def image_tokens(loaded, image_size: tuple[int, int] | None) -> int:
-    """Tokens one image takes: counted for its size (anyres families tile by size), else the most it can take."""
+    """Tokens one image takes in a prompt: counted for its size (anyres families tile by size), else the most it
+    can take; with the text tokens its family's processor wraps each image in (InternVL's <img> and </img>)."""
+    wrap = _wrap_tokens(loaded)
     if image_size is None:
-        return int(loaded.image_seq_length)
-    return int(loaded.image_tokens(*image_size))
+        return int(loaded.image_seq_length) + wrap
+    return int(loaded.image_tokens(*image_size)) + wrap
+
+
+def _wrap_tokens(loaded) -> int:
+    """The text tokens the processor adds around each image's tokens (`image_wrap_tokens` of its family module; 0
+    where the chat template writes them or there are none)."""
+    from .models.families import FAMILY_INFO, hooks
+
+    family = getattr(loaded, "family", None)
+    if family not in FAMILY_INFO or getattr(loaded, "processor", None) is None:
+        return 0
+    says = getattr(hooks(family), "image_wrap_tokens", None)
+    return int(says(loaded.processor)) if says is not None else 0
 
 
 def prompt_tokens(loaded, prompt: str, with_image: bool | int, image_size: tuple[int, int] | None = None,

@@ -52,15 +52,17 @@ def _centres(view) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def covered_tokens(original, resized) -> list[np.ndarray]:
     """Per token of the resized image's layout (newline tokens included, covering none), the original layout's
-    tokens (indices in its block) it covers: those of the view of the same name (else the first) whose centres fall
-    in the resized cell's box."""
+    tokens (indices in its block) it covers: those of the view of the same name over the same box (else of the views
+    of its kind, whose names share its first word, as InternVL's tiles "tile 1,2" of another grid; else of the views
+    over the same box; else of the first) whose centres fall in the resized cell's box."""
     starts = np.cumsum([0] + [v.n_tokens for v in original.views])
-    by_name = {v.name: i for i, v in enumerate(original.views)}
     out: list[np.ndarray] = []
     for view in resized.views:
-        j = by_name.get(view.name, 0)
-        x, y, index = _centres(original.views[j])
-        index = index + starts[j]
+        found = []
+        for j in _matching_views(original, view):
+            x, y, index = _centres(original.views[j])
+            found.append((x, y, index + starts[j]))
+        x, y, index = (np.concatenate(part) for part in zip(*found))
         left, top, right, bottom = view.box
         for r in range(view.rows):
             y0, y1 = top + r / view.rows * (bottom - top), top + (r + 1) / view.rows * (bottom - top)
@@ -74,6 +76,19 @@ def covered_tokens(original, resized) -> list[np.ndarray]:
             if view.newline:
                 out.append(np.zeros(0, dtype=np.int64))
     return out
+
+
+def _matching_views(original, view) -> list[int]:
+    """The original layout's views a resized view's cells are looked up in (see `covered_tokens`)."""
+    views = original.views
+    same = [i for i, v in enumerate(views) if v.name == view.name and v.box == view.box]
+    if same:
+        return same[:1]
+    for alike in (lambda v: v.name.split()[:1] == view.name.split()[:1], lambda v: v.box == view.box):
+        found = [i for i, v in enumerate(views) if alike(v)]
+        if found:
+            return found
+    return [0]
 
 
 @dataclass

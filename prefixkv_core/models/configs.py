@@ -147,9 +147,9 @@ RANDOM_FAMILIES: dict[str, tuple[str, bool]] = {
     **{f"tiny-{family}": (family, True) for family in ("llava-1.5", "llava-interleave", "llava-next",
                                                        "llava-onevision")},
 }
-# Released shapes of the families with 3-D positions, with random weights and a processor ("qwen2.5-vl-3b":
-# Qwen/Qwen2.5-VL-3B-Instruct); built by their family module.
-RANDOM_MROPE: dict[str, str] = {"qwen2.5-vl-3b": "qwen2.5-vl"}
+# Released shapes of the families whose module builds them (`random_parts`), with random weights and a processor
+# ("qwen2.5-vl-3b": Qwen/Qwen2.5-VL-3B-Instruct; "internvl3-1b": OpenGVLab/InternVL3-1B-hf).
+RANDOM_MROPE: dict[str, str] = {"qwen2.5-vl-3b": "qwen2.5-vl", "internvl3-1b": "internvl"}
 RANDOM_KINDS = tuple(RANDOM_CONFIGS) + tuple(RANDOM_FAMILIES) + tuple(RANDOM_MROPE)
 
 

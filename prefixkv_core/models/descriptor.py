@@ -107,6 +107,11 @@ def _count_image_tokens(processor, image_token_id: int, size: tuple[int, int] = 
     return int((ids == image_token_id).sum().item())
 
 
+def _one_side(value):
+    """One side of a vision config's image_size (an int, or a (height, width) pair as InternViT's)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
 def image_grid(config, image_seq_length: int) -> tuple[int, int]:
     """(rows, cols) of the image tokens: the vision tower's patch grid when it matches their number."""
     vc = config.vision_config
@@ -148,14 +153,15 @@ def describe_model(
     layout_n = image_layout(cfg, processor, 64, 48).n_tokens
     if layout_n != n_img:  # the overlay would then place the image tokens in one strip
         notes.append(f"the processor expands <image> into {n_img} tokens where this model's layout has {layout_n}")
-    image_size = getattr(cfg.vision_config, "image_size", None)
+    image_size = _one_side(getattr(cfg.vision_config, "image_size", None))
     if FAMILY_INFO[family].mrope:  # a dynamic resolution: the largest square image the processor keeps as it is
         n_img = max_image_tokens(cfg, processor)
         side = int(math.isqrt(n_img))
         grid = (side, side)
         image_size = side * int(cfg.vision_config.patch_size) * int(cfg.vision_config.spatial_merge_size)
-    elif FAMILY_INFO[family].anyres:
-        grid = (cfg.vision_config.image_size // cfg.vision_config.patch_size,) * 2
+    elif FAMILY_INFO[family].anyres:  # the first view of an image of the tower's size (a base view, one tile)
+        first = image_layout(cfg, processor, image_size, image_size).views[0]
+        grid = (first.rows, first.cols)
         n_img = max_image_tokens(cfg, processor)
     else:
         grid = image_grid(cfg, n_img)

@@ -5,7 +5,8 @@ A family is one module: it lists its `Family` records and the functions that say
 `family/base.py`). Adding a family is adding its module to `FAMILY_MODULES`. A checkpoint's family follows from
 its config: each module says which configs are its own (`family_of`); for the LLaVA families `model_type` picks
 the class (llava, llava_next, llava_onevision) and among `llava` checkpoints a SigLIP vision tower marks
-LLaVA-Interleave; Qwen2-VL, Qwen2.5-VL and Qwen3-VL are `qwen2_vl`, `qwen2_5_vl` and `qwen3_vl`.
+LLaVA-Interleave; Qwen2-VL, Qwen2.5-VL and Qwen3-VL are `qwen2_vl`, `qwen2_5_vl` and `qwen3_vl`; InternVL
+(InternVL2.5, InternVL3 in transformers' format) is `internvl`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .family.base import Family
 # a family whose processor expands another names it (`image_placeholder`).
 IMAGE_TOKEN = "<image>"
 
-FAMILY_MODULES = ("llava", "qwen_vl")
+FAMILY_MODULES = ("llava", "qwen_vl", "internvl")
 
 
 def family_module(name: str) -> ModuleType:

@@ -21,7 +21,7 @@ from .families import SUPPORTED_MODEL_TYPES, model_class, supported_text
 from .tiny import TINY_FAMILY_SPECS, TINY_MODEL_SPECS, TINY_NOTE, save_tiny_family, tiny_model_parts
 
 # LLaVA-1.5 / Interleave (llava), LLaVA-NeXT (llava_next), LLaVA-OneVision (llava_onevision), Qwen2-VL (qwen2_vl),
-# Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl); see families.py
+# Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl), InternVL (internvl); see families.py
 ACCEPTED_MODEL_TYPES = SUPPORTED_MODEL_TYPES
 
 
@@ -106,7 +106,8 @@ def load_model(
 
     spec: "embedded" | "embedded-base" (the embedded model as training starts from it: no trained vision, no
           adapter) | "tiny-llama" | "tiny-qwen2" | "tiny-<family>" (tiny-llava-1.5, tiny-llava-interleave,
-          tiny-llava-next, tiny-llava-onevision, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-qwen3-vl: a tiny random
+          tiny-llava-next, tiny-llava-onevision, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-qwen3-vl, tiny-internvl: a
+          tiny random
           model of that family, saved under the cache
           directory and loaded from there like a checkpoint) | a local directory | a hub id.
     device: "auto" (cuda if available, else cpu), "auto-multi" (accelerate device_map="auto"),

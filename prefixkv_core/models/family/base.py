@@ -23,6 +23,11 @@ defines:
   fed as input embeddings (False where the model adds more than the embeddings, e.g. Qwen3-VL's DeepStack
   features: its prefills then read the pixels).
 
+Optional (absent: none): ``image_wrap_tokens(processor) -> int``, the text tokens the processor adds around each
+image's tokens (InternVL's `<img>` and `</img>`), which the run limits count; ``vision_reduction_refusal(config)
+-> str | None``, why the vision-side reductions cannot read the family's tower yet (they then fail on their own
+with that message).
+
 Plain Python here: a family module imports the rest of the package inside its functions, so the registry can be
 built while `models` is being imported."""
 from __future__ import annotations
