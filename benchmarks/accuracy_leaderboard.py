@@ -21,7 +21,8 @@ TASK = "scene_qa"
 NO_BUDGET = 1.0  # a method without a budget (Full, ZipVL) is reported at 1
 
 
-def rows(summary: dict, model: str, query_agnostic: bool) -> tuple[list[LeaderboardRow], list[LeaderboardRow]]:
+def rows(summary: dict, model: str, query_agnostic: bool,
+         task: str = TASK) -> tuple[list[LeaderboardRow], list[LeaderboardRow]]:
     """(accuracy rows, agreement rows) from `vision_accuracy.summarise`'s summary, named as the layout names a
     query-aware run. Full agrees with itself."""
     scores, agreements = [], []
@@ -31,16 +32,16 @@ def rows(summary: dict, model: str, query_agnostic: bool) -> tuple[list[Leaderbo
         method, budget = key.rsplit("@", 1)
         b = float(budget)
         ratio = 0.0 if method == "full" else compression_ratio(None if b == NO_BUDGET else b, per.get("kv_share"))
-        base = dict(dataset=TASK, data_dir="", model=model, method=method_name(method, query_aware=not query_agnostic),
+        base = dict(dataset=task, data_dir="", model=model, method=method_name(method, query_aware=not query_agnostic),
                     compression_ratio=ratio)
-        scores.append(LeaderboardRow(**base, scores={TASK: 100.0 * per["all"]["accuracy"]}))
+        scores.append(LeaderboardRow(**base, scores={task: 100.0 * per["all"]["accuracy"]}))
         agree = 1.0 if method == "full" else per.get("agrees_with_full", {}).get("accuracy")
-        agreements.append(LeaderboardRow(**base, scores={TASK: None if agree is None else 100.0 * agree}))
+        agreements.append(LeaderboardRow(**base, scores={task: None if agree is None else 100.0 * agree}))
     return scores, agreements
 
 
 def results(summary: dict, *, model: str, budget_mode: str, query_agnostic: bool, device: str, dtype: str,
-            command: str, commit: str) -> dict:
+            command: str, commit: str, task: str = TASK) -> dict:
     """`results.json`: what the leaderboard store reads back for each row (`leaderboard_store._find_run`)."""
     margs = {"pretrained": model, "budget_mode": budget_mode, "query_agnostic": query_agnostic, "device": device,
              "dtype": dtype}
@@ -49,23 +50,25 @@ def results(summary: dict, *, model: str, budget_mode: str, query_agnostic: bool
         if "all" not in per:
             continue
         method, budget = key.rsplit("@", 1)
-        runs.append({"method": method, "budget": float(budget), "n": {TASK: per["all"]["n"]}, "model_args": margs})
+        runs.append({"method": method, "budget": float(budget), "n": {task: per["all"]["n"]}, "model_args": margs})
         if per.get("kv_share") is not None:
             shares[key] = round(per["kv_share"], 4)
-    return {"model": model, "model_args": margs, "tasks": TASK, "runs": runs, "kv_share": shares,
+    return {"model": model, "model_args": margs, "tasks": task, "runs": runs, "kv_share": shares,
             "command": command, "commit": commit}
 
 
 def write(folder: Path, summary: dict, *, model: str, budget_mode: str, query_agnostic: bool, device: str = "cpu",
-          dtype: str = "auto", command: str | None = None, commit: str | None = None) -> list[Path]:
-    """Write the three files into `folder` (created); returns their paths."""
+          dtype: str = "auto", command: str | None = None, commit: str | None = None, task: str = TASK,
+          script: str = "benchmarks.vision_accuracy") -> list[Path]:
+    """Write the three files into `folder` (created); returns their paths. `task`: the task column (the single
+    image headline's `scene_qa`, or a long-cache task)."""
     folder.mkdir(parents=True, exist_ok=True)
-    score_rows, agree_rows = rows(summary, model, query_agnostic)
-    command = command or "python -m benchmarks.vision_accuracy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    score_rows, agree_rows = rows(summary, model, query_agnostic, task)
+    command = command or f"python -m {script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     payload = results(summary, model=model, budget_mode=budget_mode, query_agnostic=query_agnostic, device=device,
-                      dtype=dtype, command=command, commit=commit or git_commit())
+                      dtype=dtype, command=command, commit=commit or git_commit(), task=task)
     out = [folder / "leaderboard.csv", folder / "leaderboard-agreement.csv", folder / "results.json"]
-    out[0].write_text(to_csv(score_rows, [TASK]))
-    out[1].write_text(to_csv(agree_rows, [TASK]))
+    out[0].write_text(to_csv(score_rows, [task]))
+    out[1].write_text(to_csv(agree_rows, [task]))
     out[2].write_text(json.dumps(payload, indent=1) + "\n")
     return out

@@ -247,6 +247,9 @@ def main(argv=None) -> int:
                     help="also run the methods with a budget_of knob with budget_of=image (rows '<method>[image]')")
     ap.add_argument("--control-seeds", type=int, default=1, metavar="N",
                     help="ask the controls that draw at random with N seeds (chance as their spread)")
+    ap.add_argument("--leaderboard", default=None, metavar="DIR",
+                    help="also write each task's rows in the leaderboard's layout under DIR/<task>/ (the app's "
+                         "Leaderboard tab reads benchmarks/leaderboard/)")
     ap.add_argument("--out", default=None, metavar="STEM",
                     help="write the headline per task (STEM.md) and its figures (STEM-<task>.html/.png)")
     args = ap.parse_args(argv)
@@ -280,6 +283,14 @@ def main(argv=None) -> int:
         md += "\n## Every method against the KV bytes it held\n\n" + top
     if stem is not None:
         stem.with_suffix(".md").write_text(md)
+    if args.leaderboard:
+        from . import accuracy_leaderboard
+
+        for task in tasks:
+            accuracy_leaderboard.write(Path(args.leaderboard) / task, task_summary(records, task), model=args.model,
+                                       budget_mode="published", query_agnostic=args.query_agnostic,
+                                       device=args.device, dtype=args.dtype, task=task,
+                                       script="benchmarks.long_accuracy")
     print(md)
     if args.json:
         out = Path(args.json)

@@ -16,7 +16,8 @@ ARGS = ["--model", "tiny-llama", "--device", "cpu", "--samples", "1", "--subtask
 def test_headline_records_and_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(va, "figure", lambda *a, **k: "figure skipped in tests")
     ckpt, out = tmp_path / "long.jsonl", tmp_path / "long"
-    assert la.main([*ARGS, "--checkpoint", str(ckpt), "--json", str(tmp_path / "long.json"), "--out", str(out)]) == 0
+    assert la.main([*ARGS, "--checkpoint", str(ckpt), "--json", str(tmp_path / "long.json"), "--out", str(out),
+                    "--leaderboard", str(tmp_path / "lb")]) == 0
     res = json.loads((tmp_path / "long.json").read_text())
     recs = [r for r in res["records"] if r["condition"] == "images"]
     assert {r["task"] for r in recs} == {"scene_multi", "scene_video"}
@@ -38,6 +39,14 @@ def test_headline_records_and_tables(tmp_path, monkeypatch):
     assert set(summary) == {"full@1", "h2o@0.3", "h2o@0.6", "random@0.3", "random@0.6", "fastv@0.3", "fastv@0.6",
                             "fastv[image]@0.3", "fastv[image]@0.6"}
     assert summary["random@0.3"]["all"]["n"] == 2 and summary["random@0.3"]["draws"]["draws"] == 2
+
+    from prefixkv_core.report.leaderboard_store import load_leaderboard
+
+    store = load_leaderboard(tmp_path / "lb")
+    assert not store.problems and store.values("task") == ["scene_multi", "scene_video"]
+    h2o = next(p for p in store.select(task="scene_video") if p.method == "h2o" and p.budget == 0.3)
+    assert h2o.kv_share == pytest.approx(summary["h2o@0.3"]["kv_share"], abs=1e-4)
+    assert h2o.query_mode == "query_agnostic" and "long_accuracy" in h2o.command
 
     asked = []
     monkeypatch.setattr(la, "ask", lambda *a, **k: asked.append(a) or {})
