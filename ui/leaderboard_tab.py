@@ -19,8 +19,9 @@ from the tensors where the run recorded it (an `[image]` row, r of the image tok
 cache), else the budget r (1 − compression_ratio); 100% for Full. y is the accuracy (each task's metric × 100) or
 the agreement with Full (the share of answers equal to the uncompressed model's, right or wrong). Random and Random
 drop are the controls: their rows are the mean over their draws. Hover a point for the command, commit and model
-that produced it. **The embedded model sees synthetic scenes only**: its rows are on the project's own scene task
-(`scene_qa`: colours, shapes, counts, positions, words, yes/no about rendered scenes), not on a public benchmark.
+that produced it. **The embedded model sees synthetic scenes only**: its rows are on the project's own scene tasks
+(`scene_qa`: colours, shapes, counts, positions, words, yes/no about rendered scenes; `scene_multi` and
+`scene_video`: several scenes and clips of moving shapes), not on a public benchmark.
 """
 
 

@@ -127,7 +127,7 @@ class LeaderboardView:
             lines.append(line + ".")
         if sel.model in EMBEDDED_MODELS:
             lines.append("The embedded model sees synthetic scenes only: its rows are on the project's own scene "
-                         "task, not on a public benchmark.")
+                         "tasks, not on a public benchmark.")
         lines += [f"Not read: {p}" for p in self.store.problems[:5]]
         return "\n\n".join(lines)
 
