@@ -67,7 +67,16 @@ def query_text(lm, inputs: dict) -> str:
 
 def measure(lm, seeds: list[int], layers: list[int], keep: int, cover: float, query_agnostic: bool = False) -> dict:
     totals: dict = defaultdict(lambda: defaultdict(float))
-    lm.model.set_attn_implementation("eager")
+    was = lm.model.config._attn_implementation
+    lm.model.set_attn_implementation("eager")  # the attention probabilities; the caller's setting comes back after
+    try:
+        _measure(lm, seeds, layers, keep, cover, query_agnostic, totals)
+    finally:
+        lm.model.set_attn_implementation(was)
+    return {k: {name: v / t["prompts"] if name != "prompts" else v for name, v in t.items()} for k, t in totals.items()}
+
+
+def _measure(lm, seeds, layers, keep, cover, query_agnostic, totals) -> None:
     for seed in seeds:
         scene = render_scene(seed)
         for qa in scene.qa[:1] if query_agnostic else scene.qa:  # query-agnostic: one prefix for every question
@@ -88,7 +97,6 @@ def measure(lm, seeds: list[int], layers: list[int], keep: int, cover: float, qu
                     t[rank] += int(objects[top].sum())
                 last = stats["last_query"][0].mean(dim=0)[image]
                 t["last_query_mass_on_objects"] += float(last[objects].sum() / last.sum())
-    return {k: {name: v / t["prompts"] if name != "prompts" else v for name, v in t.items()} for k, t in totals.items()}
 
 
 def main(argv=None) -> int:

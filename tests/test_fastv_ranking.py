@@ -20,6 +20,7 @@ def test_query_agnostic_prefix_is_the_engines(tiny_llama):
 
 
 def test_measure_counts_are_bounded(tiny_llama):
+    was = tiny_llama.model.config._attn_implementation
     seeds = split_seeds("test", 2)
     for agnostic in (False, True):
         res = measure(tiny_llama, seeds, [1, 2], keep=5, cover=0.25, query_agnostic=agnostic)
@@ -29,3 +30,4 @@ def test_measure_counts_are_bounded(tiny_llama):
             for rank in RANKS:
                 assert 0 <= res[k][rank] <= min(5, res[k]["objects"]) + 1e-9
             assert 0 <= res[k]["last_query_mass_on_objects"] <= 1 + 1e-6
+    assert tiny_llama.model.config._attn_implementation == was  # the shared model is left as it was
