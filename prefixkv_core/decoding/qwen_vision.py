@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..policies.base import Policy
-from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops
+from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, join_records
 
 
 _QUERY_BLOCK = 1024  # queries whose probabilities are computed at once
@@ -341,9 +341,7 @@ def reduce_qwen(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
         src = torch.cat(sources + [torch.arange(at, n)]).to(positions.device)
         out_pos.append(positions[:, r, src])
         if r == 0:
-            from .vision_tokens import _join_records
-
-            record = _join_records(records, out_flags[0].nonzero().flatten().cpu().numpy())
+            record = join_records(records, out_flags[0].nonzero().flatten().cpu().numpy())
     fed_ids, fed_flags = torch.stack(out_ids), torch.stack(out_flags)
     fed_positions = torch.stack(out_pos, dim=1)
     fed_deltas = deltas + (n - fed_ids.shape[1])

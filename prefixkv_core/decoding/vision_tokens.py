@@ -26,7 +26,7 @@ import torch
 
 from ..models.layout import CropPatches, crop_patches
 from ..policies.base import Policy
-from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan
+from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan, join_records
 from .vision_tower import TurnImage, vision_features
 
 
@@ -217,23 +217,8 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
         out_ids.append(torch.cat(pieces_ids + [ids[r, at:]]))
         out_flags.append(torch.cat(pieces_flags + [flags[at:]]))
         if r == 0:
-            record = _join_records(records, out_flags[0].nonzero().flatten().cpu().numpy())
+            record = join_records(records, out_flags[0].nonzero().flatten().cpu().numpy())
     return ReducedPrompt(torch.stack(out_ids), torch.stack(out_flags), torch.stack(out_embeds), record)
-
-
-def _join_records(records: list[tuple[ImageTokenSources, int]], positions: np.ndarray) -> ImageTokenSources:
-    """One record for the prompt's images: each image's (video's) cells shifted past the images before it, and
-    each LM token's image (frame) counted among them all."""
-    kinds, cells, images, offset, pictures = [], [], [], 0, 0
-    for rec, count in records:
-        kinds += rec.kinds
-        cells += [c + offset for c in rec.cells]
-        images.append(rec.images + pictures)
-        offset += rec.original_tokens
-        pictures += count
-    counts = {kind: kinds.count(kind) for kind in KINDS}
-    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec, _ in records), counts, positions,
-                             np.concatenate(images))
 
 
 def _record(plan: VisionPlan, order, patches, has_cls: bool, original: int, crops: int,

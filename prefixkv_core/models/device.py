@@ -73,3 +73,15 @@ def place_model(model, device: torch.device, dtype: torch.dtype):
     """Cast first, then move: a float32 model reaches the GPU already in its smaller dtype."""
     model = model.to(dtype=dtype)
     return model.to(device)
+
+
+def instantiate(cls, config, device: torch.device, dtype: torch.dtype, seed: int):
+    """A model of class `cls` built from `config` with seeded random weights, created on `device` in `dtype`, in
+    eval mode without gradients (the random-weight shapes of the speed benchmarks)."""
+    avoid_cudnn_attention(device)  # decode timings would measure cuDNN's graph builds (see there)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -7,7 +7,7 @@ import torch
 from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN
 from .configs import RANDOM_FAMILIES, RANDOM_MROPE, random_config
 from .descriptor import LoadedModel, describe_model, image_grid
-from .device import avoid_cudnn_attention
+from .device import instantiate
 from .families import FAMILY_INFO, model_class
 from .processor import family_processor
 
@@ -26,7 +26,7 @@ def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: tor
 
     config = random_config(kind)
     device = torch.device(device)
-    model = _instantiate(LlavaForConditionalGeneration, config, device, dtype, seed)
+    model = instantiate(LlavaForConditionalGeneration, config, device, dtype, seed)
     text = config.get_text_config()
     n_img = int(config.image_seq_length)
     return LoadedModel(
@@ -37,16 +37,6 @@ def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: tor
         max_context=int(getattr(text, "max_position_embeddings", 0) or 0), vision_trained=False,
         random_weights=True,
         notes=[f"randomly initialised weights with the shapes of {kind}: speed and memory only, outputs are noise"])
-
-
-def _instantiate(cls, config, device: torch.device, dtype: torch.dtype, seed: int):
-    avoid_cudnn_attention(device)  # decode timings would measure cuDNN's graph builds (see there)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def _random_family(kind: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
@@ -66,7 +56,7 @@ def _random_family(kind: str, device: torch.device, dtype: torch.dtype, seed: in
         if tok.bos_token_id is not None:
             ids["bos_token_id"] = tok.bos_token_id
     config = random_config(kind, **ids)
-    model = _instantiate(model_class(config), config, device, dtype, seed)
+    model = instantiate(model_class(config), config, device, dtype, seed)
     gen = model.generation_config
     gen.pad_token_id, gen.eos_token_id = tok.pad_token_id, tok.eos_token_id
     if tok.bos_token_id is not None:

@@ -47,25 +47,28 @@ def _qwen(config) -> bool:
     return getattr(config, "model_type", "") in QWEN_VIDEO_MODEL_TYPES
 
 
+def _family(config):
+    """The family module that reads this video natively (through the registry, as every family is reached)."""
+    from .families import hooks_of
+
+    return hooks_of(config)
+
+
 def video_token_count(config, n_frames: int, frame_size: tuple[int, int] | None = None, processor=None) -> int:
     """The video tokens of a video of `n_frames` frames: OneVision's, every frame's pooled grid then one newline;
     Qwen's, its merged grid per temporal group (frames of `frame_size` (width, height) resized as its video
     processor resizes them)."""
     if _qwen(config):
-        from .family.qwen_vl import video_token_count as qwen_count
-
         if frame_size is None:
             raise ValueError("a Qwen video's token count follows its frames' size")
-        return qwen_count(config, processor, n_frames, frame_size)
+        return _family(config).video_token_count(config, processor, n_frames, frame_size)
     return n_frames * pooled_side(config) ** 2 + 1
 
 
 def frames_per_token(config, processor=None) -> int:
     """How many frames one video token covers: 1 (OneVision pools each frame), Qwen's temporal patch size."""
     if _qwen(config):
-        from .family.qwen_vl import frames_per_token as qwen_frames
-
-        return qwen_frames(config, processor)
+        return _family(config).frames_per_token(config, processor)
     return 1
 
 
@@ -75,9 +78,7 @@ def video_layout(config, n_frames: int, frame_size: tuple[int, int], first_index
     squashed to the square), then the newline token (a view with no patches). Qwen: one merged grid per temporal
     group ("frames 1-2"), each group one of the layout's images."""
     if _qwen(config):
-        from .family.qwen_vl import video_layout as qwen_layout
-
-        return qwen_layout(config, processor, n_frames, frame_size, first_index)
+        return _family(config).video_layout(config, processor, n_frames, frame_size, first_index)
     side = pooled_side(config)
     views = tuple(GridView(f"frame {k + 1}", side, side, image=first_index + k) for k in range(n_frames))
     newline = GridView("video newline", 1, 0, newline=True, image=first_index + max(n_frames - 1, 0))
@@ -146,7 +147,5 @@ def video_inputs(processor, config, frames: list, fps: float | None = None) -> d
     pixel_values_videos [patches, C·T·P·P] with video_grid_thw (and Qwen2.5-VL's second_per_grid_ts, from `fps`,
     the sampled frames' rate)."""
     if _qwen(config):
-        from .family.qwen_vl import video_inputs as qwen_inputs
-
-        return qwen_inputs(processor, config, frames, fps)
+        return _family(config).video_inputs(processor, config, frames, fps)
     return {"pixel_values_videos": video_pixels(processor, frames)}

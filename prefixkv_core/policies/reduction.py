@@ -126,3 +126,18 @@ class ImageTokenSources:
                      unit=f" of {self.original_tokens}"),
                 Fact("image_kept_share", "share of the image tokens kept", self.tokens / max(1, self.original_tokens),
                      fmt=".0%")]
+
+
+def join_records(records: list[tuple[ImageTokenSources, int]], positions: np.ndarray) -> ImageTokenSources:
+    """One record for the prompt's images: each image's (video's) cells shifted past the images before it, and
+    each LM token's image (frame) counted among them all."""
+    kinds, cells, images, offset, pictures = [], [], [], 0, 0
+    for rec, count in records:
+        kinds += rec.kinds
+        cells += [c + offset for c in rec.cells]
+        images.append(rec.images + pictures)
+        offset += rec.original_tokens
+        pictures += count
+    counts = {kind: kinds.count(kind) for kind in KINDS}
+    return ImageTokenSources(kinds, cells, offset, sum(rec.crops for rec, _ in records), counts, positions,
+                             np.concatenate(images))

@@ -360,11 +360,11 @@ def random_parts(family: str, device, dtype, seed: int = 0):
     """(model with random weights in InternVL3-1B's shape, created on `device` in `dtype`, processor on a
     stand-in tokenizer whose special ids become the model's) for the speed benchmarks."""
     from ..families import model_class
-    from ..random_weights import _instantiate
+    from ..device import instantiate
 
     tok = build_tokenizer()
     cfg = config(family, tiny=False, image_token_id=tok.convert_tokens_to_ids(IMG_CONTEXT))
-    model = _instantiate(model_class(cfg), cfg, device, dtype, seed)
+    model = instantiate(model_class(cfg), cfg, device, dtype, seed)
     gen = model.generation_config
     gen.pad_token_id, gen.eos_token_id = tok.pad_token_id, tok.eos_token_id
     return model, processor(cfg, tok, TEMPLATE)
