@@ -18,7 +18,7 @@ from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenize
 
 __all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
            "FAMILIES", "QWEN_FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
-           "kept_entry_masks", "prefill_and_compress", "synthetic_prompt_cache", "synthetic_extra_stats", "WIDE_PICTURE_SIZE",
+           "kept_entry_masks", "moving_dot_frames", "prefill_and_compress", "synthetic_prompt_cache", "synthetic_extra_stats", "WIDE_PICTURE_SIZE",
            "wide_noise_picture", "wait_until"]
 
 # The families with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), tested beside the LLaVA ones (FAMILIES).
@@ -179,4 +179,17 @@ def synthetic_extra_stats(cache, image_end: int, seed: int = 0) -> dict:
         out[i] = {"post_vision": torch.rand(b, h, n, generator=g) * post,
                   "post_vision_sparse": torch.randint(0, post + 1, (b, h, n), generator=g).float(),
                   "keys": layer.keys.float().clone(), "hidden": torch.randn(b, n, 8, generator=g)}
+    return out
+
+
+def moving_dot_frames(n: int = 4, size: tuple[int, int] = (64, 48)) -> list[Image.Image]:
+    """A clip's frames for the video tests: frame i shows a red dot at x = 6 i over a noisy background."""
+    from PIL import ImageDraw
+
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(n):
+        im = Image.fromarray(rng.integers(0, 90, (size[1], size[0], 3), dtype=np.uint8))
+        ImageDraw.Draw(im).ellipse((6 * i, 16, 6 * i + 12, 28), fill=(230, 40, 40))
+        out.append(im)
     return out

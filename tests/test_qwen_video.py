@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from prefixkv_core import Engine, EngineError, GenerationSettings
 from prefixkv_core import models as M
@@ -20,7 +20,7 @@ from prefixkv_core.models.families import hooks
 from prefixkv_core.models.video import video_inputs, video_token_count
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.session.video_input import write_video
-from prefixkv_core.testing import kept_entry_masks, masked_reference_cache, prefill_and_compress
+from prefixkv_core.testing import kept_entry_masks, masked_reference_cache, moving_dot_frames, prefill_and_compress
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
 PROMPT = "what moves in the clip?"
@@ -38,15 +38,7 @@ def lm(request, models):
     return models[request.param]
 
 
-def frames(n: int = 4, size=(64, 48)) -> list[Image.Image]:
-    """Frame i shows a dot at x = 6 i over a noisy background."""
-    rng = np.random.default_rng(3)
-    out = []
-    for i in range(n):
-        im = Image.fromarray(rng.integers(0, 90, (size[1], size[0], 3), dtype=np.uint8))
-        ImageDraw.Draw(im).ellipse((6 * i, 16, 6 * i + 12, 28), fill=(230, 40, 40))
-        out.append(im)
-    return out
+frames = moving_dot_frames  # a clip of a moving dot
 
 
 def types_of(lm, ids):

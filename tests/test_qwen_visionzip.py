@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 from transformers import AttentionInterface
 
 from prefixkv_core import Engine, GenerationSettings
@@ -24,7 +24,7 @@ from prefixkv_core.models.families import hooks
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.reduction import CropMerge, VisionPlan
 from prefixkv_core.policies.visionzip import VisionZipPolicy, dominant_scores
-from prefixkv_core.testing import QWEN_FAMILIES, wide_noise_picture
+from prefixkv_core.testing import QWEN_FAMILIES, moving_dot_frames, wide_noise_picture
 
 PROMPT = "describe the pictures in detail"
 TWO_IMAGES = "first <image> then <image> " + PROMPT
@@ -47,15 +47,7 @@ def video_lm(request, models):
     return models[request.param]
 
 
-def frames(n: int = 4, size=(64, 48)) -> list[Image.Image]:
-    """Frame i shows a dot at x = 6 i over a noisy background."""
-    rng = np.random.default_rng(3)
-    out = []
-    for i in range(n):
-        im = Image.fromarray(rng.integers(0, 90, (size[1], size[0], 3), dtype=np.uint8))
-        ImageDraw.Draw(im).ellipse((6 * i, 16, 6 * i + 12, 28), fill=(230, 40, 40))
-        out.append(im)
-    return out
+frames = moving_dot_frames  # a clip of a moving dot
 
 
 def pictures():
