@@ -48,7 +48,7 @@ from scenes.multi import MULTI_SUBTASKS, grade as multi_grade, multi_sample, mul
 from scenes.video import VIDEO_SUBTASKS, cached_clip, video_sample, video_seeds
 
 from . import vision_accuracy as va
-from .vision_accuracy import BLANK_GREY, draws_at_random, reported_budget, sessions, uses_budget
+from .vision_accuracy import BLANK_GREY, draws, reported_budget, sessions, uses_budget
 
 TASKS = {"scene_multi": MULTI_SUBTASKS, "scene_video": VIDEO_SUBTASKS}
 CLIP_FRAMES = 16  # the lmms task's clips
@@ -141,9 +141,7 @@ def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods
             line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "records": []}
             groups = sessions(ms, knobs or {}, image_rows) if condition != BLANK else [(ms, {}, "")]
             for group, group_knobs, suffix in groups:
-                asks = [(0, group)] + [(k, drawn) for k in range(1, control_seeds)
-                                       if condition != BLANK and (drawn := [m for m in group if draws_at_random(m)])]
-                for draw, chosen in asks:
+                for draw, chosen in draws(group, control_seeds if condition != BLANK else 1):
                     outs = ask(engine, images, prompt, chosen, budget, max_new, video=video,
                                frames=frames if video else None, knobs=group_knobs,
                                query_agnostic=query_agnostic, seed=draw)

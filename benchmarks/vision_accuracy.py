@@ -113,6 +113,13 @@ def draws_at_random(method: str) -> bool:
     return cls.is_control and "seed" in {f.name for f in dataclasses.fields(cls)}
 
 
+def draws(group: list[str], control_seeds: int) -> list[tuple[int, list[str]]]:
+    """(seed, methods) of each session one question is asked in: every method with seed 0, then the controls that
+    draw at random again with seeds 1 … N-1."""
+    drawn = [m for m in group if draws_at_random(m)]
+    return [(0, group)] + ([(k, drawn) for k in range(1, control_seeds)] if drawn else [])
+
+
 def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[list[str], dict, str]]:
     """The sessions one question is asked in: (methods, knobs, suffix of their names in the tables). The methods as
     given; with `image_rows`, the methods with a `budget_of` knob again with budget_of=image."""
@@ -148,9 +155,7 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
             line = {"seed": seed, "budget": budget, "records": [], "descriptions": []}
             for qa in scene.qa:
                 for group, group_knobs, suffix in sessions(ms, knobs or {}, image_rows):
-                    asks = [(0, group)] + [(k, drawn) for k in range(1, control_seeds)
-                                           if (drawn := [m for m in group if draws_at_random(m)])]
-                    for draw, chosen in asks:
+                    for draw, chosen in draws(group, control_seeds):
                         outs = ask_with_share(engine, scene.image, qa.question, chosen, budget, max_new, budget_mode,
                                               group_knobs, query_agnostic, **({"seed": draw} if draw else {}))
                         for m, (text, share, kv) in outs.items():
