@@ -5,11 +5,12 @@ For each request (one comparison: an image, a prompt, the methods, a budget) it 
 - each visitor's time to the first streamed token (the first update in which any method has a token), to every
   method's first token and to the last update;
 - every visitor alone (one after another: their sum is the "one after another" reference), then all of them sent
-  at once (a barrier releases every client thread together);
+  at once (a barrier releases every client thread together), and the same requests through the engine at once
+  with no app: `--repeats` rounds of the two, interleaved, each round's ratio reported (median and spread);
 - whether every answer through the app is the one the engine gives for the same request (greedy decoding: it must
   be, whether a visitor is alone or beside others).
 
-    python benchmarks/app_visitors.py --model embedded --clients 4
+    python benchmarks/app_visitors.py --model embedded --clients 4 --repeats 3
     python benchmarks/app_visitors.py --random-weights llava-interleave --device cuda --clients 4   # Space shape
     python benchmarks/app_visitors.py --random-weights tiny-llava-interleave --clients 2 --new-tokens 4  # smoke
 
@@ -60,13 +61,16 @@ class ServerProbe:
         self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (what, start, end) in perf_counter seconds
         self._saved: list[tuple[object, str, object]] = []
         self._pool0: dict[str, int] = {}
 
     def add(self, key: str, seconds: float) -> None:
+        end = time.perf_counter()
         with self.lock:
             self.seconds[key] = self.seconds.get(key, 0.0) + seconds
             self.counts[key] = self.counts.get(key, 0) + 1
+            self.spans.append((key, end - seconds, end))
 
     def _wrap(self, owner, name: str, make) -> None:
         original = getattr(owner, name)
@@ -78,7 +82,8 @@ class ServerProbe:
         from ui.rendering import Renderer
 
         probe = self
-        self.seconds, self.counts = {}, {}
+        self.seconds, self.counts, self.spans = {}, {}, []
+        self.t0 = time.perf_counter()
         pool = self.engine.pool
         self._pool0 = {k: getattr(pool, k) for k in POOL_COUNTERS}
 
@@ -125,6 +130,11 @@ class ServerProbe:
         self._wrap(ModelWorker, "_put", timed_put)
         self._wrap(Renderer, "render", timed("redraws (record lock held)"))
         self._wrap(OverlaySampler, "snapshot", timed("overlay samples (on the run's thread)"))
+        import prefixkv_core.session.step_pool as step_pool
+        import ui.sessions as sessions
+
+        for module in (step_pool, sessions):  # each holds its own name for it
+            self._wrap(module, "return_free_memory", timed("memory handed back to the system (malloc_trim)"))
         return self
 
     def stop(self) -> dict:
@@ -133,6 +143,7 @@ class ServerProbe:
             setattr(owner, name, original)
         pool = self.engine.pool
         return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
+                "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
                 "pool": {k: getattr(pool, k) - self._pool0.get(k, 0) for k in POOL_COUNTERS}}
 
 
@@ -167,7 +178,8 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
     final = job.result()
     last = time.perf_counter() - t0
     results = final[-1]
-    return {"image": Path(image).name, "first_token_s": min(first.values(), default=None), "method_first_token_s": first, "last_s": last,
+    return {"image": Path(image).name, "first_token_s": min(first.values(), default=None),
+            "method_first_token_s": first, "last_s": last,
             "updates": updates, "finished": bool(results.get("finished")),
             "texts": {m: r["text"] for m, r in results["methods"].items()},
             "errors": {m: r["error"] for m, r in results["methods"].items() if r.get("error")}}
@@ -279,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=float, default=0.3)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--clients", type=int, default=4, help="visitors sent at once (default 4)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the visitors at once through the app and the same requests through the engine "
+                         "at once, interleaved (medians and spreads reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--fixed-pace", action="store_true",
                     help="redraw every stream at the fixed pace (panels every 0.25 s, charts every second) instead "
@@ -309,6 +324,7 @@ def main(argv=None) -> int:
     progress(f"app up at {url}")
     probe = ServerProbe(engine)
     clients = Visitors()  # the visitors' side in a process of its own, as browsers are
+    rounds: list[dict] = []
     try:
         clients.visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
         progress("warm-up request answered")
@@ -318,17 +334,19 @@ def main(argv=None) -> int:
             alone.append(clients.visit(url, img, args.prompt, methods, args.budget, args.new_tokens))
             progress(f"visitor {i + 1} alone: last update after {alone[-1]['last_s']:.2f} s")
         where_alone = probe.stop()
-        probe.start()
-        together = clients.at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
-        where_together = probe.stop()
-        progress(f"{args.clients} visitors at once: {together['wall_s']:.2f} s")
+        for r in range(args.repeats):  # the app and the engine at once, interleaved
+            probe.start()
+            together = clients.at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
+            where = probe.stop()
+            engine_once = engine_at_once(engine, images, args.prompt, methods, args.budget, args.new_tokens)
+            rounds.append({"together": together, "where": where, "engine_at_once": engine_once})
+            progress(f"round {r + 1}: {args.clients} visitors at once through the app {together['wall_s']:.2f} s, "
+                     f"the same through the engine {engine_once['last_s']:.2f} s")
     finally:
         clients.close()
         demo.close()
     engine_runs = [engine_alone(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
     expected = [run["texts"] for run in engine_runs]
-    engine_once = engine_at_once(engine, images, args.prompt, methods, args.budget, args.new_tokens)
-    progress(f"the same requests through the engine at once: {engine_once['last_s']:.2f} s")
     bound = hardware_bound(loaded, images[0], args.prompt, engine_runs[0], len(methods), len(images), args.new_tokens)
     progress(f"the least possible wait on this hardware: {bound['bound_s']:.2f} s")
 
@@ -336,13 +354,18 @@ def main(argv=None) -> int:
         return all(r is not None and r["texts"] == e for r, e in zip(runs, expected))
 
     alone_last = [r["last_s"] for r in alone]
-    waits = [v["last_s"] for v in together["visitors"] if v is not None]
-    last = max(waits) if waits else None
+    for rnd in rounds:
+        visitors = [v for v in rnd["together"]["visitors"] if v is not None]
+        rnd["last_s"] = max((v["last_s"] for v in visitors), default=None)
+        rnd["over_engine"] = rnd["last_s"] / rnd["engine_at_once"]["last_s"] if rnd["last_s"] else None
+        rnd["over_one_after_another"] = rnd["together"]["wall_s"] / sum(alone_last)
+    middle = sorted(rounds, key=lambda x: x["over_engine"] or 0)[len(rounds) // 2]  # the median round's details
+    together, last = middle["together"], middle["last_s"]
     report = {
         **run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "load_s": load_s,
         "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "clients": args.clients,
-        "pace": "fixed" if args.fixed_pace else "by cost and load",
-        "prompt": args.prompt, "alone": alone, "together": together,
+        "pace": ("fixed" if args.fixed_pace else "by cost and load"), "repeats": args.repeats,
+        "prompt": args.prompt, "alone": alone, "together": together, "rounds": rounds,
         "alone_first_token_s": statistics.median(r["first_token_s"] for r in alone if r["first_token_s"]),
         "alone_last_s": statistics.median(alone_last),
         "one_after_another_s": sum(alone_last),
@@ -350,17 +373,18 @@ def main(argv=None) -> int:
         "together_last_wait_s": last,
         "last_over_alone": last / statistics.median(alone_last) if last else None,
         "together_over_one_after_another": together["wall_s"] / sum(alone_last),
-        "engine_at_once": engine_once, "hardware_bound": bound,
-        "last_over_engine_at_once": last / engine_once["last_s"] if last else None,
+        "engine_at_once": middle["engine_at_once"], "hardware_bound": bound,
+        "last_over_engine_at_once": middle["over_engine"],
         "last_over_hardware_bound": last / bound["bound_s"] if last else None,
-        "where_alone": where_alone, "where_together": where_together,
+        "where_alone": where_alone, "where_together": middle["where"],
         "peak_resident_bytes": peak_resident_bytes(),
-        "same_as_engine_alone": same(alone), "same_as_engine_together": same(together["visitors"]),
+        "same_as_engine_alone": same(alone),
+        "same_as_engine_together": all(same(rnd["together"]["visitors"]) for rnd in rounds),
     }
     print(markdown(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return 0 if not together["errors"] and report["same_as_engine_alone"] else 1
+    return 0 if not any(rnd["together"]["errors"] for rnd in rounds) and report["same_as_engine_alone"] else 1
 
 
 def peak_resident_bytes() -> int:
@@ -393,6 +417,15 @@ def markdown(r: dict) -> str:
               f"- the last visitor at once over one alone: {'–' if ratio is None else f'{ratio:.2f}x'}",
               f"- every answer the engine's: alone {'yes' if r['same_as_engine_alone'] else 'NO'}, at once "
               f"{'yes' if r['same_as_engine_together'] else 'NO'}"]
+    if len(r["rounds"]) > 1:
+        def spread(key):
+            values = sorted(rnd[key] for rnd in r["rounds"] if rnd[key] is not None)
+            return f"{statistics.median(values):.2f}x ({values[0]:.2f}-{values[-1]:.2f}x)" if values else "–"
+
+        lines += [f"- over {len(r['rounds'])} rounds, the app at once and the engine at once interleaved, median "
+                  f"(lowest-highest): the last visitor's last update over the engine's last answer "
+                  f"{spread('over_engine')}; all at once over one after another {spread('over_one_after_another')} (the tables show the "
+                  "median round)"]
     eng, bound = r["engine_at_once"], r["hardware_bound"]
     if r.get("peak_resident_bytes"):
         lines.append(f"- the server's peak resident memory: {r['peak_resident_bytes'] / 2**30:.2f} GiB")

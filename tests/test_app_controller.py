@@ -424,3 +424,35 @@ class _IdleSession:
 
     def release(self) -> None:
         self.released = True
+
+
+def test_a_redraw_builds_again_only_the_charts_whose_data_changed(ctl, noise_image):
+    """Redraws share the server's interpreter with the model: a chart whose data is as it was is the figure built
+    last time; one more event of the run builds the ones that draw it anew, and every chart still shows the run."""
+    from prefixkv_core.report.events import MethodEvent
+    from ui.controller import SessionBox
+
+    box = SessionBox()
+    _, comp = _run(ctl, box, noise_image, ["full", "h2o"], max_new=4)
+    first, again = ctl.renderer.figures(comp, box), ctl.renderer.figures(comp, box)
+    assert all(again[name] is first[name] for name in first)
+    assert ctl.renderer.gallery(comp) is ctl.renderer.gallery(comp)
+    # two comparisons never share a chart, however alike
+    _, other = _run(ctl, SessionBox(), noise_image, ["full", "h2o"], max_new=4)
+    assert ctl.renderer.figures(other, box)["retained-per-layer"] is not first["retained-per-layer"]
+    # an event that extends the telemetry: the charts drawing it are built again, the Lorenz chart (the prefill's)
+    # is not, and the bars show the new event
+    last = comp.tracks["h2o"].last
+    grown = MethodEvent(**{**last.__dict__, "step": last.step + 1, "text": last.text + " more",
+                           "kept_per_layer": [k + 1 for k in last.kept_per_layer]})
+    comp.record.apply(grown)  # as the session feeds it
+    now = ctl.renderer.figures(comp, box)
+    assert now["lorenz"] is first["lorenz"]
+    assert now["retained-per-layer"] is not first["retained-per-layer"]
+    assert now["kv-memory"] is not first["kv-memory"] and now["latency"] is not first["latency"]
+    heights = [max(trace.y) for trace in now["retained-per-layer"].data if trace.y is not None and len(trace.y)
+               and trace.y[0] is not None]
+    assert heights  # the bars are drawn from the data
+    # another view of the same run (other Lorenz layers) is its own figure
+    box.lorenz_layers = [0]
+    assert ctl.renderer.lorenz(comp, box) is not now["lorenz"]

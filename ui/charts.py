@@ -5,8 +5,10 @@ Every figure uses the method colours of ui.theme, names its units on the axes an
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -61,12 +63,40 @@ def _style(fig: go.Figure, title: str, x: str | None = None, y: str | None = Non
     return go.Figure(data=fig.data, layout=_merged(base, spec))
 
 
+@functools.lru_cache(maxsize=64)
 def placeholder(title: str, message: str = "Run a comparison to fill this chart.", height: int = 380) -> go.Figure:
-    """An empty figure with a centred hint."""
+    """An empty figure with a centred hint (one object per hint, shared: every run starts with these, and figures
+    are never changed once built; exports copy them)."""
     fig = _fig()
     fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
                        font=dict(size=14, color="#777"))
     return _style(fig, title, height=height, xaxis=dict(visible=False), yaxis=dict(visible=False))
+
+
+@functools.lru_cache(maxsize=32)
+def _grid_layout(rows: int, cols: int, titled: int, options: tuple) -> dict:
+    """The layout plotly's make_subplots gives a grid (axis domains, anchors, shared axes, one title annotation
+    for each of the first `titled` cells), computed once per grid: make_subplots costs about 40 ms a call, most
+    of a chart's redraw. `options`: make_subplots' keyword arguments as sorted (name, value) pairs."""
+    titles = [f"title {i}" for i in range(titled)]
+    kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in options}
+    return make_subplots(rows=rows, cols=cols, subplot_titles=titles, figure=_fig(), **kwargs).layout.to_plotly_json()
+
+
+def _grid(rows: int, cols: int, titles: Sequence[str], **options) -> tuple[dict, Callable[[int, int], dict]]:
+    """A fresh copy of the grid's layout with its cell titles set, and `cell(row, col)`: the axes a trace of
+    that cell names (as make_subplots assigns them: cells numbered row by row from the top left)."""
+    layout = copy.deepcopy(_grid_layout(rows, cols, len(titles), tuple(sorted(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))))
+    for annotation, text in zip(layout.get("annotations", []), titles):
+        annotation["text"] = text
+
+    def cell(row: int, col: int) -> dict:
+        k = (row - 1) * cols + col
+        suffix = "" if k == 1 else str(k)
+        return {"xaxis": f"x{suffix}", "yaxis": f"y{suffix}"}
+
+    return layout, cell
 
 
 # -- per-layer retained ratio --------------------------------------------------------------------------------
@@ -85,11 +115,11 @@ def retained_bars(latest: Mapping[str, Any], budget: float | None = None, column
     rows = math.ceil(len(items) / cols)
     kept_all = [np.asarray(ev.kept_per_layer, dtype=float) for _, ev in items]
     subtitles = [f"<b>{ev.label}</b> · {k.mean() / ev.full_len:.0%} kept" for (_, ev), k in zip(items, kept_all)]
-    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, subplot_titles=subtitles, figure=_fig(),
-                        horizontal_spacing=0.04, vertical_spacing=min(0.3, 0.5 / rows) if rows > 1 else 0.1)
+    grid, cell = _grid(rows, cols, subtitles, shared_yaxes=True, horizontal_spacing=0.04,
+                       vertical_spacing=min(0.3, 0.5 / rows) if rows > 1 else 0.1)
     hover = ("%{meta}<br>layer %{x}<br>image: %{customdata[0]:.0f} entries<br>text: %{customdata[1]:.0f}"
              "<br>kept %{customdata[2]:.0f} of %{customdata[3]:.0f}<extra></extra>")
-    traces, rs, cs, shapes = [], [], [], []
+    traces, shapes = [], []
     layout: dict[str, Any] = {}
     for i, ((method, ev), kept) in enumerate(zip(items, kept_all)):
         r, c = i // cols + 1, i % cols + 1
@@ -100,13 +130,12 @@ def retained_bars(latest: Mapping[str, Any], budget: float | None = None, column
         col = colour(method)
         traces.append(go.Bar(x=layers, y=img / ev.full_len, name=f"{ev.label} · image", legendgroup="image",
                              showlegend=False, marker=dict(color=col, line=dict(width=0)), customdata=custom,
-                             meta=ev.label, hovertemplate=hover))
+                             meta=ev.label, hovertemplate=hover, **cell(r, c)))
         traces.append(go.Bar(x=layers, y=txt / ev.full_len, name=f"{ev.label} · text", legendgroup="text",
                              showlegend=False, customdata=custom, meta=ev.label, hovertemplate=hover,
                              marker=dict(color=tint(col, 0.55), line=dict(width=0),
-                                         pattern=dict(shape="/", fgcolor=col, size=5, solidity=0.25))))
-        rs += [r, r]
-        cs += [c, c]
+                                         pattern=dict(shape="/", fgcolor=col, size=5, solidity=0.25)),
+                             **cell(r, c)))
         k = "" if i == 0 else str(i + 1)
         xa = dict(AXIS, showgrid=False)
         ya = dict(AXIS, range=[0, 1.05], tickformat=".0%")
@@ -119,22 +148,18 @@ def retained_bars(latest: Mapping[str, Any], budget: float | None = None, column
             shapes.append(dict(type="line", xref=f"x{k} domain", yref=f"y{k}", x0=0, x1=1, y0=budget, y1=budget,
                                line=dict(dash="dot", color="#555", width=1)))
     # legend keys: what solid and hatched mean, independent of the method colours
-    traces.append(go.Bar(x=[None], y=[None], name="image tokens", marker=dict(color="#777"), legendgroup="image"))
+    traces.append(go.Bar(x=[None], y=[None], name="image tokens", marker=dict(color="#777"), legendgroup="image",
+                         **cell(1, 1)))
     traces.append(go.Bar(x=[None], y=[None], name="text tokens", legendgroup="text",
-                         marker=dict(color="#ddd", pattern=dict(shape="/", fgcolor="#777", size=5, solidity=0.25))))
-    rs += [1, 1]
-    cs += [1, 1]
+                         marker=dict(color="#ddd", pattern=dict(shape="/", fgcolor="#777", size=5, solidity=0.25)),
+                         **cell(1, 1)))
     if budget is not None:
         traces.append(go.Scatter(x=[None], y=[None], mode="lines", name=f"budget r = {budget:.2f}",
-                                 line=dict(dash="dot", color="#555", width=1)))
-        rs.append(1)
-        cs.append(1)
-    fig.add_traces(traces, rows=rs, cols=cs)
-    annotations = []
-    for ann, (method, _) in zip(fig.layout.annotations, items):  # subplot titles in the method colours
-        a = ann.to_plotly_json()
+                                 line=dict(dash="dot", color="#555", width=1), **cell(1, 1)))
+    annotations = grid.pop("annotations", [])
+    for a, (method, _) in zip(annotations, items):  # subplot titles in the method colours
         a["font"] = dict(color=colour(method), size=13)
-        annotations.append(a)
+    fig = go.Figure(data=traces, layout=grid)
     return _style(fig, title, height=150 + 210 * rows, subplots=None, barmode="stack", bargap=0.15,
                   shapes=shapes, annotations=annotations,
                   legend=dict(orientation="h", yanchor="bottom", y=1.0 + 0.12 / rows, xanchor="right", x=1,
@@ -210,36 +235,40 @@ def lorenz_figure(importance: np.ndarray, layers: Sequence[int] | None = None, t
     layers = [int(l) for l in (layers if layers is not None else default_layers(n_layers)) if 0 <= int(l) < n_layers]
     idx = _thin(n + 1, max_points)
     x = idx / n
-    fig = _fig()
-    fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="uniform importance (Gini 0)",
-                    line=dict(dash="dot", color="#9a9a9a", width=1.5), hoverinfo="skip")
+    traces = [go.Scatter(x=[0, 1], y=[0, 1], mode="lines", name="uniform importance (Gini 0)",
+                         line=dict(dash="dot", color="#9a9a9a", width=1.5), hoverinfo="skip")]
+    shapes = []  # given with the layout at once: add_vline/add_hline cost several ms each
     palette = layer_colours(len(layers))
     for l, col in zip(layers, palette):
-        fig.add_scatter(x=x, y=curves[l, idx], mode="lines", name=f"layer {l} (Gini {ginis[l]:.2f})",
-                        line=dict(color=col, width=2.2), legendgroup=f"L{l}",
-                        hovertemplate=f"layer {l}<br>tokens kept %{{x:.1%}}<br>importance retained "
-                                      "%{y:.1%}<extra></extra>")
+        traces.append(go.Scatter(x=x, y=curves[l, idx], mode="lines", name=f"layer {l} (Gini {ginis[l]:.2f})",
+                                 line=dict(color=col, width=2.2), legendgroup=f"L{l}",
+                                 hovertemplate=f"layer {l}<br>tokens kept %{{x:.1%}}<br>importance retained "
+                                               "%{y:.1%}<extra></extra>"))
     if budget is not None:
-        fig.add_vline(x=budget, line=dict(dash="dash", color="#555", width=1.2))
-        fig.add_scatter(x=[None], y=[None], mode="lines", name=f"same ratio r = {budget:.2f} in every layer",
-                        line=dict(dash="dash", color="#555", width=1.2))
+        shapes.append(dict(type="line", x0=budget, x1=budget, xref="x", y0=0, y1=1, yref="y domain",
+                           line=dict(dash="dash", color="#555", width=1.2)))
+        traces.append(go.Scatter(x=[None], y=[None], mode="lines", name=f"same ratio r = {budget:.2f} in every layer",
+                                 line=dict(dash="dash", color="#555", width=1.2)))
         k = min(n, max(0, int(round(budget * n))))
-        fig.add_scatter(x=[k / n] * len(layers), y=[float(curves[l, k]) for l in layers], mode="markers",
-                        marker=dict(color=palette, size=8, symbol="circle-open", line=dict(width=2)),
-                        showlegend=False, hovertemplate="ratio r keeps %{y:.1%} of this layer's importance"
-                                                        "<extra></extra>")
+        traces.append(go.Scatter(x=[k / n] * len(layers), y=[float(curves[l, k]) for l in layers], mode="markers",
+                                 marker=dict(color=palette, size=8, symbol="circle-open", line=dict(width=2)),
+                                 showlegend=False, hovertemplate="ratio r keeps %{y:.1%} of this layer's importance"
+                                                                 "<extra></extra>"))
     if threshold is not None:
         col = colour(method) if method else "#555"
-        fig.add_hline(y=threshold, line=dict(dash="dash", color=col, width=1.5))
-        fig.add_scatter(x=[None], y=[None], mode="lines", name=f"{threshold_label} p = {threshold:.3f}",
-                        line=dict(dash="dash", color=col, width=1.5))
+        shapes.append(dict(type="line", x0=0, x1=1, xref="x domain", y0=threshold, y1=threshold, yref="y",
+                           line=dict(dash="dash", color=col, width=1.5)))
+        traces.append(go.Scatter(x=[None], y=[None], mode="lines", name=f"{threshold_label} p = {threshold:.3f}",
+                                 line=dict(dash="dash", color=col, width=1.5)))
         cross = [int(np.argmax(curves[l] >= threshold - 1e-7)) / n for l in layers]
-        fig.add_scatter(x=cross, y=[threshold] * len(layers), mode="markers", showlegend=False,
-                        marker=dict(color=palette, size=8, symbol="diamond", line=dict(width=1, color=col)),
-                        hovertemplate=f"{label} keeps %{{x:.1%}} of this layer<extra></extra>")
+        traces.append(go.Scatter(x=cross, y=[threshold] * len(layers), mode="markers", showlegend=False,
+                                 marker=dict(color=palette, size=8, symbol="diamond", line=dict(width=1, color=col)),
+                                 hovertemplate=f"{label} keeps %{{x:.1%}} of this layer<extra></extra>"))
+    fig = go.Figure(data=traces, layout=dict(template="none"))
     return _style(fig, title, "tokens kept, most important first (share of N)", "importance retained (share)",
                   height=420, xaxis=dict(range=[0, 1], tickformat=".0%"), yaxis=dict(range=[0, 1.02], tickformat=".0%"),
-                  legend=dict(x=1.02, y=1.0, xanchor="left", yanchor="top", font=dict(size=11)))
+                  legend=dict(x=1.02, y=1.0, xanchor="left", yanchor="top", font=dict(size=11)),
+                  **({"shapes": shapes} if shapes else {}))
 
 
 def preview_threshold(importance: np.ndarray, budget: float) -> float:
@@ -311,26 +340,26 @@ def latency_figure(series: Mapping[str, Series], batch: BatchSteps | None = None
     points = {m: p for m, p in points.items() if p[0].size}
     if not batched and not points:
         return placeholder(title)
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.45, 0.55],
-                        figure=_fig(), subplot_titles=["one forward per step, shared by the batch",
-                                                       "each method's own policy time"])
+    grid, cell = _grid(2, 1, ["one forward per step, shared by the batch", "each method's own policy time"],
+                       shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.45, 0.55])
+    traces = []
     if batched:
-        fig.add_scatter(x=batch.steps, y=np.asarray(batch.forward_s) * 1000, mode="lines+markers",
-                        name="shared forward", line=dict(color="#555", width=1.6), marker=dict(size=3),
-                        customdata=batch.batch_size, row=1, col=1,
-                        hovertemplate="step %{x}<br>forward %{y:.1f} ms, shared by %{customdata} methods"
-                                      "<extra></extra>")
+        traces.append(go.Scatter(x=batch.steps, y=np.asarray(batch.forward_s) * 1000, mode="lines+markers",
+                                 name="shared forward", line=dict(color="#555", width=1.6), marker=dict(size=3),
+                                 customdata=batch.batch_size, **cell(1, 1),
+                                 hovertemplate="step %{x}<br>forward %{y:.1f} ms, shared by %{customdata} methods"
+                                               "<extra></extra>"))
     for method, (steps, _, pol) in points.items():
         s = series[method]
-        fig.add_scatter(x=steps, y=pol * 1000, mode="lines+markers", name=s.label, row=2, col=1,
-                        line=dict(color=colour(method), width=1.6), marker=dict(size=3),
-                        hovertemplate=f"{s.label}<br>token %{{x}}<br>policy %{{y:.2f}} ms<extra></extra>")
-    for a in fig.layout.annotations:
-        a.font = dict(size=12, color="#555")
-    fig.update_yaxes(rangemode="tozero")
-    fig.update_yaxes(title_text="forward (ms)", row=1, col=1)
-    fig.update_yaxes(title_text="policy (ms)", row=2, col=1)
-    fig.update_xaxes(title_text="generated tokens (all turns)", row=2, col=1)
+        traces.append(go.Scatter(x=steps, y=pol * 1000, mode="lines+markers", name=s.label, **cell(2, 1),
+                                 line=dict(color=colour(method), width=1.6), marker=dict(size=3),
+                                 hovertemplate=f"{s.label}<br>token %{{x}}<br>policy %{{y:.2f}} ms<extra></extra>"))
+    for a in grid.get("annotations", []):
+        a["font"] = dict(size=12, color="#555")
+    grid["yaxis"].update(rangemode="tozero", title=dict(text="forward (ms)"))
+    grid["yaxis2"].update(rangemode="tozero", title=dict(text="policy (ms)"))
+    grid["xaxis2"].update(title=dict(text="generated tokens (all turns)"))
+    fig = go.Figure(data=traces, layout=grid)
     return _style(fig, title, height=460, subplots=True)
 
 

@@ -2,8 +2,9 @@
 view settings, in the order the page lists its outputs (`output_keys`)."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Callable
 
 import gradio as gr
 
@@ -26,6 +27,48 @@ def output_keys(methods: list[str]) -> list[str]:
             + ["bars", "lorenz", "memory", "latency", "quality", "gallery", "table", "results", "box"])
 
 
+def _drawn_data(comp: Comparison) -> tuple[tuple, tuple]:
+    """What the run's charts and table draw, in a form that changes whenever any of it does: (values, objects
+    compared by identity): per method its latest telemetry event, how long its series are, each turn's status
+    and answer length; the shared forward's steps and the budget. (Cheap: a few items per method.)"""
+    values = tuple((m, len(t.series.steps), len(t.alone_series.steps),
+                    tuple((turn.status, len(turn.answer or ""), turn.alone is not None and turn.alone.status)
+                          for turn in t.turns))
+                   for m, t in comp.tracks.items()) + (len(comp.batch.steps), comp.budget)
+    return values, tuple(t.last for t in comp.tracks.values())
+
+
+class FigureMemo:
+    """The last figure of each chart of the recent comparisons, reused while what it draws is unchanged. Several
+    visitors' redraws share the server's interpreter with the model (through the GIL), so a chart is built again
+    only when its data changed: the final redraw of a run, a redraw with the charts' data as it was, and every
+    run's first redraw (an empty comparison draws the same placeholders) cost a lookup instead. A key is (values
+    compared with ==, objects compared by identity: an id alone may be reused once its object is gone)."""
+
+    def __init__(self, size: int = 96):
+        self.size = size
+        self._entries: OrderedDict[tuple, tuple[tuple, tuple, Any]] = OrderedDict()
+
+    def get(self, slot: tuple, key: tuple[tuple, tuple] | None, build: Callable[[], Any]) -> Any:
+        values, objects = key if key is not None else ((), ())
+        entry = self._entries.get(slot)
+        if (entry is not None and entry[0] == values and len(entry[1]) == len(objects)
+                and all(a is b for a, b in zip(entry[1], objects))):
+            self._entries.move_to_end(slot)
+            return entry[2]
+        value = build()
+        self._entries[slot] = (values, objects, value)
+        self._entries.move_to_end(slot)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return value
+
+
+def _slot(comp: Comparison | None, name: str) -> tuple:
+    """A chart of one comparison (its id and creation time: an id alone may be reused once it is gone)."""
+    return (name, None) if comp is None else (name, id(comp), comp.created)
+
+
 class Renderer:
     """Draws the page. Needs the offered methods (`catalog`: names, labels, declarations) and how the vision
     tower crops an image (`crop`, so the overlay lies on what the model saw)."""
@@ -35,6 +78,7 @@ class Renderer:
         self.crop = crop
         self.output_keys = output_keys(catalog.methods)
         self._idle_heads: dict[str, str] = {}
+        self.memo = FigureMemo()
 
     def as_list(self, values: dict[str, Any]) -> list[Any]:
         """Named outputs in the page's order; an output not named is left as it is (gr.skip)."""
@@ -55,26 +99,34 @@ class Renderer:
         return header_html(track, summary, comp, budget_note)
 
     def figures(self, comp: Comparison | None, box: SessionBox) -> dict[str, Any]:
-        """Every chart of this comparison, keyed by its export name."""
+        """Every chart of this comparison, keyed by its export name (each built again only when its data changed,
+        `FigureMemo`)."""
+        key = _drawn_data(comp) if comp is not None else None
         return {
-            "retained-per-layer": self.bars(comp),
+            "retained-per-layer": self.bars(comp, key),
             "lorenz": self.lorenz(comp, box),
-            "kv-memory": charts.memory_figure(comp.series()) if comp else charts.placeholder("KV-cache size while decoding"),
-            "latency": charts.latency_figure(comp.series(), comp.batch, comp.alone_series()) if comp
-            else charts.placeholder("Per-token latency"),
-            "quality-vs-memory": charts.quality_figure(comp.quality_points()) if comp
-            else charts.placeholder("Answer quality vs KV-cache size"),
+            "kv-memory": self.memo.get(_slot(comp, "kv-memory"), key, lambda: (
+                charts.memory_figure(comp.series()) if comp else charts.placeholder("KV-cache size while decoding"))),
+            "latency": self.memo.get(_slot(comp, "latency"), key, lambda: (
+                charts.latency_figure(comp.series(), comp.batch, comp.alone_series()) if comp
+                else charts.placeholder("Per-token latency"))),
+            "quality-vs-memory": self.memo.get(_slot(comp, "quality"), key, lambda: (
+                charts.quality_figure(comp.quality_points()) if comp
+                else charts.placeholder("Answer quality vs KV-cache size"))),
         }
 
-    def bars(self, comp: Comparison | None):
+    def bars(self, comp: Comparison | None, key: Any = None):
         if comp is None:
-            return charts.placeholder("Retained KV entries per layer (share of the uncompressed cache)")
-        return charts.retained_bars(comp.latest(), budget=comp.budget)
+            return self.memo.get(_slot(None, "bars"), None, lambda: charts.placeholder(
+                "Retained KV entries per layer (share of the uncompressed cache)"))
+        key = _drawn_data(comp) if key is None else key
+        return self.memo.get(_slot(comp, "bars"), key, lambda: charts.retained_bars(comp.latest(), budget=comp.budget))
 
     def lorenz(self, comp: Comparison | None, box: SessionBox):
         if comp is None or comp.prefill is None:
-            return charts.placeholder("Importance retained vs tokens kept, per layer",
-                                      "Run a comparison: the curves come from the shared prefill.")
+            return self.memo.get(_slot(None, "lorenz"), None, lambda: charts.placeholder(
+                "Importance retained vs tokens kept, per layer",
+                "Run a comparison: the curves come from the shared prefill."))
         layers = box.lorenz_layers if box.lorenz_layers else charts.default_layers(comp.prefill.num_layers)
         budget = box.view_budget if box.view_budget is not None else comp.budget
         method = comp.lorenz_method  # the method whose allocation the chart draws (a policy's declared role)
@@ -90,14 +142,19 @@ class Renderer:
                     threshold_label = f"{label} threshold (preview)"
                 except Exception:  # noqa: BLE001 - a preview is optional
                     threshold = None
-        return charts.lorenz_figure(importance, layers, threshold=threshold, budget=budget,
-                                    threshold_label=threshold_label, method=method,
-                                    source=charts.curve_source(method, comp.knobs.get(method), comp.prefill.curves))
+        key = ((tuple(layers), budget, threshold, threshold_label, method), (comp.prefill, importance))
+        return self.memo.get(_slot(comp, "lorenz"), key, lambda: charts.lorenz_figure(
+            importance, layers, threshold=threshold, budget=budget, threshold_label=threshold_label, method=method,
+            source=charts.curve_source(method, comp.knobs.get(method), comp.prefill.curves)))
 
     def gallery(self, comp: Comparison | None) -> list[tuple[Any, str]]:
         """Per method, its kept patches over every image and frame of the comparison, with a caption."""
         if comp is None or comp.shown is None or comp.overlay is None:
             return []
+        key = ((comp.overlay.layer,), (comp.overlay, comp.shown))  # a sample replaces the maps, never edits them
+        return self.memo.get(_slot(comp, "gallery"), key, lambda: self._gallery_items(comp))
+
+    def _gallery_items(self, comp: Comparison) -> list[tuple[Any, str]]:
         items = []
         for m in comp.methods:
             share = comp.overlay.maps.get(m)

@@ -127,7 +127,7 @@ class RunStreamer:
         worker = StreamWorker(factory, comp.cancel, snapshot=lambda: self.overlay.snapshot(comp, box),
                               snapshot_every=OVERLAY_EVERY_S)
         yield self.renderer.render(comp, box, phase(comp), overlay_=first_turn,
-                                   lorenz=first_turn)
+                                   lorenz=first_turn)  # placeholders (built once) and the panels: cheap
         worker.start()
         superseded, failure = False, None
         try:
