@@ -333,3 +333,35 @@ def test_the_overlay_lights_the_kept_cells_of_each_tile(lm):
     facts = {f.key: f.value for f in policy.facts(state.policy_state)}
     assert facts["image_fed"] == 40 and facts["dominant"] + facts["contextual"] == 40
     assert overlay(picture, shown, "visionzip").width > 5 * 300
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["sdpa-tower", "eager-tower"])
+def test_one_tower_pass_feeds_every_own_prefill(lm, eager):
+    """In a comparison the tower runs once for the shared prefill and every own prefill (FastV, VisionZip,
+    Downsample's pooling; an eager tower: once more, recorded), and each method answers as it does run alone."""
+    cfg = lm.model.config
+    previous = {"text_config": cfg.get_text_config()._attn_implementation or "sdpa",
+                "vision_config": cfg.vision_config._attn_implementation or "sdpa"}
+    methods = ["full", "fastv", "visionzip", "downsample"]
+    knobs = {"downsample": {"where": "projector_out"}}
+    settings = GenerationSettings(max_new_tokens=4, ignore_eos=True)
+    calls = []
+    handle = lm.model.model.vision_tower.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        if eager:
+            lm.model.set_attn_implementation({"text_config": previous["text_config"], "vision_config": "eager"})
+        batched = Engine(lm).new_session(square(), PROMPT, methods, 0.5, settings, knobs)
+        list(batched.run())
+        passes = len(calls)
+        alone = Engine(lm).new_session(square(), PROMPT, methods, 0.5, settings, knobs, batched=False)
+        list(alone.run())
+    finally:
+        handle.remove()
+        lm.model.set_attn_implementation(previous)
+    assert passes == 1 + int(eager)
+    for name in methods:
+        mine, ref = batched.states[name], alone.states[name]
+        assert mine.error is None and ref.error is None, (name, mine.error, ref.error)
+        assert mine.turn_ids == ref.turn_ids and mine.prompt_len == ref.prompt_len, name
+        torch.testing.assert_close(mine.first_logits, ref.first_logits, atol=1e-5, rtol=1e-5)
+    assert batched.states["visionzip"].prompt_len < batched.states["full"].prompt_len
