@@ -76,7 +76,7 @@ def feature_layer(config) -> tuple[int, int]:
 
 def _family_refusal(config) -> str | None:
     """Why the vision-side reductions cannot read this family's tower yet, where its family module says so
-    (`vision_reduction_refusal`, e.g. InternVL's pixel shuffle); None elsewhere."""
+    (`vision_reduction_refusal`, an optional hook); None where it declares none."""
     from ..models.errors import ModelLoadError
     from ..models.families import hooks_of
 
