@@ -1,6 +1,7 @@
 """InternVL (transformers' `internvl`: InternVL2.5, InternVL3) on a tiny random model of its structure, saved as a
 checkpoint and loaded through `load_model` like a released one (CPU, no network): its tiles and thumbnail, every
-method on it, the vision-side reductions refusing on their own, Downsample resizing the image before the tower."""
+method on it, Downsample resizing the image before the tower by default (VisionZip and Downsample's grid pooling on
+its tower: `test_internvl_visionzip.py`)."""
 import json
 
 import numpy as np
@@ -18,8 +19,6 @@ from prefixkv_core.testing import (kept_entry_masks, masked_reference_cache, pre
                                    wide_noise_picture)
 
 PROMPT = "describe the picture in detail"
-REFUSES = ("visionzip",)  # not yet on InternVL's tower: it fails on its own
-REFUSAL = "not yet on InternVL"
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +210,7 @@ def test_batched_equals_alone(lm, picture):
     """Every method that runs on InternVL gives, decoded in one batch with the others, the answer it gives decoded
     alone."""
     settings = GenerationSettings(max_new_tokens=5)
-    methods = [m for m in METHODS if m not in REFUSES]
+    methods = list(METHODS)
     batched = Engine(lm).new_session(picture, PROMPT, methods, 0.3, settings)
     list(batched.run())
     for method in methods:
@@ -232,21 +231,17 @@ def test_query_agnostic_full_answers_as_generate(lm, picture):
 
 @pytest.mark.parametrize("budget_mode,query_agnostic", [("published", False), ("equal_memory", True),
                                                         ("equal_memory", False), ("published", True)])
-def test_every_method_runs_or_fails_alone(lm, picture, budget_mode, query_agnostic):
-    """Every registered method runs a two-turn conversation, in both budget modes and both query modes; the
-    vision-side reduction not yet on InternVL's tower fails on its own with a message that says so, and the
-    others go on."""
+def test_every_method_runs(lm, picture, budget_mode, query_agnostic):
+    """Every registered method (VisionZip included) runs a two-turn conversation, in both budget modes and both
+    query modes."""
     session = Engine(lm).new_session(picture, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=3),
                                      budget_mode=budget_mode, query_agnostic=query_agnostic)
     list(session.run())
     list(session.follow_up("what else?"))
     assert set(session.states) == set(METHODS)
     for name, state in session.states.items():
-        if name in REFUSES:
-            assert state.error is not None and REFUSAL in str(state.error), (name, state.error)
-        else:
-            assert state.error is None, (name, state.error)
-            assert len(state.answers) == 1 and state.finished, name
+        assert state.error is None, (name, state.error)
+        assert len(state.answers) == 1 and state.finished, name
 
 
 def test_image_markers_place_the_images(lm, picture):
@@ -323,14 +318,17 @@ def test_downsample_resizes_the_image_before_the_tower(lm, square):
 
 @pytest.mark.parametrize("method,knobs", [("visionzip", {}), ("downsample", {"where": "projector_out"}),
                                           ("downsample", {"where": "projector_in"})])
-def test_vision_side_reductions_refuse_and_the_others_go_on(lm, picture, method, knobs):
+def test_vision_side_reductions_run_on_the_tower(lm, picture, method, knobs):
+    """VisionZip and Downsample's grid pooling read InternVL's tower per pixel-shuffled image token and feed the
+    language model fewer image tokens, beside the others."""
     session = Engine(lm).new_session(picture, PROMPT, ["full", method, "h2o"], 0.4,
                                      GenerationSettings(max_new_tokens=2), {method: knobs} if knobs else None)
-    list(session.run())
-    error = session.states[method].error
-    assert error is not None and REFUSAL in str(error) and "pixel shuffle" in str(error)
-    assert session.states["full"].error is None and session.states["h2o"].error is None
-    assert session.states["full"].finished and session.states["h2o"].finished
+    pre = list(session.run())[0]
+    assert all(s.error is None and s.finished for s in session.states.values())
+    state = session.states[method]
+    sources = state.policy.image_token_sources(state.policy_state)
+    assert sources is not None and sources.tokens < pre.image_tokens
+    assert state.prompt_len == pre.prompt_tokens - pre.image_tokens + sources.tokens
 
 
 # -- the overlay, the CLI, the app ---------------------------------------------------------------------------------
@@ -361,8 +359,7 @@ def test_cli_compare_runs(checkpoint, picture, tmp_path):
     assert code == 0
     data = json.loads(out.read_text())
     assert set(data["methods"]) == set(METHODS)
-    ran = {m: r for m, r in data["methods"].items() if m not in REFUSES}
-    assert all(len(r["kept_per_layer"]) == lm.num_layers for r in ran.values())
+    assert all(len(r["kept_per_layer"]) == lm.num_layers for r in data["methods"].values())
 
 
 def test_app_compares_and_follows_up(lm, picture):

@@ -16,6 +16,8 @@ the first patch they cover. Newline tokens are not fed: the reduced tokens no lo
 
 Qwen's towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are reduced per merged token by `qwen_vision`, whose fed tokens keep
 the unreduced prompt's 3-D positions instead of contiguous ones.
+InternVL's tower (its projector reads the patches pixel-shuffled, 2x2 to one token) is reduced per image token by
+`internvl_vision`.
 """
 from __future__ import annotations
 
@@ -162,6 +164,11 @@ def reduce_image(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tenso
             return None
         return ReducedPrompt(got.ids, got.is_image, got.inputs_embeds, got.record, got.positions, got.rope_deltas,
                              got.encoder_outputs)
+    if found.internvl is not None:  # InternVL's tower: per pixel-shuffled image token (`internvl_vision`)
+        from .internvl_vision import reduce_internvl
+
+        got = reduce_internvl(model, policy, ids, is_image, found.internvl)
+        return None if got is None else ReducedPrompt(got.ids, got.is_image, got.inputs_embeds, got.record)
     hidden, attention, keys = found.hidden, found.attention, found.keys
     # the text's embeddings: the shared prompt's rows outside the image blocks are exactly the ids' embeddings
     embedded = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None

@@ -6,7 +6,9 @@ and, for a vision-side reduction (`vision_tokens`), the feature layer's hidden s
 keys. Those two are recorded through one public extension point: an attention function registered for the vision
 config (transformers' `AttentionInterface`) that records the feature layer's probabilities and keys, averaged over
 heads, while the tower's own implementation computes every output. Qwen's towers (no single feature layer, patches
-merged 2x2) are recorded by `qwen_vision.tower_pass` instead: a hook on one full-attention block.
+merged 2x2) are recorded by `qwen_vision.tower_pass` instead: a hook on one full-attention block. InternVL's
+(its projector reads the patches pixel-shuffled) records the feature layer the same way and the projector's input
+through a hook, pooled over each pixel-shuffle group (`internvl_vision`).
 
 `TurnImage`: in a comparison every prefill of the first turn reads the same image (the shared prefill and every
 own prefill: FastV, DART, VisionZip, Downsample), so the tower runs once, when the first prefill asks, and the
@@ -38,15 +40,17 @@ class VisionFeatures:
     video_frames: int = 0  # its frames: the last crops of hidden/attention/keys when recorded (Qwen: its temporal
     # groups)
     qwen: object | None = None  # Qwen's towers: the recorded pass (`qwen_vision.QwenTower`) instead of the above
+    internvl: object | None = None  # InternVL's: the recorded pass pooled over each pixel-shuffle group
+    # (`internvl_vision.InternVLTower`) instead of hidden/attention/keys
 
     @property
     def recorded(self) -> bool:
-        return self.attention is not None or self.qwen is not None
+        return self.attention is not None or self.qwen is not None or self.internvl is not None
 
     def nbytes(self) -> int:
         held = sum(t.numel() * t.element_size() for t in (self.image, self.hidden, self.attention, self.keys,
                                                           self.video) if t is not None)
-        return held + (self.qwen.nbytes() if self.qwen is not None else 0)
+        return held + sum(tower.nbytes() for tower in (self.qwen, self.internvl) if tower is not None)
 
 
 def feature_layer(config) -> tuple[int, int]:
@@ -72,7 +76,7 @@ def feature_layer(config) -> tuple[int, int]:
 
 def _family_refusal(config) -> str | None:
     """Why the vision-side reductions cannot read this family's tower yet, where its family module says so
-    (`vision_reduction_refusal`, e.g. InternVL's pixel shuffle); None elsewhere."""
+    (`vision_reduction_refusal`, an optional hook); None where it declares none."""
     from ..models.errors import ModelLoadError
     from ..models.families import hooks_of
 
@@ -187,6 +191,8 @@ def vision_features(model, vision_inputs: dict, record: bool = True) -> VisionFe
     vision_inputs = dict(vision_inputs)
     if record and _is_qwen(model):
         return _qwen_features(model, vision_inputs)
+    if record and _pixel_shuffled(model) and vision_inputs.get("pixel_values") is not None:
+        return _internvl_features(model, vision_inputs)
     pixels_videos = vision_inputs.pop(VIDEO_KEY, None)
     extra = {key: vision_inputs.pop(key) for key in VIDEO_EXTRA_KEYS if key in vision_inputs}
     grid = extra.get("video_grid_thw")
@@ -235,6 +241,35 @@ def _qwen_features(model, vision_inputs: dict) -> VisionFeatures:
         image = torch.zeros(0, tower.video.shape[-1], dtype=tower.video.dtype, device=tower.video.device)
     frames = int(video_grid[:, 0].sum()) if tower.video is not None else 0
     return VisionFeatures(image, per_image=per_image, video=tower.video, video_frames=frames, qwen=tower)
+
+
+def _pixel_shuffled(model) -> bool:
+    """Whether the model's projector reads the tower's patches pixel-shuffled (InternVL; its family module says so:
+    `pixel_shuffled`)."""
+    from ..models.errors import ModelLoadError
+    from ..models.families import hooks_of
+
+    try:
+        says = getattr(hooks_of(model.config), "pixel_shuffled", None)
+    except ModelLoadError:
+        return False
+    return bool(says(model.config)) if says is not None else False
+
+
+def _internvl_features(model, vision_inputs: dict) -> VisionFeatures:
+    """The model's own image path with the feature layer recorded (as on the LLaVA towers) and the projector's
+    input, pooled over each pixel-shuffle group (`internvl_vision`)."""
+    from .internvl_vision import pooled_tower, projector_input
+
+    _, layer = feature_layer(model.config)
+    probe = _FeatureLayerProbe(layer, _vision_implementation(model))
+    with _vision_attention(model, probe), projector_input(model) as seen:
+        out = model.get_image_features(**vision_inputs, return_dict=True)
+    if probe.attention is None or probe.calls != int(model.config.vision_config.num_hidden_layers):
+        raise RuntimeError("the vision tower's attention was not recorded at its feature layer")
+    image = torch.cat(list(out.pooler_output))
+    tower = pooled_tower(model, image, seen["shuffled"], probe.attention, probe.keys)
+    return VisionFeatures(image, per_image=_per_image(out), internvl=tower)
 
 
 def _per_image(out) -> tuple[int, ...]:

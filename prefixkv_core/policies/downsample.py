@@ -19,6 +19,10 @@ Where the image is made coarser is the knob `where`:
   side'² tokens per crop instead of the crop's patches.
 - `projector_in`: the same pooling of the tower's feature layer, before the projector.
 
+On InternVL (`decoding.internvl_vision`) a crop is a tile, and its grid is the tile's square grid of image tokens
+(each a pixel-shuffled 2x2 block of patches): `projector_out` pools the model's image tokens, `projector_in` the
+pixel-shuffled vectors the projector reads.
+
 Nothing is evicted afterwards; generated tokens are all kept.
 """
 from __future__ import annotations

@@ -32,6 +32,9 @@ class VisionCrops:
     prompt_image_tokens: int | None = None  # every image's tokens in the prompt (None: this is its only image)
     merged: bool = False  # the crop's tokens are the language model's own image tokens (Qwen's merged 2x2 groups:
     # attention and keys pooled over each group): a plan weighs them directly (`VisionPlan.projected`)
+    cls_attention: torch.Tensor | None = None  # [C, T] fp32: the attention a CLS token the crop's tokens leave out
+    # pays each of them (InternVL: the CLS token's attention pooled over each pixel-shuffle group), which ranks
+    # them where the tower has a CLS token that is not one of the crop's tokens (None: `attention` ranks them)
 
     def image_part(self, wanted: int) -> int:
         """This image's part of `wanted` image tokens asked for the whole prompt: in proportion to its tokens (all

@@ -9,7 +9,9 @@ token, such as SigLIP, the attention they receive from every token), and the res
 contextual tokens by key similarity. The runner (`vision_tokens`) feeds the language model the shorter image
 block; nothing is evicted afterwards, and generated tokens are all kept. On Qwen's towers the crops' tokens are
 the merged 2x2 groups (`VisionCrops.merged`, `decoding.qwen_vision`): the plan weighs the language model's own image
-embeddings, and a contextual token is a weighted mean (the reference's sum, halved).
+embeddings, and a contextual token is a weighted mean (the reference's sum, halved). On InternVL's tower the crops'
+tokens are the pixel-shuffled 2x2 groups the projector reads (`decoding.internvl_vision`), ranked by the CLS token's
+attention pooled over each group (`VisionCrops.cls_attention`), merged before the projector as on LLaVA.
 """
 from __future__ import annotations
 
@@ -53,14 +55,16 @@ def contextual_merge(keys: torch.Tensor, rest: torch.Tensor, count: int) -> tupl
 
 
 def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, dominant: int, contextual: int,
-               mean: bool = False) -> CropMerge:
-    """One crop's output tokens: its CLS token (when it has one) and the top patches by `dominant_scores` (together
-    `dominant` tokens), then `contextual` tokens, each its anchor plus the mean of the tokens merged into it (with
-    `mean`, that sum halved: a weighted mean that stays on the scale of tokens fed as they are, as the language
-    model's own embeddings on Qwen)."""
+               mean: bool = False, scores: torch.Tensor | None = None) -> CropMerge:
+    """One crop's output tokens: its CLS token (when it has one) and the top patches by `dominant_scores` (or by
+    `scores` [T] where given: a CLS token outside the crop's tokens, InternVL's) (together `dominant` tokens), then
+    `contextual` tokens, each its anchor plus the mean of the tokens merged into it (with `mean`, that sum halved:
+    a weighted mean that stays on the scale of tokens fed as they are, as the language model's own embeddings on
+    Qwen)."""
     t = attention.shape[0]
     first = 1 if has_cls else 0
-    picked = first_best(dominant_scores(attention, has_cls)[first:], max(0, dominant - first)) + first
+    ranked = dominant_scores(attention, has_cls) if scores is None else scores
+    picked = first_best(ranked[first:], max(0, dominant - first)) + first
     rows, kinds, at = [], [], []
     if has_cls:
         rows.append(torch.nn.functional.one_hot(torch.tensor(0), t).float())
@@ -128,11 +132,13 @@ class VisionZipPolicy(Policy):
             return None  # as many as the model's own path feeds: nothing to reduce
         counts = per_crop_counts(max(wanted, crops.num_crops), crops.num_crops, crops.tokens_per_crop)
         attention, keys = crops.attention.float().cpu(), crops.keys.float().cpu()  # small: one [T, T] per crop
+        cls = crops.cls_attention.float().cpu() if crops.cls_attention is not None else None
         merges = []
         for c, k in enumerate(counts):
             contextual = int(round(self.contextual * k)) if k > 1 else 0
             dominant = max(1, k - contextual)
-            merges.append(crop_merge(attention[c], keys[c], crops.has_cls, dominant, k - dominant, crops.merged))
+            merges.append(crop_merge(attention[c], keys[c], crops.has_cls, dominant, k - dominant, crops.merged,
+                                     None if cls is None else cls[c]))
         return VisionPlan(merges, projected=crops.merged)
 
     def prefill(self, view: PrefillView) -> Prefilled:

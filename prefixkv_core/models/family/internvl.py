@@ -19,10 +19,11 @@ torchvision; where it is missing (PyPI's torchvision does not match the CPU torc
 processor is rebuilt without it (`image_only_processor_class`): the tokenizer, the image processor (its PIL
 backend, `GotOcr2ImageProcessorPil`), the chat template. A video is read as a run of images (its frames).
 
-Vision-side reductions (VisionZip, Downsample's projector_in / projector_out) are not on InternVL's tower yet: the
-pixel shuffle concatenates each 2x2 block of patches before the projector, so a reduction that keeps single
-patches has no projection to feed them through. They fail on their own with a message that says so; Downsample's
-default on InternVL resizes the image before the tower instead (its tile count follows the image's size).
+Vision-side reductions (VisionZip, Downsample's projector_in / projector_out) read the tower per image token
+(`pixel_shuffled`, `decoding.internvl_vision`): the pixel shuffle concatenates each 2x2 block of patches before the
+projector, so the feature layer's attention and keys are pooled over each block, every tile (the thumbnail
+included) is a crop, and a plan weighs the pixel-shuffled vectors (or the projector's outputs). Downsample's
+default on InternVL resizes the image before the tower (its tile count follows the image's size).
 
 The tiny test model keeps the structure (an InternViT with a CLS token and absolute positions, the pixel shuffle,
 the projector, a Qwen2 GQA language model) with small widths, 4 px patches and 32 px tiles (16 tokens a tile, up to
@@ -234,17 +235,17 @@ def max_image_tokens(config, processor) -> int:
     return tiles * tokens_per_tile(config)
 
 
-NOT_ON_TOWER = ("not yet on InternVL's vision tower: its pixel shuffle concatenates each 2x2 block of patches "
-                "before the projector, and a vision-side reduction does not map single patches to its tokens yet")
-
-
 def crop_patches(config, width: int, height: int):
-    raise ValueError(NOT_ON_TOWER)
+    """No per-patch crop map: the projector reads each 2x2 block of patches concatenated (the pixel shuffle), so
+    the vision-side reductions read InternVL's tower per image token (`decoding.internvl_vision`)."""
+    raise ValueError("internvl has no per-patch crop map: its vision-side reductions read the tower per "
+                     "pixel-shuffled image token (decoding.internvl_vision)")
 
 
-def vision_reduction_refusal(config) -> str | None:
-    """Why a vision-side reduction cannot read this tower yet (None: it can)."""
-    return NOT_ON_TOWER
+def pixel_shuffled(config) -> bool:
+    """The projector reads the tower's patches pixel-shuffled (each 2x2 block concatenated into one image token):
+    VisionZip and Downsample's grid pooling read the tower per image token (`decoding.internvl_vision`)."""
+    return True
 
 
 # -- processors ----------------------------------------------------------------------------------------------------
