@@ -403,6 +403,32 @@ def test_the_pil_backends_patches_are_qwen3_vls_own_patchify(models):
         assert qwen_vl_video.frame_size(lm.model.config, lm.processor, n, *size) == want
 
 
+def test_a_released_qwen3_vl_video_config_sets_the_clips_resize(models, tmp_path):
+    """Without torchvision a Qwen3-VL checkpoint's video_preprocessor_config.json gives the PIL backend its steps:
+    the clip's pixel limits, mean and std, and the per-frame cap where it asks for one."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from prefixkv_core.models.family import qwen_vl_video
+
+    config = models["qwen3-vl"].model.config
+    released = {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
+                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                "video_processor_type": "Qwen3VLVideoProcessor"}
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(released))
+    settings = qwen_vl_video.video_settings(str(tmp_path), config)
+    assert (settings["min_pixels"], settings["max_pixels"], settings["patch_size"]) == (4096, 25165824, 16)
+    assert settings["image_mean"] == [0.5] * 3 and settings["cap_pixels_per_frame"] is False
+
+    class Processor:
+        prefixkv_video_settings = settings
+
+    size = qwen_vl_video.frame_size(config, Processor, 8, 1280, 720)
+    assert size == smart_resize(8, 720, 1280, temporal_factor=2, factor=32, min_pixels=4096, max_pixels=25165824)
+    Processor.prefixkv_video_settings = dict(settings, cap_pixels_per_frame=True)  # 768 tokens a frame at most
+    capped = qwen_vl_video.frame_size(config, Processor, 8, 1280, 720)
+    assert capped[0] * capped[1] <= 768 * 32 * 32 < size[0] * size[1]
+
+
 def test_cli_compare_takes_a_video_on_a_qwen_model(tmp_path):
     from prefixkv_core.__main__ import main
 
