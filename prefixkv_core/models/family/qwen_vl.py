@@ -4,11 +4,10 @@ patch x merge pixels between the processor's min and max pixels), a 2x2 patch me
 Positions. Text tokens get (p, p, p); an image's tokens get (t, h, w) offsets on its merged grid from where it
 starts, and the image advances the position by max(h, w), not by its number of tokens. `rope_index` is the model's
 own `get_rope_index` over the prompt (the image and video grids from the processor, Qwen2.5-VL's
-second_per_grid_ts, the token types from the ids; a video's tokens get one temporal step per group of frames,
-Qwen3-VL's each group after its timestamp's text); what
-follows the prompt runs at its true position plus the prompt's rope delta. The engine keeps every entry's true
-position (`TrackedCache`) and passes the logical ones explicitly, so an evicted cache never changes a surviving
-entry's rotation nor the next token's position.
+second_per_grid_ts, the token types from the ids; a video's tokens get one temporal step per group of frames, on
+Qwen3-VL each group's grid after its timestamp's text); what follows the prompt runs at its true position plus the
+prompt's rope delta. The engine keeps every entry's true position (`TrackedCache`) and passes the logical ones
+explicitly, so an evicted cache never changes a surviving entry's rotation nor the next token's position.
 
 Processors. transformers builds a Qwen-VL processor only together with its video processor, which needs
 torchvision; where it is missing (PyPI's torchvision does not match the CPU torch wheel) the checkpoint's
@@ -51,7 +50,6 @@ _BY_TYPE = {f.model_type: f.key for f in FAMILIES}
 _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                     "qwen3_vl": "Qwen3VLProcessor"}
 _CONFIG_CLASS = {"qwen2-vl": "Qwen2VLConfig", "qwen2.5-vl": "Qwen2_5_VLConfig", "qwen3-vl": "Qwen3VLConfig"}
-
 
 
 def family_of(config) -> str | None:
