@@ -327,9 +327,13 @@ def test_downsample_resizes_a_native_videos_frames_before_the_tower(lm):
 # -- refusals, Qwen3-VL's timestamps, the CLI ---------------------------------------------------------------------
 
 def test_too_many_frames_for_the_context_are_refused_before_encoding(lm, monkeypatch):
+    """Counted before encoding: the video's tokens, and the text around them (Qwen3-VL's timestamps, frames given as
+    a list stamped at 1 fps), which the context here holds on top of 120 tokens."""
+    from prefixkv_core.models.video import video_text_tokens
     from prefixkv_core.session import prefill
 
-    small = dataclasses.replace(lm, max_context=120)
+    context = 120 + video_text_tokens(lm.model.config, 16, lm.processor, list(range(16)))
+    small = dataclasses.replace(lm, max_context=context)
     per_group = video_token_count(lm.model.config, 2, (64, 48), lm.processor)
 
     def never(*args, **kwargs):
@@ -340,7 +344,7 @@ def test_too_many_frames_for_the_context_are_refused_before_encoding(lm, monkeyp
         Engine(small).new_session(None, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=4),
                                   video=frames(16), frames=16)
     message = str(err.value)
-    assert f"16 frames take {8 * per_group} tokens" in message and "context of 120" in message
+    assert f"16 frames take {8 * per_group} tokens" in message and f"context of {context}" in message
     fit = int(message.split("at most ")[1].split(" ")[0])
     assert 0 < fit < 16
 
@@ -366,6 +370,12 @@ def test_qwen3_vls_span_is_its_processors_own(models, indices):
         proc.video_processor = None
     ours = video_span(config, proc, grid[0].tolist(), len(indices), [k / 6.0 for k in indices])
     assert ours == own and own.count("seconds>") == int(grid[0, 0])
+    # the context check counts the span's text around its pads exactly
+    from prefixkv_core.models.video import video_text_tokens
+
+    span_ids = lm.tokenizer(ours, add_special_tokens=False)["input_ids"]
+    pads = sum(1 for i in span_ids if i == lm.video_token_id)
+    assert video_text_tokens(config, len(indices), proc, [k / 6.0 for k in indices]) == len(span_ids) - pads
 
 
 def test_qwen3_vl_stamps_each_group_with_the_clips_own_times(models):

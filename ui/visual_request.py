@@ -90,7 +90,8 @@ def check_first_turn(limits: Limits, loaded, prompt: str, visuals, max_new_token
 
         text_prompt = text_prompt.replace(VIDEO_MARKER, "")
         per_visual += _native_frame_tokens(loaded, len(native), native[0].size)
-        around = video_text_tokens(loaded.model.config, len(native), getattr(loaded, "processor", None))
+        around = video_text_tokens(loaded.model.config, len(native), getattr(loaded, "processor", None),
+                                   getattr(visuals, "video_times", None), getattr(visuals, "video_fps", None))
     total = prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + around + int(max_new_tokens)
     text, total = total, total + sum(per_visual)
     limit = run_token_limit(limits, loaded)

@@ -65,11 +65,12 @@ def video_token_count(config, n_frames: int, frame_size: tuple[int, int] | None 
     return n_frames * pooled_side(config) ** 2 + 1
 
 
-def video_text_tokens(config, n_frames: int, processor=None) -> int:
-    """About how many text tokens a video's span adds around its video tokens (Qwen3-VL's timestamps and per-group
-    vision start and end; 0 elsewhere): what the context check counts before anything is encoded."""
+def video_text_tokens(config, n_frames: int, processor=None, times=None, fps: float | None = None) -> int:
+    """The text tokens a video's span adds around its video tokens (Qwen3-VL's timestamps, from the frames' `times`
+    or `fps`, and per-group vision start and end; 0 elsewhere): what the context check counts before anything is
+    encoded."""
     if _qwen(config):
-        return _family(config).video_text_tokens(config, processor, n_frames)
+        return _family(config).video_text_tokens(config, processor, n_frames, times, fps)
     return 0
 
 

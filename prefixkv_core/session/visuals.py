@@ -139,7 +139,7 @@ def _check_fits(loaded, visuals: TurnVisuals, max_new_tokens: int) -> None:
     if visuals.native_video:  # the video's tokens, spread evenly over its frames (the text around them: the text's)
         n_frames = len(visuals.frames)
         total = video_token_count(config, n_frames, visuals.frames[0].size, loaded.processor)
-        text += video_text_tokens(config, n_frames, loaded.processor)
+        text += video_text_tokens(config, n_frames, loaded.processor, visuals.video_times, visuals.video_fps)
         per_visual += [total // n_frames + (1 if k < total % n_frames else 0) for k in range(n_frames)]
     total = text + sum(per_visual)
     if total <= loaded.max_context:

@@ -191,13 +191,18 @@ def video_token_count(config, processor, n_frames: int, frame_size: tuple[int, i
     return t * h * w // (merge * merge)
 
 
-def video_text_tokens(config, processor, n_frames: int) -> int:
-    """About how many text tokens a video's span adds around its pads: Qwen3-VL's timestamp ("<12.5 seconds>",
-    counted as 8 tokens) and vision start and end per temporal group; none on Qwen2-VL and Qwen2.5-VL."""
+def video_text_tokens(config, processor, n_frames: int, times=None, fps: float | None = None) -> int:
+    """The text tokens a video's span adds around its pads: Qwen3-VL's timestamp and vision start and end per
+    temporal group (the stamps as `video_span` writes them, counted by the processor's tokenizer; 8 tokens a stamp
+    without one); none on Qwen2-VL and Qwen2.5-VL."""
     if not _qwen3(config):
         return 0
-    temporal = _video_steps(processor, config)["temporal_patch_size"]
-    return -(-_read_frames(config, processor, n_frames) // temporal) * (8 + 2)
+    stamps = group_times(n_frames, _video_steps(processor, config)["temporal_patch_size"], times, fps)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None:
+        return len(stamps) * (8 + 2)
+    return sum(len(tokenizer(f"<{stamp:.1f} seconds>", add_special_tokens=False)["input_ids"]) + 2
+               for stamp in stamps)
 
 
 def frames_per_token(config, processor=None) -> int:
