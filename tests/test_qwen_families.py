@@ -325,8 +325,8 @@ def test_two_users_with_different_rope_deltas_share_the_batched_steps(family_mod
 
 def test_several_images_and_a_video(lm, picture):
     """Two images and a video's frames in one prompt: every image at its own grid positions, the methods run, Full
-    answers as the model's own generate over the same prompt. Qwen3-VL reads the frames as a run of images;
-    Qwen2-VL and Qwen2.5-VL on their own video path (one grid per two frames: tests/test_qwen_video.py)."""
+    answers as the model's own generate over the same prompt. Every Qwen family reads the video on its own path
+    (one grid per two frames, Qwen3-VL's each after its timestamp: tests/test_qwen_video.py)."""
     frames = [picture.resize((40, 40)).rotate(10 * k) for k in range(3)]
     engine = Engine(lm)
     session = engine.new_session([picture, picture.resize((32, 64))], "compare <image> with <image> and the video <video> what moves?",
@@ -335,19 +335,12 @@ def test_several_images_and_a_video(lm, picture):
     pre = list(session.run())[0]
     for name, state in session.states.items():
         assert state.error is None, (name, state.error)
-    native = lm.video_token_id is not None
-    assert native == (lm.family != "qwen3-vl") and session.visuals.native_video == native
-    assert session.image_layout.n_images == (4 if native else 5)
+    assert lm.video_token_id is not None and session.visuals.native_video
+    assert session.image_layout.n_images == 4  # two images, two temporal groups
     assert pre.image_tokens == session.image_layout.n_tokens
-    if native:
-        inputs = session.encoded.inputs
-        ids = inputs["input_ids"]
-        types = (ids == lm.image_token_id).int() + 2 * (ids == lm.video_token_id).int()
-    else:
-        inputs = M.encode(lm, session.visuals.images, M.format_prompt(lm, session.visuals.prompt, with_image=5))
-        ids = inputs["input_ids"]
-        assert torch.equal(ids, session.encoded.ids)
-        types = (ids == lm.image_token_id).int()
+    inputs = session.encoded.inputs
+    ids = inputs["input_ids"]
+    types = (ids == lm.image_token_id).int() + 2 * (ids == lm.video_token_id).int()
     out = _generate(lm, **inputs, mm_token_type_ids=types)
     assert session.states["full"].turn_ids == out[0, ids.shape[1]:ids.shape[1] + 3].tolist()
 

@@ -1,7 +1,8 @@
-"""Qwen2-VL and Qwen2.5-VL read a video on their own path (tiny random models, CPU): the chat template's video span
-expanded to t·h·w/merge² `<|video_pad|>` tokens, the frames preprocessed as Qwen's video processor does (here on
-transformers' PIL backend), the temporal groups' 3-D positions from the model's own rope index, and every method
-on it as on images. Qwen3-VL keeps reading a video's frames as images."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL read a video on their own path (tiny random models, CPU): the chat template's
+video span expanded to t·h·w/merge² `<|video_pad|>` tokens (Qwen3-VL's as one segment per temporal group, each
+after its timestamp, as its processor writes it), the frames preprocessed as the family's video processor does (here
+on transformers' PIL backend), the temporal groups' 3-D positions from the model's own rope index, and every method
+on it as on images."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,7 @@ from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.session.video_input import write_video
 from prefixkv_core.testing import kept_entry_masks, masked_reference_cache, moving_dot_frames, prefill_and_compress
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 PROMPT = "what moves in the clip?"
 
 
@@ -30,7 +31,7 @@ PROMPT = "what moves in the clip?"
 def models(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("models"))
     return {family: M.load_model(f"tiny-{family}", device="cpu", cache_dir=cache)
-            for family in (*VIDEO_FAMILIES, "qwen3-vl")}
+            for family in VIDEO_FAMILIES}
 
 
 @pytest.fixture(params=VIDEO_FAMILIES)
@@ -66,10 +67,19 @@ def test_the_video_span_is_expanded_to_the_grids_tokens(lm):
     assert t == 2 and inputs["pixel_values_videos"].shape == (t * h * w, 3 * 2 * 8 * 8)
     video = (ids == lm.video_token_id).nonzero().flatten()
     assert len(video) == t * h * w // merge ** 2 == video_token_count(lm.model.config, 4, (64, 48), lm.processor)
-    assert int(video[-1] - video[0]) + 1 == len(video)  # one block
     start = lm.tokenizer.convert_tokens_to_ids("<|vision_start|>")
     end = lm.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-    assert int(ids[video[0] - 1]) == start and int(ids[video[-1] + 1]) == end
+    runs = [run for run in np.split(video.numpy(), np.flatnonzero(np.diff(video.numpy()) > 1) + 1)]
+    if lm.family == "qwen3-vl":  # one segment per temporal group: "<t seconds>" then its vision span
+        assert [len(run) for run in runs] == [h * w // merge ** 2] * t
+        text_of = lm.tokenizer.decode(ids.tolist())
+        assert "<|vision_start|><0.2 seconds><|vision_start|>" in text_of  # frames at 0 and 0.5 s
+        assert "<|vision_end|><1.2 seconds><|vision_start|>" in text_of  # frames at 1 and 1.5 s
+        assert text_of.count("<|vision_end|><|vision_end|>") == 1  # the template's own span closes the video
+    else:
+        assert len(runs) == 1  # one block
+    for run in runs:
+        assert int(ids[run[0] - 1]) == start and int(ids[run[-1] + 1]) == end
     assert int(lm.visual_mask(inputs["input_ids"]).sum()) == len(video)
     if lm.family == "qwen2.5-vl":  # two frames a group at 2 fps: one second
         assert inputs["second_per_grid_ts"].tolist() == [1.0]
@@ -89,8 +99,9 @@ def test_tokens_and_grid_match_the_models_own_video_features(lm):
 @pytest.mark.parametrize("n_frames", [1, 2])
 def test_a_group_of_one_frame_is_that_frames_image_patches(lm, n_frames):
     """One frame padded with itself, or two equal frames, make the patches the image processor makes of that frame
-    (it repeats an image over the temporal patch): the same resize, rescale, normalise and patch order."""
-    picture = frames(1)[0]
+    (it repeats an image over the temporal patch): the same resize, rescale, normalise and patch order. (Qwen3-VL's
+    tiny image processor keeps its class's pixel limits, and its video's bound the clip: a frame that both keep.)"""
+    picture = frames(1, (96, 64) if lm.family == "qwen3-vl" else (64, 48))[0]
     video = video_inputs(lm.processor, lm.model.config, [picture] * n_frames)
     image = M.encode(lm, picture, M.format_prompt(lm, "<image> hi", with_image=1))
     assert video["video_grid_thw"].tolist() == image["image_grid_thw"].tolist()
@@ -129,10 +140,11 @@ def test_the_video_processors_own_output_is_used_where_it_exists(lm):
     class Own:
         size = {"shortest_edge": 256, "longest_edge": 4096}
         patch_size, merge_size, temporal_patch_size = 8, 2, 2
-        calls = []
+        calls, options = [], []
 
-        def __call__(self, videos, return_tensors):
+        def __call__(self, videos, return_tensors, **kwargs):
             self.calls.append(len(videos[0]))
+            self.options.append(kwargs)
             return {"pixel_values_videos": made["pixel_values_videos"] + 1, "video_grid_thw": made["video_grid_thw"]}
 
     proc = lm.processor
@@ -143,6 +155,8 @@ def test_the_video_processors_own_output_is_used_where_it_exists(lm):
     finally:
         proc.video_processor = None
     assert own.calls == [2]
+    if lm.family == "qwen3-vl":  # the frames are sampled already
+        assert own.options == [{"do_sample_frames": False, "cap_pixels_per_frame": False}]
     torch.testing.assert_close(got["pixel_values_videos"], made["pixel_values_videos"] + 1)
 
 
@@ -164,7 +178,8 @@ def test_full_equals_the_models_own_generate(lm):
 
 def test_positions_are_the_models_rope_index_over_the_video(lm):
     """The video's tokens get (t, h, w) positions, one temporal step per group (Qwen2.5-VL: spaced by the
-    seconds a group spans), and the next text follows the grid."""
+    seconds a group spans; Qwen3-VL: each group a grid of its own after its timestamp's text), and the next text
+    follows the grid."""
     inputs = encoded(lm, 4, fps=2.0)
     ids = inputs["input_ids"]
     positions, _ = hooks(lm.family).rope_index(lm.model, ids, M.vision_inputs(inputs))
@@ -174,7 +189,16 @@ def test_positions_are_the_models_rope_index_over_the_video(lm):
     first, second = temporal[:per_group], temporal[per_group:]
     assert bool((first == first[0]).all()) and bool((second == second[0]).all())
     step = int(second[0] - first[0])
-    assert step == (int(lm.model.config.vision_config.tokens_per_second) * 1 if lm.family == "qwen2.5-vl" else 1)
+    if lm.family == "qwen3-vl":  # the first grid's extent, then the text between the groups (one position each)
+        _, h, w = inputs["video_grid_thw"][0].tolist()
+        merge = lm.model.config.vision_config.spatial_merge_size
+        between = int(video[per_group] - video[per_group - 1]) - 1
+        assert step == max(h, w) // merge + between
+        assert int(positions[0, 0, video[0] - 1]) + 1 == int(first[0])  # the group starts after its text
+        rows = positions[1, 0, video[per_group:]] - positions[1, 0, video[per_group]]
+        torch.testing.assert_close(rows, positions[1, 0, video[:per_group]] - positions[1, 0, video[0]])
+    else:
+        assert step == (int(lm.model.config.vision_config.tokens_per_second) if lm.family == "qwen2.5-vl" else 1)
 
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache"])
@@ -300,12 +324,16 @@ def test_downsample_resizes_a_native_videos_frames_before_the_tower(lm):
     torch.testing.assert_close(state.first_logits, own, atol=1e-4, rtol=1e-4)
 
 
-# -- refusals, Qwen3-VL, the CLI -------------------------------------------------------------------------------------
+# -- refusals, Qwen3-VL's timestamps, the CLI ---------------------------------------------------------------------
 
 def test_too_many_frames_for_the_context_are_refused_before_encoding(lm, monkeypatch):
+    """Counted before encoding: the video's tokens, and the text around them (Qwen3-VL's timestamps, frames given as
+    a list stamped at 1 fps), which the context here holds on top of 120 tokens."""
+    from prefixkv_core.models.video import video_text_tokens
     from prefixkv_core.session import prefill
 
-    small = dataclasses.replace(lm, max_context=120)
+    context = 120 + video_text_tokens(lm.model.config, 16, lm.processor, list(range(16)))
+    small = dataclasses.replace(lm, max_context=context)
     per_group = video_token_count(lm.model.config, 2, (64, 48), lm.processor)
 
     def never(*args, **kwargs):
@@ -316,19 +344,99 @@ def test_too_many_frames_for_the_context_are_refused_before_encoding(lm, monkeyp
         Engine(small).new_session(None, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=4),
                                   video=frames(16), frames=16)
     message = str(err.value)
-    assert f"16 frames take {8 * per_group} tokens" in message and "context of 120" in message
+    assert f"16 frames take {8 * per_group} tokens" in message and f"context of {context}" in message
     fit = int(message.split("at most ")[1].split(" ")[0])
     assert 0 < fit < 16
 
 
-def test_qwen3_vl_reads_a_videos_frames_as_images(models):
+@pytest.mark.parametrize("indices", [[0, 7, 14], [0, 5, 10, 15]], ids=["odd", "even"])
+def test_qwen3_vls_span_is_its_processors_own(models, indices):
+    """Qwen3-VL's video span is what its processor's own `replace_video_token` writes for the same grid and frame
+    times (frame indices over the stream's rate; an odd count's last group stamped with its one frame)."""
+    from types import SimpleNamespace
+
+    from transformers.video_utils import VideoMetadata
+
+    from prefixkv_core.models.video import video_span
+
     lm = models["qwen3-vl"]
-    assert lm.video_token_id is None
-    session = Engine(lm).new_session(None, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=1),
-                                     video=frames(2), frames=2)
+    proc, config = lm.processor, lm.model.config
+    grid = video_inputs(proc, config, frames(len(indices)))["video_grid_thw"]
+    meta = VideoMetadata(total_num_frames=16, fps=6.0, frames_indices=list(indices))
+    try:
+        proc.video_processor = SimpleNamespace(merge_size=2, temporal_patch_size=2)
+        own = proc.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+    finally:
+        proc.video_processor = None
+    ours = video_span(config, proc, grid[0].tolist(), len(indices), [k / 6.0 for k in indices])
+    assert ours == own and own.count("seconds>") == int(grid[0, 0])
+    # the context check counts the span's text around its pads exactly
+    from prefixkv_core.models.video import video_text_tokens
+
+    span_ids = lm.tokenizer(ours, add_special_tokens=False)["input_ids"]
+    pads = sum(1 for i in span_ids if i == lm.video_token_id)
+    assert video_text_tokens(config, len(indices), proc, [k / 6.0 for k in indices]) == len(span_ids) - pads
+
+
+def test_qwen3_vl_stamps_each_group_with_the_clips_own_times(models):
+    """A decoded clip's frames keep their seconds in the stream: each group's timestamp is its frames' mean."""
+    from prefixkv_core.session.video_input import VideoClip
+
+    lm = models["qwen3-vl"]
+    picked = frames(4)
+    clip = VideoClip(tuple(picked), (0.0, 0.75, 1.5, 2.25), 4.0, 3.0, 12, picked[0].size, "clip")
+    session = Engine(lm).new_session(None, PROMPT, ["full"], 1.0, GenerationSettings(max_new_tokens=1),
+                                     video=clip, frames=4)
     list(session.run())
-    assert session.visuals.kinds() == ["frame", "frame"] and not session.visuals.native_video
-    assert session.visuals.describe()["video"]["read_as"] == "images"
+    text = lm.tokenizer.decode(session.encoded.ids[0].tolist())
+    assert "<0.4 seconds>" in text and "<1.9 seconds>" in text
+    assert session.visuals.describe()["video"]["read_as"] == "video" and session.visuals.native_video
+
+
+def test_the_pil_backends_patches_are_qwen3_vls_own_patchify(models):
+    """The PIL backend cuts a clip (an odd number of frames: the last repeated) into the patches Qwen3-VL's video
+    processor cuts (its `patchify` is plain torch), and resizes it as its `smart_resize` does."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+
+    from prefixkv_core.models.family import qwen_vl_video
+
+    lm = models["qwen3-vl"]
+    video = torch.randn(3, 3, 32, 48)
+    ours, grid = qwen_vl_video._patchify(torch.cat([video, video[-1:]]), 8, 2, 2)
+    own, t, h, w = Qwen3VLVideoProcessor.patchify(None, video[None], patch_size=8, merge_size=2,
+                                                  temporal_patch_size=2)
+    assert grid == (t, h, w) and torch.equal(ours, own[0])
+    s = qwen_vl_video.video_settings(None, lm.model.config, tiny=True)
+    for n, size in ((3, (64, 48)), (16, (640, 480)), (1, (20, 30))):
+        want = smart_resize(max(n, 2), size[1], size[0], temporal_factor=2, factor=16, min_pixels=s["min_pixels"],
+                            max_pixels=s["max_pixels"])
+        assert qwen_vl_video.frame_size(lm.model.config, lm.processor, n, *size) == want
+
+
+def test_a_released_qwen3_vl_video_config_sets_the_clips_resize(models, tmp_path):
+    """Without torchvision a Qwen3-VL checkpoint's video_preprocessor_config.json gives the PIL backend its steps:
+    the clip's pixel limits, mean and std, and the per-frame cap where it asks for one."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from prefixkv_core.models.family import qwen_vl_video
+
+    config = models["qwen3-vl"].model.config
+    released = {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
+                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                "video_processor_type": "Qwen3VLVideoProcessor"}
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(released))
+    settings = qwen_vl_video.video_settings(str(tmp_path), config)
+    assert (settings["min_pixels"], settings["max_pixels"], settings["patch_size"]) == (4096, 25165824, 16)
+    assert settings["image_mean"] == [0.5] * 3 and settings["cap_pixels_per_frame"] is False
+
+    class Processor:
+        prefixkv_video_settings = settings
+
+    size = qwen_vl_video.frame_size(config, Processor, 8, 1280, 720)
+    assert size == smart_resize(8, 720, 1280, temporal_factor=2, factor=32, min_pixels=4096, max_pixels=25165824)
+    Processor.prefixkv_video_settings = dict(settings, cap_pixels_per_frame=True)  # 768 tokens a frame at most
+    capped = qwen_vl_video.frame_size(config, Processor, 8, 1280, 720)
+    assert capped[0] * capped[1] <= 768 * 32 * 32 < size[0] * size[1]
 
 
 def test_cli_compare_takes_a_video_on_a_qwen_model(tmp_path):

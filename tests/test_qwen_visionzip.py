@@ -1,7 +1,7 @@
 """VisionZip on Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision towers (tiny random models, CPU): the scores from the
 last full-attention block (un-permuted from Qwen2.5-VL's windows, pooled over each 2x2 merge group) against a naive
 eager reference, the budget's token count, the reduced prompt against the model's own forward fed the same
-features and 3-D positions (Qwen3-VL's DeepStack features pruned in step), several images, Qwen2/2.5-VL's native
+features and 3-D positions (Qwen3-VL's DeepStack features pruned in step), several images, every Qwen family's native
 video, batched against alone, the overlay on the merged grid."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from prefixkv_core.testing import QWEN_FAMILIES, moving_dot_frames, wide_noise_p
 
 PROMPT = "describe the pictures in detail"
 TWO_IMAGES = "first <image> then <image> " + PROMPT
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 
 @pytest.fixture(scope="module")
@@ -287,13 +287,20 @@ def _check_reduced_prefill(lm, inputs, ids, is_image, policy):
     torch.testing.assert_close(reduced.positions[:, 0], expected_pos)
     if reduced.inputs_embeds is not None:
         torch.testing.assert_close(reduced.inputs_embeds[0].float(), embeds, atol=1e-5, rtol=1e-5)
-    else:  # Qwen3-VL: the features and DeepStack features the forward reads, one row per fed visual token
-        out = reduced.encoder_outputs["image"]
-        fed = reduced.record.positions
-        torch.testing.assert_close(torch.cat(list(out.pooler_output)).float(), embeds[fed], atol=1e-5, rtol=1e-5)
-        assert len(out.deepstack_features) == deep.shape[0] > 0
-        for layer, d in enumerate(out.deepstack_features):
-            torch.testing.assert_close(torch.cat(list(d)).float(), deep[layer], atol=1e-5, rtol=1e-5)
+    else:  # Qwen3-VL: the features and DeepStack features the forward reads, one row per fed visual token, the
+        # images' and the video's apart (each kind onto its own tokens)
+        fed = torch.as_tensor(reduced.record.positions)
+        fed_ids = reduced.ids[0, fed]
+        assert set(reduced.encoder_outputs) == {kind for kind, token in (("image", lm.image_token_id),
+                                                                         ("video", lm.video_token_id))
+                                                if bool((fed_ids == token).any())}
+        for kind, out in reduced.encoder_outputs.items():
+            mine = (fed_ids == (lm.video_token_id if kind == "video" else lm.image_token_id)).nonzero().flatten()
+            torch.testing.assert_close(torch.cat(list(out.pooler_output)).float(), embeds[fed[mine]], atol=1e-5,
+                                       rtol=1e-5)
+            assert len(out.deepstack_features) == deep.shape[0] > 0
+            for layer, d in enumerate(out.deepstack_features):
+                torch.testing.assert_close(torch.cat(list(d)).float(), deep[layer][mine], atol=1e-5, rtol=1e-5)
     with tracked_attention_enabled(lm.model):
         own = runner.prefill_for(lm.model, policy, ids, is_image, vision, lm.num_layers, lm.device,
                                  lm.image_token_id)
@@ -329,7 +336,7 @@ def test_the_reduced_prefill_is_the_models_own_forward(lm, contextual):
 
 
 def test_a_video_is_reduced_per_temporal_group(video_lm):
-    """Qwen2/2.5-VL's native video: each two-frame group is a crop with its share of the budget, its tokens keep
+    """A Qwen family's native video: each two-frame group is a crop with its share of the budget, its tokens keep
     their (t, h, w); the prefill is the model's own forward over the reduced features."""
     inputs, ids, is_image = video_prompt(video_lm)
     policy = make_policy("visionzip", 0.5, budget_of="image")

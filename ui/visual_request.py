@@ -84,10 +84,15 @@ def check_first_turn(limits: Limits, loaded, prompt: str, visuals, max_new_token
     per_visual = [image_tokens(loaded, im.size) for im in visuals.images]
     text_prompt = visuals.prompt
     native = list(getattr(visuals, "frames", None) or [])
+    around = 0  # the text a native video's span adds around its tokens (Qwen3-VL's timestamps)
     if native:  # read on the family's own video path: its marker holds the pooled frames' tokens
+        from prefixkv_core.models.video import video_text_tokens
+
         text_prompt = text_prompt.replace(VIDEO_MARKER, "")
         per_visual += _native_frame_tokens(loaded, len(native), native[0].size)
-    total = prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + int(max_new_tokens)
+        around = video_text_tokens(loaded.model.config, len(native), getattr(loaded, "processor", None),
+                                   getattr(visuals, "video_times", None), getattr(visuals, "video_fps", None))
+    total = prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + around + int(max_new_tokens)
     text, total = total, total + sum(per_visual)
     limit = run_token_limit(limits, loaded)
     if total <= limit:

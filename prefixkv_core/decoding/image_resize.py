@@ -101,11 +101,12 @@ class ResizedPrompt:
 
 
 def resized_prompt(loaded, images: list[Image.Image], text: str, wanted: int, prompt_image_tokens: int,
-                   frames: list[Image.Image] | None = None, frames_at: int = 0, video_fps: float | None = None
-                   ) -> ResizedPrompt | None:
+                   frames: list[Image.Image] | None = None, frames_at: int = 0, video_fps: float | None = None,
+                   video_times=None) -> ResizedPrompt | None:
     """The prompt `text` encoded with `images` each scaled so that all of them together take about `wanted` image
     tokens (each its share, in proportion to its tokens); None when no image would be made smaller. `frames`: a
-    video read natively on Qwen's own path, after the first `frames_at` images, all its frames scaled alike."""
+    video read natively on Qwen's own path, after the first `frames_at` images, all its frames scaled alike
+    (`video_fps`, `video_times`: its rate and its frames' seconds, as `encode` takes them)."""
     from ..models import encode
 
     items: list[tuple[str, Image.Image]] = [("image", im) for im in images]
@@ -128,7 +129,7 @@ def resized_prompt(loaded, images: list[Image.Image], text: str, wanted: int, pr
     if frames:
         size = sizes[frames_at]
         video = [f if f.size == size else f.resize(size, Image.BICUBIC) for f in frames]
-    inputs = encode(loaded, resized or None, text, video=video, video_fps=video_fps)
+    inputs = encode(loaded, resized or None, text, video=video, video_fps=video_fps, video_times=video_times)
     ids = inputs["input_ids"]
     is_image = loaded.visual_mask(ids)
     layouts = [layout_of[kind](*size) for size, (kind, _) in zip(sizes, items)]

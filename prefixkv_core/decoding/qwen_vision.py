@@ -212,7 +212,8 @@ class _Item:
 
 def _items(config, ids: torch.Tensor, vision_inputs: dict, rows: int) -> tuple[list[_Item], int, int]:
     """Row 0's images and videos in prompt order (every row holds the same), and how many of the pass's image and
-    video grids one row takes (the grids of all rows come one row after the other)."""
+    video grids one row takes (the grids of all rows come one row after the other). A video whose temporal groups
+    stand apart in the prompt (Qwen3-VL: a timestamp before each) is one item per group."""
     merge = _merge(config)
     image_grid, video_grid = vision_inputs.get("image_grid_thw"), vision_inputs.get("video_grid_thw")
     image_id, video_id = int(config.image_token_id), getattr(config, "video_token_id", None)
@@ -229,6 +230,15 @@ def _items(config, ids: torch.Tensor, vision_inputs: dict, rows: int) -> tuple[l
             grid = (video_grid if video else image_grid)[k_vid if video else k_img]
             n = int(grid.prod()) // (merge * merge)
             t = int(grid[0])
+            if video and t > 1 and row[p:p + n] != [token] * n:  # one run per temporal group
+                per_group = n // t
+                for g in range(t):
+                    while row[p] != token:
+                        p += 1
+                    items.append(_Item(p, per_group, [crop_vid + g], slice(at_vid, at_vid + per_group), True))
+                    p, at_vid = p + per_group, at_vid + per_group
+                k_vid, crop_vid = k_vid + 1, crop_vid + t
+                continue
             if video:
                 items.append(_Item(p, n, list(range(crop_vid, crop_vid + t)), slice(at_vid, at_vid + n), True))
                 k_vid, at_vid, crop_vid = k_vid + 1, at_vid + n, crop_vid + t
@@ -293,7 +303,7 @@ def reduce_qwen(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     positions, deltas = hooks_of(config).rope_index(model, ids, vision_inputs)
     embed = model.get_input_embeddings()
     deepstack = tower.image_deepstack is not None or tower.video_deepstack is not None
-    out_ids, out_flags, out_embeds, out_pos, out_feats, out_ds = [], [], [], [], [], []
+    out_ids, out_flags, out_embeds, out_pos, out_feats, out_ds, out_video = [], [], [], [], [], [], []
     record = None
     for r in range(rows):
         text = embed(ids[r:r + 1])[0]
@@ -328,6 +338,7 @@ def reduce_qwen(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
             pieces_flags += [is_image[r, at:item.start], is_image.new_ones(image.shape[0])]
             sources += [torch.arange(at, item.start), item.start + torch.tensor(anchors, dtype=torch.long)]
             out_feats.append(image)
+            out_video.append(item.video)
             if r == 0:
                 cells = [np.unique(np.asarray(w.nonzero().flatten().cpu())) for w in weights]
                 rec = ImageTokenSources(kinds, cells, item.tokens, len(item.crops),
@@ -347,21 +358,23 @@ def reduce_qwen(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     fed_deltas = deltas + (n - fed_ids.shape[1])
     if not deepstack:
         return QwenReduced(fed_ids, fed_flags, torch.stack(out_embeds), None, fed_positions, fed_deltas, record)
-    return QwenReduced(fed_ids, fed_flags, None, _encoder_outputs(out_feats, out_ds, rows, len(items), fed_ids,
-                                                                  config),
+    return QwenReduced(fed_ids, fed_flags, None, _encoder_outputs(out_feats, out_ds, out_video),
                        fed_positions, fed_deltas, record)
 
 
-def _encoder_outputs(feats: list[torch.Tensor], deepstack: list[list[torch.Tensor]], rows: int, per_row: int,
-                     ids: torch.Tensor, config) -> dict:
-    """Qwen3-VL: the reduced image features and their DeepStack features as the model's forward reads precomputed
-    encoder outputs (`mm_encoder_outputs`): every fed visual token's features in prompt order, rows one after the
-    other (Qwen3-VL reads a video's frames as images, so every visual token is an image token)."""
+def _encoder_outputs(feats: list[torch.Tensor], deepstack: list[list[torch.Tensor]], video: list[bool]) -> dict:
+    """Qwen3-VL: the reduced features and their DeepStack features as the model's forward reads precomputed encoder
+    outputs (`mm_encoder_outputs`): the images' fed tokens' features in prompt order, rows one after the other, and
+    the video's apart (`video`: whether each piece is a video's), each kind scattered onto its own tokens and their
+    DeepStack features joined at the visual positions by the model itself."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-    if getattr(config, "video_token_id", None) is not None and bool((ids == int(config.video_token_id)).any()):
-        raise ValueError("Qwen3-VL reads a video's frames as images: no video tokens expected")
     layers = len(deepstack[0])
-    pooled = tuple(feats)
-    stacks = [tuple(d[layer] for d in deepstack) for layer in range(layers)]
-    return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=pooled, deepstack_features=stacks)}
+    out = {}
+    for kind, wanted in (("image", False), ("video", True)):
+        picked = [k for k, is_video in enumerate(video) if is_video == wanted]
+        if picked:
+            stacks = [tuple(deepstack[k][layer] for k in picked) for layer in range(layers)]
+            out[kind] = BaseModelOutputWithDeepstackFeatures(pooler_output=tuple(feats[k] for k in picked),
+                                                             deepstack_features=stacks)
+    return out

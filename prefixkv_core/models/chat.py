@@ -194,14 +194,15 @@ def as_image_list(image) -> list:
 
 
 def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = True, video: list | None = None,
-           video_fps: float | None = None) -> dict:
+           video_fps: float | None = None, video_times=None) -> dict:
     """processor(...) -> dict of tensors on loaded.device: input_ids, attention_mask and, with images (one, or a
     list in the order their `<image>` tokens appear in `text`), every tensor the processor made for them
     (pixel_values in loaded.dtype; anyres families add image_sizes, OneVision batch_num_images).
     `add_special_tokens=False` for text that continues a conversation (no BOS). `video`: the frames of a video
-    the model reads natively (OneVision, Qwen2-VL, Qwen2.5-VL), whose one `<video>` token in `text` becomes the
-    video's tokens, with their pixel_values_videos (Qwen: and video_grid_thw; Qwen2.5-VL's second_per_grid_ts
-    from `video_fps`, the sampled frames' rate)."""
+    the model reads natively (OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), whose one `<video>` token in `text`
+    becomes the video's tokens, with their pixel_values_videos (Qwen: and video_grid_thw; Qwen2.5-VL's
+    second_per_grid_ts from `video_fps`, the sampled frames' rate; Qwen3-VL's timestamps from `video_times`, the
+    frames' seconds in the stream, else from `video_fps`)."""
     proc = _processor(loaded)
     images = [im.convert("RGB") if getattr(im, "mode", "RGB") != "RGB" else im for im in as_image_list(image)]
     image = images or None
@@ -227,7 +228,7 @@ def encode(loaded: LoadedModel, image, text: str, add_special_tokens: bool = Tru
             floating = value.is_floating_point()
             out[key] = value.to(loaded.device, loaded.dtype) if floating else value.to(loaded.device)
     if stand_in is not None:
-        out.update(_video_tokens(loaded, proc, out, stand_in, video, video_fps))
+        out.update(_video_tokens(loaded, proc, out, stand_in, video, video_fps, video_times))
     return out
 
 
@@ -245,10 +246,10 @@ def _stand_in_token(tokenizer, text: str, processor=None) -> str:
 
 
 def _video_tokens(loaded: LoadedModel, proc, out: dict, stand_in: str, frames: list,
-                  fps: float | None = None) -> dict:
-    """The encoded prompt with its stand-in token replaced by the video's tokens, and the frames' pixels (and
-    grid)."""
-    from .video import video_inputs, video_token_count
+                  fps: float | None = None, times=None) -> dict:
+    """The encoded prompt with its stand-in token replaced by the video's tokens (Qwen3-VL: its span of timestamps
+    and temporal groups, `video_span`), and the frames' pixels (and grid)."""
+    from .video import video_inputs, video_span, video_token_count
 
     ids = out["input_ids"]
     stand_in_id = proc.tokenizer.convert_tokens_to_ids(stand_in)
@@ -264,7 +265,14 @@ def _video_tokens(loaded: LoadedModel, proc, out: dict, stand_in: str, frames: l
         count = int(grid.prod(-1).sum()) // (merge * merge)
     else:
         count = video_token_count(config, len(frames))
-    run = ids.new_full((1, count), int(loaded.video_token_id))
+    span = video_span(config, proc, grid[0].tolist(), len(frames), times, fps) if grid is not None else None
+    if span is None:
+        run = ids.new_full((1, count), int(loaded.video_token_id))
+    else:  # special tokens split the text, so the span's pieces encode as they do in the whole prompt
+        run = torch.tensor([proc.tokenizer(span, add_special_tokens=False)["input_ids"]], dtype=ids.dtype,
+                           device=ids.device)
+        if int((run == int(loaded.video_token_id)).sum()) != count:
+            raise ModelLoadError("the video's span does not hold one token per video feature")
     ids = torch.cat([ids[:, :at], run, ids[:, at + 1:]], dim=1)
     mask = torch.ones_like(ids, dtype=out["attention_mask"].dtype)
     placed = {"input_ids": ids, "attention_mask": mask}

@@ -3,10 +3,10 @@
 OneVision reads a video as its own kind of input: every sampled frame squashed to the tower's square, through the
 vision tower and the projector, each frame's patch grid bilinearly pooled to half its side, and one image-newline
 token after the last frame (`get_video_features`); its prompt holds one `<video>` token per pooled patch plus that
-newline. Qwen2-VL and Qwen2.5-VL cut the frames into patches of temporal_patch_size (2) frames, so one
-`<|video_pad|>` token covers two frames of a merged cell (`family/qwen_vl.py`, video section). The other families
-(Qwen3-VL among them: its processor interleaves per-frame timestamps) read a video's frames as a run of images
-(`session/visuals.py`).
+newline. Qwen2-VL, Qwen2.5-VL and Qwen3-VL cut the frames into patches of temporal_patch_size (2) frames, so one
+`<|video_pad|>` token covers two frames of a merged cell (`family/qwen_vl_video.py`); Qwen3-VL's prompt puts a
+timestamp and its own vision start and end around each temporal group's tokens (`video_span`). The other families
+read a video's frames as a run of images (`session/visuals.py`).
 
 The frames' pixels come from the checkpoint's own video processor where transformers can build it (it needs
 torchvision). Where it cannot (PyPI's torchvision does not match the CPU torch wheel), the same preprocessing runs
@@ -25,8 +25,8 @@ import torch
 
 from .layout import GridView, ImageLayout
 
-NATIVE_VIDEO_MODEL_TYPES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
-QWEN_VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+NATIVE_VIDEO_MODEL_TYPES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VIDEO_TOKEN = "<video>"
 SETTINGS_FILE = "video_preprocessor_config.json"
 
@@ -63,6 +63,24 @@ def video_token_count(config, n_frames: int, frame_size: tuple[int, int] | None 
             raise ValueError("a Qwen video's token count follows its frames' size")
         return _family(config).video_token_count(config, processor, n_frames, frame_size)
     return n_frames * pooled_side(config) ** 2 + 1
+
+
+def video_text_tokens(config, n_frames: int, processor=None, times=None, fps: float | None = None) -> int:
+    """The text tokens a video's span adds around its video tokens (Qwen3-VL's timestamps, from the frames' `times`
+    or `fps`, and per-group vision start and end; 0 elsewhere): what the context check counts before anything is
+    encoded."""
+    if _qwen(config):
+        return _family(config).video_text_tokens(config, processor, n_frames, times, fps)
+    return 0
+
+
+def video_span(config, processor, grid, n_frames: int, times=None, fps: float | None = None) -> str | None:
+    """The text that takes the video placeholder's place where it is more than a run of video tokens (Qwen3-VL: a
+    timestamp, vision start, the group's tokens and vision end per temporal group, `grid`: its video_grid_thw row;
+    the frames' `times` in seconds, else spaced at `fps`); None where it is one run."""
+    if _qwen(config):
+        return _family(config).video_span(config, processor, grid, n_frames, times, fps)
+    return None
 
 
 def frames_per_token(config, processor=None) -> int:

@@ -85,8 +85,9 @@ class Engine:
                     batched: bool = True, video: Any = None, frames: int | None = None) -> "Session":
         """`image`: None, one image (PIL or path) or a list of them, in order. `video`: a video file (or a
         `VideoClip`, or a list of frames), sampled uniformly to `frames` frames (default 8) that the model reads
-        as images after the images. Without markers the images and frames come before the prompt's text; `<image>`
-        markers in the prompt place the images (one marker each) and a `<video>` marker the frames.
+        on its own video path (LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else as images after the images.
+        Without markers the images and frames come before the prompt's text; `<image>` markers in the prompt place
+        the images (one marker each) and a `<video>` marker the frames.
 
         `chat_template=False` feeds the prompt as plain text (the tokenizer's own special tokens, then the
         text, no turn markup): a document whose continuation is measured, as in language modelling. Such a

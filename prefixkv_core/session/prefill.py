@@ -48,6 +48,7 @@ class EncodedPrompt:
     frames: list = field(default_factory=list)  # its frames
     frames_at: int = 0  # how many of `images` come before it
     video_fps: float | None = None  # its sampled frames' rate
+    video_times: tuple | None = None  # its frames' seconds in the stream
 
     @property
     def n(self) -> int:
@@ -69,7 +70,8 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
     not fit the model's context."""
     images = visuals.images
     text = format_prompt(loaded, visuals.prompt, with_image=len(images)) if chat_template else visuals.prompt
-    inputs = encode(loaded, images or None, text, video=visuals.frames or None, video_fps=visuals.video_fps)
+    inputs = encode(loaded, images or None, text, video=visuals.frames or None, video_fps=visuals.video_fps,
+                    video_times=visuals.video_times)
     ids = inputs["input_ids"]
     n = ids.shape[1]
     is_image = loaded.visual_mask(ids)
@@ -84,7 +86,7 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
     return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
                          image_token_layout(loaded, visuals, ids[0], is_image[0]), images=list(images), text=text,
                          video=bool(visuals.frames), frames=list(visuals.frames), frames_at=visuals.frames_at,
-                         video_fps=visuals.video_fps)
+                         video_fps=visuals.video_fps, video_times=visuals.video_times)
 
 
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:
@@ -205,7 +207,7 @@ class Prefiller:
             raise EngineError("an image after the held-back question cannot be resized with the prompt")
         wanted = policy.kept_image_tokens(p.split, p.n_image)
         return resized_prompt(self.loaded, p.images, p.text, wanted, p.n_image, p.frames if p.video else None,
-                              p.frames_at, p.video_fps)
+                              p.frames_at, p.video_fps, p.video_times)
 
     def _prefill(self, policies) -> runner.Prefill:
         """One prefill of the compressed context recording what `policies` ask for (the uncompressed cache's bytes

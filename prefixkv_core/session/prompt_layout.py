@@ -36,8 +36,8 @@ def question_start(loaded: LoadedModel, visuals, text: str, ids: torch.Tensor, i
     placeholder = hooks(loaded.family).image_placeholder(loaded.processor)  # what the template writes per image
     before_images = visuals.images[:head.count(placeholder)]
     video = visuals.frames if visuals.frames and VIDEO_TOKEN in head else None
-    before = encode(loaded, before_images or None, head, video=video, video_fps=visuals.video_fps
-                    )["input_ids"][0].tolist() if at > 0 else []
+    before = encode(loaded, before_images or None, head, video=video, video_fps=visuals.video_fps,
+                    video_times=visuals.video_times)["input_ids"][0].tolist() if at > 0 else []
     full = ids[0].tolist()
     split = 0
     while split < min(len(before), len(full)) and before[split] == full[split]:

@@ -1,10 +1,10 @@
 """What a turn shows the model: its images and a video's sampled frames, and the prompt placing them. Checked
 before anything is encoded: marker counts, and whether they fit the context.
 
-A video is read the way its family reads one: LLaVA-OneVision, Qwen2-VL and Qwen2.5-VL on their own video path
-(one video block: OneVision's every frame pooled, Qwen's a merged grid per group of temporal_patch_size frames:
-`models/video.py`), the other families as a run of images after the turn's images (the way LLaVA-Interleave reads
-video). Without markers every image, then the video, comes before the prompt's text;
+A video is read the way its family reads one: LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL and Qwen3-VL on their own video
+path (OneVision's every frame pooled, Qwen's a merged grid per group of temporal_patch_size frames, Qwen3-VL's each
+after its timestamp: `models/video.py`), the other families as a run of images after the turn's images (the way
+LLaVA-Interleave reads video). Without markers every image, then the video, comes before the prompt's text;
 `<image>` markers place the images (one each), and a `<video>` marker the video."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from PIL import Image
 from .. import limits
 from ..errors import EngineError
 from ..models import IMAGE_TOKEN, image_markers
-from ..models.video import VIDEO_TOKEN, reads_video_natively, video_token_count
+from ..models.video import VIDEO_TOKEN, reads_video_natively, video_text_tokens, video_token_count
 from .image_input import MAX_VISUALS
 
 VIDEO_MARKER = VIDEO_TOKEN
@@ -62,6 +62,15 @@ class TurnVisuals:
         if not self.frames or not total or not fps:
             return None
         return len(self.frames) / total * fps
+
+    @property
+    def video_times(self) -> tuple[float, ...] | None:
+        """A native video's frames' seconds in the stream (Qwen3-VL stamps each temporal group with them), None
+        without one."""
+        times = getattr(self.video, "timestamps", None)
+        if not self.frames or times is None or len(times) != len(self.frames):
+            return None
+        return tuple(float(t) for t in times)
 
     def layout_order(self) -> list[tuple[str, Image.Image, int | None]]:
         """One (kind, picture, frame index) per image of the prompt's token layout, in reading order: every image
@@ -127,9 +136,10 @@ def _check_fits(loaded, visuals: TurnVisuals, max_new_tokens: int) -> None:
     per_visual = [limits.image_tokens(loaded, im.size) for im in visuals.images]
     text_prompt = visuals.prompt.replace(VIDEO_MARKER, "") if visuals.native_video else visuals.prompt
     text = limits.prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + max_new_tokens
-    if visuals.native_video:  # the video's tokens, spread evenly over its frames
-        total = video_token_count(config, len(visuals.frames), visuals.frames[0].size, loaded.processor)
+    if visuals.native_video:  # the video's tokens, spread evenly over its frames (the text around them: the text's)
         n_frames = len(visuals.frames)
+        total = video_token_count(config, n_frames, visuals.frames[0].size, loaded.processor)
+        text += video_text_tokens(config, n_frames, loaded.processor, visuals.video_times, visuals.video_fps)
         per_visual += [total // n_frames + (1 if k < total % n_frames else 0) for k in range(n_frames)]
     total = text + sum(per_visual)
     if total <= loaded.max_context:

@@ -4,17 +4,17 @@ patch x merge pixels between the processor's min and max pixels), a 2x2 patch me
 Positions. Text tokens get (p, p, p); an image's tokens get (t, h, w) offsets on its merged grid from where it
 starts, and the image advances the position by max(h, w), not by its number of tokens. `rope_index` is the model's
 own `get_rope_index` over the prompt (the image and video grids from the processor, Qwen2.5-VL's
-second_per_grid_ts, the token types from the ids; a video's tokens get one temporal step per group of frames); what
-follows the prompt runs at its true position plus the prompt's rope delta. The engine keeps every entry's true
-position (`TrackedCache`) and passes the logical ones explicitly, so an evicted cache never changes a surviving
-entry's rotation nor the next token's position.
+second_per_grid_ts, the token types from the ids; a video's tokens get one temporal step per group of frames, on
+Qwen3-VL each group's grid after its timestamp's text); what follows the prompt runs at its true position plus the
+prompt's rope delta. The engine keeps every entry's true position (`TrackedCache`) and passes the logical ones
+explicitly, so an evicted cache never changes a surviving entry's rotation nor the next token's position.
 
 Processors. transformers builds a Qwen-VL processor only together with its video processor, which needs
 torchvision; where it is missing (PyPI's torchvision does not match the CPU torch wheel) the checkpoint's
 processor is rebuilt without it (`image_only_processor_class`): the tokenizer, the image processor's PIL backend,
-the chat template. Qwen2-VL and Qwen2.5-VL then read a video on their own path, its pixels from transformers' video
-processor where it builds, else from the same steps on the PIL backend (the video section below); Qwen3-VL reads
-a video's frames as images.
+the chat template. Qwen2-VL, Qwen2.5-VL and Qwen3-VL then read a video on their own path, its pixels from
+transformers' video processor where it builds, else from the same steps on the PIL backend, and Qwen3-VL's prompt
+with a timestamp before each temporal group, as its processor writes it (`qwen_vl_video`).
 
 The tiny test models keep each family's structure (Qwen2-VL's tower and merger, Qwen2.5-VL's window attention
 with one full-attention block, Qwen3-VL's learned position grid and DeepStack merger, GQA text models with the
@@ -25,6 +25,12 @@ import json
 import os
 
 from .base import Family
+from .qwen_vl_shape import (IMAGE_PAD, SPECIAL_TOKENS, TINY_MAX_PIXELS, TINY_MERGE, TINY_MIN_PIXELS,  # noqa: F401
+                            TINY_PATCH, VIDEO_PAD, VISION_END, VISION_START)
+from .qwen_vl_video import (VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VIDEO_MODEL_TYPES, attach_video,  # noqa: F401
+                            frames_per_token, reads_video, video_grid, video_inputs, video_layout,
+                            video_preprocessor_config, video_settings, video_span, video_text_tokens,
+                            video_token_count)
 
 FAMILIES = (
     Family("qwen2-vl", "Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen/Qwen2-VL-2B-Instruct",
@@ -44,10 +50,6 @@ _BY_TYPE = {f.model_type: f.key for f in FAMILIES}
 _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                     "qwen3_vl": "Qwen3VLProcessor"}
 _CONFIG_CLASS = {"qwen2-vl": "Qwen2VLConfig", "qwen2.5-vl": "Qwen2_5_VLConfig", "qwen3-vl": "Qwen3VLConfig"}
-
-IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 
 
 def family_of(config) -> str | None:
@@ -113,8 +115,6 @@ def video_marker(processor) -> str:
 
 
 # -- configs -----------------------------------------------------------------------------------------------------
-TINY_PATCH, TINY_MERGE = 8, 2
-TINY_MIN_PIXELS, TINY_MAX_PIXELS = 16 * 16, 64 * 64  # 1 to 16 merged tokens an image
 _TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-6)
 # the released mrope sections split a head's 64 rotary pairs 16/24/24 (temporal, height, width): here 8 pairs
@@ -310,7 +310,7 @@ def save_tiny(path, family: str, seed: int = 0) -> str:
     settings = getattr(proc, "prefixkv_video_settings", None)
     if settings is not None:  # the video processor's settings, where the released checkpoint keeps them
         with open(os.path.join(path, "video_preprocessor_config.json"), "w") as fh:
-            json.dump(video_preprocessor_config(settings), fh, indent=2)
+            json.dump(video_preprocessor_config(settings, model.config.model_type), fh, indent=2)
     return path
 
 
@@ -385,191 +385,3 @@ def rope_index(model, ids, vision_inputs):
     positions, deltas = model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid,
                                                    video_grid_thw=video_grid, **extra)
     return positions, deltas.reshape(-1).long()
-
-
-# -- video ---------------------------------------------------------------------------------------------------------
-# Qwen2-VL and Qwen2.5-VL read a video on their own path: the frames resized alike (smart_resize at the video
-# processor's pixel limits), rescaled and normalised, padded to a multiple of temporal_patch_size frames by repeating
-# the last one, and cut into patches of temporal_patch_size frames x patch x patch pixels, so one merged token
-# covers temporal_patch_size frames of a merge x merge cell (`video_grid_thw` [[t, h, w]] in patches; Qwen2.5-VL also
-# `second_per_grid_ts`, the seconds one temporal group spans, which spaces the groups' temporal positions).
-# Qwen3-VL reads a video's frames as images: its processor interleaves a timestamp before every frame group.
-
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# Qwen2VLVideoProcessor's class defaults (the video pixel limits at 14 px patches, OpenAI CLIP's mean and std)
-VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 28 * 28, 28 * 28 * 768
-
-
-def reads_video(config) -> bool:
-    return getattr(config, "model_type", None) in VIDEO_MODEL_TYPES
-
-
-def video_settings(source: str | None, config, tiny: bool = False) -> dict:
-    """The frames' preprocessing of a checkpoint: its video_preprocessor_config.json's pixel limits, mean and std
-    where it has one, else the video processor class's defaults (the tiny models': their image pixel limits);
-    patch, merge and temporal patch sizes from the vision config unless the file names them."""
-    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-
-    from ..video import _settings_file
-
-    vc = config.vision_config
-    lo, hi = (TINY_MIN_PIXELS, TINY_MAX_PIXELS) if tiny else (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
-    settings = {"min_pixels": lo, "max_pixels": hi, "image_mean": list(OPENAI_CLIP_MEAN),
-                "image_std": list(OPENAI_CLIP_STD), "patch_size": int(vc.patch_size),
-                "merge_size": int(vc.spatial_merge_size), "temporal_patch_size": int(vc.temporal_patch_size)}
-    found = _settings_file(source) if source else None
-    if found is not None:
-        raw = json.loads(found.read_text())
-        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
-        for key, names in (("min_pixels", ("shortest_edge", "min_pixels")),
-                           ("max_pixels", ("longest_edge", "max_pixels"))):
-            for name in names:
-                value = size.get(name, raw.get(name))
-                if value is not None:
-                    settings[key] = int(value)
-                    break
-        for key in ("image_mean", "image_std"):
-            if raw.get(key) is not None:
-                settings[key] = [float(x) for x in raw[key]]
-        for key in ("patch_size", "merge_size", "temporal_patch_size"):
-            if raw.get(key) is not None:
-                settings[key] = int(raw[key])
-    return settings
-
-
-def video_preprocessor_config(settings: dict) -> dict:
-    """The video_preprocessor_config.json of these settings, as transformers' Qwen2VLVideoProcessor saves it."""
-    return {"video_processor_type": "Qwen2VLVideoProcessor", "do_resize": True, "do_rescale": True,
-            "do_normalize": True, "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255,
-            "size": {"shortest_edge": settings["min_pixels"], "longest_edge": settings["max_pixels"]},
-            "image_mean": settings["image_mean"], "image_std": settings["image_std"],
-            "patch_size": settings["patch_size"], "merge_size": settings["merge_size"],
-            "temporal_patch_size": settings["temporal_patch_size"], "do_sample_frames": False}
-
-
-def attach_video(processor, config, source: str | None = None, tiny: bool = False):
-    """Qwen2-VL's and Qwen2.5-VL's processors get their frames' preprocessing: transformers' own video processor
-    where it can be built (it needs torchvision), else the settings of the same steps on the PIL backend
-    (`video_inputs`). Returns the processor."""
-    if not reads_video(config):
-        return processor
-    if getattr(processor, "video_processor", None) is not None:
-        return processor
-    if source is not None:
-        try:
-            from transformers import AutoVideoProcessor
-
-            processor.video_processor = AutoVideoProcessor.from_pretrained(source)
-            return processor
-        except Exception:  # noqa: BLE001 - no torchvision (or no video processor saved): the PIL backend's steps
-            pass
-    tiny = tiny or int(config.vision_config.patch_size) == TINY_PATCH  # a tiny checkpoint saved without the file
-    processor.prefixkv_video_settings = video_settings(source, config, tiny)
-    return processor
-
-
-def _video_steps(processor, config) -> dict:
-    """(settings) of a processor's video preprocessing: its own video processor's, else the attached settings."""
-    own = getattr(processor, "video_processor", None)
-    if own is not None:
-        size = own.size
-        get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
-        return {"min_pixels": int(get("shortest_edge")), "max_pixels": int(get("longest_edge")),
-                "patch_size": int(own.patch_size), "merge_size": int(own.merge_size),
-                "temporal_patch_size": int(own.temporal_patch_size)}
-    settings = getattr(processor, "prefixkv_video_settings", None) if processor is not None else None
-    return settings if settings is not None else video_settings(None, config)
-
-
-def video_grid(config, processor, n_frames: int, width: int, height: int) -> tuple[int, int, int]:
-    """(t, h, w) of a video's patch grid (its `video_grid_thw`): t = ceil(frames / temporal_patch_size), the frames
-    resized as the video processor resizes them, in patches."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    s = _video_steps(processor, config)
-    patch, merge, temporal = s["patch_size"], s["merge_size"], s["temporal_patch_size"]
-    h, w = smart_resize(int(height), int(width), factor=patch * merge, min_pixels=s["min_pixels"],
-                        max_pixels=s["max_pixels"])
-    return -(-int(n_frames) // temporal), h // patch, w // patch
-
-
-def video_token_count(config, processor, n_frames: int, frame_size: tuple[int, int]) -> int:
-    """The `<|video_pad|>` tokens of a video: t x h x w / merge²."""
-    t, h, w = video_grid(config, processor, n_frames, *frame_size)
-    merge = _video_steps(processor, config)["merge_size"]
-    return t * h * w // (merge * merge)
-
-
-def frames_per_token(config, processor=None) -> int:
-    """How many frames one video token covers (the temporal patch size)."""
-    return int(_video_steps(processor, config)["temporal_patch_size"])
-
-
-def video_layout(config, processor, n_frames: int, frame_size: tuple[int, int], first_index: int = 0):
-    """Where each video token comes from: one merged grid per temporal group (its tokens cover temporal_patch_size
-    frames: "frames 1-2"; a last group padded with a repeated frame names its one frame), no newline tokens."""
-    from ..layout import GridView, ImageLayout
-
-    t, h, w = video_grid(config, processor, n_frames, *frame_size)
-    s = _video_steps(processor, config)
-    merge, temporal = s["merge_size"], s["temporal_patch_size"]
-    views = []
-    for k in range(t):
-        first, last = k * temporal + 1, min((k + 1) * temporal, n_frames)
-        name = f"frames {first}-{last}" if last > first else f"frame {first}"
-        views.append(GridView(name, h // merge, w // merge, image=first_index + k))
-    return ImageLayout(tuple(views), tuple(frame_size), (tuple(frame_size),) * t)
-
-
-def _patchify(video, patch: int, merge: int, temporal: int):
-    """[F, C, H, W] (F a multiple of `temporal`) -> [t·h·w, C·temporal·patch²], merged cells' patches together,
-    the order the vision tower reads (row-major over merge x merge blocks, then within a block)."""
-    frames, channels, height, width = video.shape
-    t, h, w = frames // temporal, height // patch, width // patch
-    cells = video.reshape(t, temporal, channels, h // merge, merge, patch, w // merge, merge, patch)
-    # -> (t, h-blocks, w-blocks, row in block, col in block, C, temporal, patch rows, patch cols)
-    cells = cells.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return cells.reshape(t * h * w, channels * temporal * patch * patch), (t, h, w)
-
-
-def video_inputs(processor, config, frames: list, fps: float | None = None) -> dict:
-    """pixel_values_videos [patches, C·T·P·P] and video_grid_thw [[t, h, w]] of a video's frames (and, for
-    Qwen2.5-VL, second_per_grid_ts: temporal_patch_size / the sampled frames' rate, 1 fps when unknown), from
-    transformers' video processor where it exists, else the same steps on the PIL backend."""
-    import numpy as np
-    import torch
-
-    own = getattr(processor, "video_processor", None)
-    s = _video_steps(processor, config)
-    temporal = s["temporal_patch_size"]
-    if own is not None:
-        batch = own(videos=[list(frames)], return_tensors="pt")
-        out = {"pixel_values_videos": batch["pixel_values_videos"], "video_grid_thw": batch["video_grid_thw"]}
-    else:
-        from transformers import Qwen2VLImageProcessorPil
-        from transformers.image_processing_backends import PilBackend
-        from transformers.image_utils import PILImageResampling, SizeDict
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        pil = Qwen2VLImageProcessorPil(patch_size=s["patch_size"], merge_size=s["merge_size"],
-                                       temporal_patch_size=temporal,
-                                       size={"shortest_edge": s["min_pixels"], "longest_edge": s["max_pixels"]})
-        factor = s["patch_size"] * s["merge_size"]
-        width, height = frames[0].size
-        target = SizeDict(**dict(zip(("height", "width"), smart_resize(
-            height, width, factor=factor, min_pixels=s["min_pixels"], max_pixels=s["max_pixels"]))))
-        arrays = []
-        for frame in frames:  # every frame to the first one's size, as the video processor resizes a stacked video
-            array = pil.process_image(frame, do_convert_rgb=True)  # [C, H, W] uint8
-            array = PilBackend.resize(pil, array, target, resample=PILImageResampling.BICUBIC)
-            array = pil.normalize(pil.rescale(array, 1 / 255), s["image_mean"], s["image_std"])
-            arrays.append(np.asarray(array, dtype=np.float32))
-        video = torch.from_numpy(np.stack(arrays))
-        if pad := -video.shape[0] % temporal:  # the last frame repeated up to a whole temporal group
-            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
-        pixels, grid = _patchify(video, s["patch_size"], s["merge_size"], temporal)
-        out = {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([grid], dtype=torch.long)}
-    if config.model_type == "qwen2_5_vl":
-        rate = float(fps) if fps else 1.0
-        out["second_per_grid_ts"] = torch.tensor([temporal / rate], dtype=torch.float32)
-    return out
