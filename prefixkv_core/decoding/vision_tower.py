@@ -61,9 +61,6 @@ def feature_layer(config) -> tuple[int, int]:
     if uses_mrope(config):
         raise ValueError(f"{config.model_type}'s tower has no single feature layer: its 2x2-merged patches are read "
                          "per merged token (`qwen_vision`)")
-    refusal = _family_refusal(config)
-    if refusal:
-        raise ValueError(refusal)
     vfl = getattr(config, "vision_feature_layer", -1)
     if not isinstance(vfl, int):
         raise ValueError(f"a vision-side reduction needs one vision feature layer; this model concatenates {vfl}")
@@ -72,20 +69,6 @@ def feature_layer(config) -> tuple[int, int]:
     if hidden == 0:
         raise ValueError("the vision feature layer is the patch embedding: it has no attention to rank tokens by")
     return vfl, hidden - 1
-
-
-def _family_refusal(config) -> str | None:
-    """Why the vision-side reductions cannot read this family's tower yet, where its family module says so
-    (`vision_reduction_refusal`, an optional hook); None where it declares none."""
-    from ..models.errors import ModelLoadError
-    from ..models.families import hooks_of
-
-    try:
-        module = hooks_of(config)
-    except ModelLoadError:
-        return None
-    says = getattr(module, "vision_reduction_refusal", None)
-    return says(config) if says is not None else None
 
 
 def _probabilities(query, key, mask, scale) -> torch.Tensor:

@@ -24,9 +24,7 @@ defines:
   features: its prefills then read the pixels).
 
 Optional (absent: none): ``image_wrap_tokens(processor) -> int``, the text tokens the processor adds around each
-image's tokens (InternVL's `<img>` and `</img>`), which the run limits count; ``vision_reduction_refusal(config)
--> str | None``, why the vision-side reductions cannot read the family's tower yet (they then fail on their own
-with that message); ``pixel_shuffled(config) -> bool``, whether the projector reads the tower's patches
+image's tokens (InternVL's `<img>` and `</img>`), which the run limits count; ``pixel_shuffled(config) -> bool``, whether the projector reads the tower's patches
 pixel-shuffled (InternVL: the vision-side reductions then read the tower per image token,
 `decoding.internvl_vision`).
 
