@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in loaded.notes:
         log.info("model note: %s", note)
 
-    from ui.app_builder import build_app, launch_kwargs
+    from ui.app_builder import build_app, hand_the_interpreter_back_sooner, launch_kwargs
 
     limits = build_limits(args, loaded)
     log.info("limits: prompt %d characters / %d tokens, conversation %d tokens, image %s, video %s, %d "
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
              limits.max_batch_users)
     demo = build_app(Engine(loaded), methods=methods, max_new_tokens_limit=args.max_new_tokens_limit, limits=limits,
                      queue_size=args.queue_size)
+    hand_the_interpreter_back_sooner()
     demo.launch(**launch_kwargs(args.host, args.port, limits=limits))
     return 0
 

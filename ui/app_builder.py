@@ -368,6 +368,19 @@ def launch_kwargs(host: str = "127.0.0.1", port: int = 7860, *, limits: Limits =
     return kwargs
 
 
+# The interpreter's switch interval in the app's process. The model's thread takes the GIL back after every
+# operator, and with gradio's threads busy it waits up to this long for it each time: at the default 5 ms, four
+# visitors at once on the embedded model waited 4-9 % longer (benchmarks/reports/2026-11-26-app-visitors-rounds.md).
+SWITCH_INTERVAL_S = 0.001
+
+
+def hand_the_interpreter_back_sooner() -> None:
+    """Set the process's switch interval for serving (SWITCH_INTERVAL_S); the app's launchers call it."""
+    import sys
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
 def serve_locally(engine: Engine, **build: Any) -> tuple[gr.Blocks, str]:
     """`build_app(engine, **build)` launched on a free loopback port without blocking (the tests, the benchmarks
     that drive the app and the screenshot script run it so); returns (the app, its URL). Close it with .close()."""
@@ -377,6 +390,7 @@ def serve_locally(engine: Engine, **build: Any) -> tuple[gr.Blocks, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     demo = build_app(engine, **build)
+    hand_the_interpreter_back_sooner()
     demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
     return demo, f"http://127.0.0.1:{port}/"
 
