@@ -219,7 +219,7 @@ def image_processor_for(config, tiny: bool = True):
     if tiny:
         extra["size"] = {"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS}
     if config.model_type == "qwen3_vl":  # SigLIP-2 normalisation
-        extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+        extra.update(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     return Qwen2VLImageProcessorPil(patch_size=int(vc.patch_size), merge_size=int(vc.spatial_merge_size),
                                     temporal_patch_size=int(vc.temporal_patch_size), **extra)
 
