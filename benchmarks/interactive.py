@@ -23,10 +23,12 @@ Measured side by side in one process, repeats interleaved (the machines are shar
     python benchmarks/interactive.py --model embedded --budget 0.3 --new-tokens 64
     python benchmarks/interactive.py --model embedded --threads 1 --new-tokens 16 --time-alone
     python benchmarks/interactive.py --random-weights llava-interleave --new-tokens 24   # the Space's shape
+    python benchmarks/interactive.py --random-weights qwen2.5-vl-3b --threads 1 --new-tokens 8   # M-RoPE
 
 `--random-weights` builds a family's example checkpoint with random weights and a stand-in tokenizer
 (`llava-1.5`, `llava-interleave`: the Space default llava-interleave-qwen-0.5b, `llava-next`, `llava-onevision`,
-or `tiny-<family>`): its speed is the real model's, its answers are noise.
+or `tiny-<family>`; `qwen2.5-vl-3b`: Qwen2.5-VL-3B-Instruct, `internvl3-1b`: InternVL3-1B): its speed is the
+real model's, its answers are noise.
 """
 from __future__ import annotations
 
@@ -47,8 +49,9 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
 from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
-from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
-from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
+from prefixkv_core.models import RANDOM_FAMILIES, RANDOM_MROPE, build_random_model, encode, format_prompt  # noqa: E402
+from prefixkv_core.models import resolve_device, resolve_dtype, vision_inputs  # noqa: E402
+from prefixkv_core.models.families import hooks_of, uses_mrope  # noqa: E402
 from prefixkv_core.models.compat import cache_kwarg  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
@@ -126,43 +129,87 @@ def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: 
     return {"total_s": total, "methods": out}
 
 
-def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> float:
-    """Decode tokens/s of a plain cached greedy loop in transformers (DynamicCache, the model's own attention, no
-    engine) over `batch` copies of one prompt: prefilled once, its cache repeated to `batch` rows, then
-    `new_tokens - 1` steps of one token per row. What the hardware gives a batch, with nothing of ours."""
+def generation_inputs(loaded, inputs: dict) -> dict:
+    """The prompt's tensors as transformers' `generate` takes them from the processor: `encode`'s output plus, for a
+    model with 3-D rotary positions (Qwen-VL), the token types `mm_token_type_ids` (1 image, 2 video, 0 text) that
+    the processor returns and `encode` leaves out; with them (and `image_grid_thw`) the model computes its M-RoPE
+    positions, without them it would run the prompt at 1-D text positions."""
+    config = loaded.model.config
+    if not uses_mrope(config) or "mm_token_type_ids" in inputs:
+        return dict(inputs)
+    ids = inputs["input_ids"]
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[ids == int(config.image_token_id)] = 1
+    if getattr(config, "video_token_id", None) is not None:
+        types[ids == int(config.video_token_id)] = 2
+    return {**inputs, "mm_token_type_ids": types}
+
+
+def plain_greedy(loaded, inputs, new_tokens: int, batch: int) -> tuple[torch.Tensor, float]:
+    """A plain cached greedy loop in transformers (DynamicCache, the model's own attention, no engine) over `batch`
+    copies of one prompt: prefilled once, its cache repeated to `batch` rows, then `new_tokens - 1` steps of one
+    token per row. Returns (the tokens [batch, new_tokens], seconds of the decode steps).
+
+    The model is called as `generate` calls it: the prompt with every tensor the processor made
+    (`generation_inputs`); a model with 3-D rotary positions (Qwen-VL) gets the prompt's positions from its own
+    `get_rope_index` (the image grids, the token types) and each new token its text position plus the prompt's
+    rope delta on all three axes, which is what `generate` passes; other models one position per token."""
     from transformers import DynamicCache
 
     model, device = loaded.model, loaded.device
+    inputs = generation_inputs(loaded, inputs)
+    n = inputs["input_ids"].shape[1]
+    mrope = uses_mrope(model.config)
+    prefill, delta = dict(inputs), 0
+    if mrope:
+        positions, deltas = hooks_of(model.config).rope_index(model, inputs["input_ids"], vision_inputs(inputs))
+        prefill["position_ids"], delta = positions.to(device), int(deltas.reshape(-1)[0])
     with torch.inference_mode():
         cache = DynamicCache()
-        out = model(**inputs, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
+        out = model(**prefill, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
         token = out.logits[:, -1].argmax(dim=-1).repeat(batch).view(batch, 1)
-        n = inputs["input_ids"].shape[1]
+        tokens = [token]
         t0 = now(device)
         for i in range(new_tokens - 1):
-            position = torch.full((batch, 1), n + i, device=device)
+            position = torch.full((batch, 1), n + i + delta, device=device)
+            if mrope:  # [3, batch, 1]: the same logical position on the temporal, height and width axes
+                position = position.unsqueeze(0).expand(3, -1, -1)
             out = model(input_ids=token, position_ids=position, **cache_kwarg(cache), use_cache=True,
                         logits_to_keep=1)
             token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+            tokens.append(token)
         elapsed = now(device) - t0
+    return torch.cat(tokens, dim=1), elapsed
+
+
+def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> float:
+    """Decode tokens/s of the plain cached greedy loop (`plain_greedy`) at batch `batch`: what the hardware gives a
+    batch, with nothing of ours."""
+    _, elapsed = plain_greedy(loaded, inputs, new_tokens, batch)
     return batch * (new_tokens - 1) / elapsed
+
+
+# the random-weight kinds that come with a processor, so image prompts run through the engine: the LLaVA families'
+# shapes (and their tiny ones), and the released shapes whose family module builds them (Qwen2.5-VL-3B, InternVL3-1B)
+RANDOM_WITH_PROCESSOR = tuple(RANDOM_FAMILIES) + tuple(RANDOM_MROPE)
 
 
 def add_random_weights_arg(ap: argparse.ArgumentParser) -> None:
     """--random-weights: a family's released shape with random weights, read by `load_benchmark_model`."""
-    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
+    ap.add_argument("--random-weights", default=None, choices=RANDOM_WITH_PROCESSOR,
                     help="instead of --model: random weights in a family's released shape (llava-interleave: the "
-                         "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
+                         "Space default; qwen2.5-vl-3b, internvl3-1b), with a stand-in tokenizer; tiny-<family> "
+                         "for smoke runs")
 
 
 def load_benchmark_model(args):
     if args.random_weights is None:
         return load_model(args.model, device=args.device, dtype=args.dtype)
-    if args.random_weights not in RANDOM_FAMILIES:
+    if args.random_weights not in RANDOM_WITH_PROCESSOR:
         raise SystemExit(f"--random-weights {args.random_weights!r} has no processor for image prompts; accepted: "
-                         f"{', '.join(RANDOM_FAMILIES)}")
+                         f"{', '.join(RANDOM_WITH_PROCESSOR)}")
     device, _ = resolve_device(args.device)
     return build_random_model(args.random_weights, device, resolve_dtype(args.dtype, device))
 
@@ -203,7 +250,7 @@ def main(argv=None) -> int:
     for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
         together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
         alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens))
-        generate.append(time_generate(loaded, inputs, args.new_tokens))
+        generate.append(time_generate(loaded, generation_inputs(loaded, inputs), args.new_tokens))
         one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1)
         many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods))
         plain.append({"batch_1_tokens_per_s": one, "batch_b_tokens_per_s": many, "ceiling": many / one})
