@@ -49,7 +49,8 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
 from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
-from prefixkv_core.models import RANDOM_FAMILIES, RANDOM_MROPE, build_random_model, encode, format_prompt  # noqa: E402
+from prefixkv_core.models import RANDOM_FAMILIES, RANDOM_MROPE, build_random_model  # noqa: E402
+from prefixkv_core.models import encode, format_prompt  # noqa: E402
 from prefixkv_core.models import resolve_device, resolve_dtype, vision_inputs  # noqa: E402
 from prefixkv_core.models.families import hooks_of, uses_mrope  # noqa: E402
 from prefixkv_core.models.compat import cache_kwarg  # noqa: E402
