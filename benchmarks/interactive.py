@@ -287,6 +287,7 @@ def main(argv=None) -> int:
     report = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "methods": methods,
               "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "prompt_tokens": together[0]["prompt_tokens"],
+              "image_tokens": int((inputs["input_ids"] == loaded.image_token_id).sum()),
               "together_tokens_per_s": med(together, "decode_tokens_per_s"),
               "full_alone_tokens_per_s": med(alone, "decode_tokens_per_s"),
               "generate_tokens_per_s": statistics.median(generate),
@@ -311,7 +312,8 @@ def main(argv=None) -> int:
 
     print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {torch.get_num_threads()} threads), "
           f"commit {report['commit']}, {report['date']}")
-    print(f"{len(methods)} methods, budget {args.budget}, prompt {report['prompt_tokens']} tokens, "
+    print(f"{len(methods)} methods, budget {args.budget}, prompt {report['prompt_tokens']} tokens "
+          f"({report['image_tokens']} image), "
           f"{args.new_tokens} new tokens each, median of {args.repeats}")
     print("| measure | value |\n|---|---|")
     print(f"| decode tok/s, all {len(methods)} methods as one batch (summed) | {report['together_tokens_per_s']:.1f} |")

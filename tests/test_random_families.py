@@ -119,4 +119,5 @@ def test_interactive_measures_the_ceiling_on_a_qwen_vl_model(tmp_path):
                              "--repeats", "1", "--no-sequential", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ceiling_batch"] == 3 and not report["errors"]
+    assert 0 < report["image_tokens"] < report["prompt_tokens"]
     assert report["efficiency"] == pytest.approx(report["throughput_ratio"] / report["ceiling"], rel=1e-9)
