@@ -46,7 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
+from benchmarks.common import REPO_ROOT, Pauses, run_info  # noqa: E402
 from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
 from prefixkv_core.models import RANDOM_FAMILIES, RANDOM_MROPE, build_random_model  # noqa: E402
@@ -59,11 +59,18 @@ from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.policies import make_policy, role_method  # noqa: E402
 
 
-def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+def span(pauses: Pauses | None, t0: float, t1: float) -> float:
+    """Seconds from t0 to t1, less those in which the process was paused (`pauses`; None: all of them)."""
+    return t1 - t0 if pauses is None else pauses.active(t0, t1)
+
+
+def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int,
+                     pauses: Pauses | None = None) -> dict:
     """One comparison through the public API. Decode throughput is the runner's with the whole batch formed: from
     the end of the first step that every method took part in (a method with a prefill of its own joins the batch
-    once it is ready) to the last event, over the tokens decoded in that time; every method decodes exactly `new_tokens` (end of text ignored)
-    so the counts are comparable. Each method's first token is timed from the request, as a user waits for it."""
+    once it is ready) to the last event, over the tokens decoded in that time; every method decodes exactly
+    `new_tokens` (end of text ignored) so the counts are comparable. Each method's first token is timed from the
+    request, as a user waits for it. With `pauses`, every time leaves out the stretches the process was stopped."""
     device = engine.loaded.device
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = now(device)
@@ -76,7 +83,7 @@ def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], bud
             full_batch_start, tokens_since, whole = None, 0, False
         elif kind in ("token", "done"):
             if ev.method not in first_token:
-                first_token[ev.method] = now(device) - t0
+                first_token[ev.method] = span(pauses, t0, now(device))
             elif not whole:  # the first step with every row: the window opens when its tokens come out
                 full_batch_start, skip, whole = now(device), ev.batch_size - 1, True
             elif skip:  # the rest of that step's tokens, decoded before the window opened
@@ -86,9 +93,10 @@ def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], bud
         if kind == "error":
             errors[ev.method] = ev.error
     t_end = now(device)
-    decode_s = t_end - full_batch_start
+    decode_s = span(pauses, full_batch_start, t_end)
     record = session.record.to_dict()
-    return {"total_s": t_end - t0, "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
+    return {"total_s": span(pauses, t0, t_end), "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
+            "paused_s": 0.0 if pauses is None else pauses.within(t0, t_end),
             "decode_tokens": tokens_since, "decode_tokens_per_s": tokens_since / decode_s if decode_s > 0 else None,
             "prompt_tokens": session.prefill.prompt_tokens, "errors": errors, "batch": record["timing"]["batch"],
             "first_token_s": first_token,
@@ -111,7 +119,8 @@ def first_token_waits(together: list[dict], alone: list[dict], methods: list[str
     return out
 
 
-def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int,
+                pauses: Pauses | None = None) -> dict:
     """Every method decoded on its own, one after another, each from its own prefill (`batched=False`): the
     session's own per-method TTFT, tokens/s and per-token latency, and the wall time of the whole run."""
     device = engine.loaded.device
@@ -120,7 +129,7 @@ def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: 
     session = engine.new_session(image, prompt, methods, budget, settings, batched=False)
     for _ in session.run():
         pass
-    total = now(device) - t0
+    total = span(pauses, t0, now(device))
     out = {}
     for m, r in session.record.to_dict()["methods"].items():
         alone = r["alone"] or {}
@@ -146,7 +155,8 @@ def generation_inputs(loaded, inputs: dict) -> dict:
     return {**inputs, "mm_token_type_ids": types}
 
 
-def plain_greedy(loaded, inputs, new_tokens: int, batch: int) -> tuple[torch.Tensor, float]:
+def plain_greedy(loaded, inputs, new_tokens: int, batch: int,
+                 pauses: Pauses | None = None) -> tuple[torch.Tensor, float]:
     """A plain cached greedy loop in transformers (DynamicCache, the model's own attention, no engine) over `batch`
     copies of one prompt: prefilled once, its cache repeated to `batch` rows, then `new_tokens - 1` steps of one
     token per row. Returns (the tokens [batch, new_tokens], seconds of the decode steps).
@@ -181,14 +191,14 @@ def plain_greedy(loaded, inputs, new_tokens: int, batch: int) -> tuple[torch.Ten
                         logits_to_keep=1)
             token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
             tokens.append(token)
-        elapsed = now(device) - t0
+        elapsed = span(pauses, t0, now(device))
     return torch.cat(tokens, dim=1), elapsed
 
 
-def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> float:
+def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int, pauses: Pauses | None = None) -> float:
     """Decode tokens/s of the plain cached greedy loop (`plain_greedy`) at batch `batch`: what the hardware gives a
     batch, with nothing of ours."""
-    _, elapsed = plain_greedy(loaded, inputs, new_tokens, batch)
+    _, elapsed = plain_greedy(loaded, inputs, new_tokens, batch, pauses)
     return batch * (new_tokens - 1) / elapsed
 
 
@@ -240,6 +250,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     loaded = load_benchmark_model(args)
+    pauses = Pauses().start()  # on a shared machine the process may be stopped: those stretches are left out
     engine = Engine(loaded)
     image = Engine.load_image(args.image)
     methods = resolve_methods(args.methods)
@@ -249,19 +260,19 @@ def main(argv=None) -> int:
 
     together, alone, generate, sequential, each, plain = [], [], [], [], [], []
     for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
-        together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
-        alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens))
-        generate.append(time_generate(loaded, generation_inputs(loaded, inputs), args.new_tokens))
-        one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1)
-        many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods))
+        together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens, pauses))
+        alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens, pauses))
+        generate.append(time_generate(loaded, generation_inputs(loaded, inputs), args.new_tokens, pauses))
+        one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1, pauses)
+        many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods), pauses)
         plain.append({"batch_1_tokens_per_s": one, "batch_b_tokens_per_s": many, "ceiling": many / one})
         if args.time_alone:  # each repeat starts the one-after-another run with another method
             order = methods[rep % len(methods):] + methods[:rep % len(methods)]
-            each.append(timed_alone(engine, image, args.prompt, order, args.budget, args.new_tokens))
+            each.append(timed_alone(engine, image, args.prompt, order, args.budget, args.new_tokens, pauses))
             sequential.append(each[-1]["total_s"])
         elif not args.no_sequential:
             sequential.append(sum(timed_comparison(engine, image, args.prompt, [m], args.budget,
-                                                   args.new_tokens)["total_s"] for m in methods))
+                                                   args.new_tokens, pauses)["total_s"] for m in methods))
 
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
@@ -297,6 +308,9 @@ def main(argv=None) -> int:
               "time_alone": args.time_alone, "per_method": per_method,
               "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain}}
     report["first_token"] = first_token_waits(together, alone, methods, reference)
+    pauses.stop()
+    report["paused_s"] = sum(b - a for a, b in pauses.stretches)  # left out of every time above
+    report["pauses"] = len(pauses.stretches)
     report["whole_over_full_alone"] = report["comparison_wall_s"] / med(alone, "total_s")
     report["throughput_ratio"] = report["together_tokens_per_s"] / report["full_alone_tokens_per_s"]
     report["runner_over_generate"] = report["full_alone_tokens_per_s"] / report["generate_tokens_per_s"]
@@ -338,6 +352,9 @@ def main(argv=None) -> int:
     if sequential:
         print(f"| the same methods one after another | {report['sequential_wall_s']:.1f} s |")
     print(f"| plain model.generate decode tok/s | {report['generate_tokens_per_s']:.1f} |")
+    if report["pauses"]:
+        print(f"| the process stopped (left out of every time above; the engine's own prefill and step times "
+              f"keep it) | {report['paused_s']:.1f} s in {report['pauses']} stretches |")
     print(f"| **Full through the runner / generate** (goal >= 0.95) | **{report['runner_over_generate']:.3f}** |")
     print_per_method(report, methods)
     if report["errors"]:
