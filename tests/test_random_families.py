@@ -121,3 +121,18 @@ def test_interactive_measures_the_ceiling_on_a_qwen_vl_model(tmp_path):
     assert report["ceiling_batch"] == 3 and not report["errors"]
     assert 0 < report["image_tokens"] < report["prompt_tokens"]
     assert report["efficiency"] == pytest.approx(report["throughput_ratio"] / report["ceiling"], rel=1e-9)
+
+
+def test_pauses_leave_the_stopped_stretches_out_of_a_timed_span():
+    """common.Pauses: the seconds of [t0, t1] that fell in a stretch the process was stopped are left out (stretches
+    given here; the stamping thread finds them from its gaps)."""
+    from benchmarks.common import Pauses
+
+    pauses = Pauses()
+    pauses.stretches = [(10.0, 12.0), (20.0, 25.0)]
+    assert pauses.within(0.0, 9.0) == 0.0
+    assert pauses.within(11.0, 21.0) == pytest.approx(2.0)
+    assert pauses.active(0.0, 30.0) == pytest.approx(23.0)
+    assert interactive.span(None, 11.0, 21.0) == 10.0 and interactive.span(pauses, 11.0, 21.0) == pytest.approx(8.0)
+    pauses.start()
+    pauses.stop()
