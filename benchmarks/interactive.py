@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time every method decoded on its own (TTFT, tokens/s, speed-up over Full); it "
                          "replaces the one-after-another reference run")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    ap.add_argument("--json", default=None, help="write every number here")
+    ap.add_argument("--json", default=None, help="write every number here (and each repeat's raw runs, as soon as "
+                                                 "they are measured, beside it in <name>.partial.json)")
     return ap
 
 
@@ -273,6 +274,12 @@ def main(argv=None) -> int:
         elif not args.no_sequential:
             sequential.append(sum(timed_comparison(engine, image, args.prompt, [m], args.budget,
                                                    args.new_tokens, pauses)["total_s"] for m in methods))
+        if args.json:  # every repeat's raw runs as soon as they are measured: a run cut short keeps them
+            Path(args.json).with_suffix(".partial.json").write_text(json.dumps(
+                {"model": loaded.name, "methods": methods, "new_tokens": args.new_tokens, "repeats_done": rep + 1,
+                 "paused_s": sum(b - a for a, b in pauses.stretches),
+                 "runs": {"together": together, "alone": alone, "generate": generate, "plain": plain,
+                          "each_alone": each, "sequential": sequential}}, indent=1, default=str))
 
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
