@@ -313,7 +313,8 @@ def main(argv=None) -> int:
               "sequential_wall_s": statistics.median(sequential) if sequential else None,
               "batch_forward_ms_per_step": med_of(t["batch"]["forward_ms_per_step"] for t in together if t["batch"]),
               "time_alone": args.time_alone, "per_method": per_method,
-              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain}}
+              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain,
+                                                        "generate": generate}}
     report["first_token"] = first_token_waits(together, alone, methods, reference)
     pauses.stop()
     report["paused_s"] = sum(b - a for a, b in pauses.stretches)  # left out of every time above
