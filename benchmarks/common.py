@@ -249,6 +249,58 @@ class RecordStore:
             os.fsync(fh.fileno())
 
 
+# -- pauses ------------------------------------------------------------------------------------------------
+
+class Pauses:
+    """The stretches in which this process made no progress at all (stopped by a job scheduler on a shared machine,
+    SIGSTOP then SIGCONT, or not scheduled): a daemon thread stamps `time.perf_counter()` every `tick_s`; a gap of
+    more than `gap_s` between two stamps is a pause. `within(t0, t1)` is how much of [t0, t1] was paused, so a
+    timed stretch can count only the time the process ran (`active(t0, t1)`). Costs one wake-up per tick."""
+
+    def __init__(self, tick_s: float = 0.05, gap_s: float = 0.5):
+        self.tick_s, self.gap_s = tick_s, gap_s
+        self.stretches: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last = time.perf_counter()
+
+    def start(self) -> "Pauses":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pauses", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        with self._lock:
+            self._last = time.perf_counter()
+        while not self._stop.wait(self.tick_s):
+            t = time.perf_counter()
+            with self._lock:
+                if t - self._last > self.gap_s:
+                    self.stretches.append((self._last + self.tick_s, t))
+                self._last = t
+
+    def within(self, t0: float, t1: float) -> float:
+        """Seconds of [t0, t1] (perf_counter times) that fell in a pause; a pause that ended a moment ago, before
+        the stamping thread ran again, counts up to now."""
+        now = time.perf_counter()
+        with self._lock:
+            stretches = list(self.stretches)
+            if self._thread is not None and now - self._last > self.gap_s:
+                stretches.append((self._last + self.tick_s, now))
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in stretches)
+
+    def active(self, t0: float, t1: float) -> float:
+        """t1 - t0 less its paused seconds."""
+        return (t1 - t0) - self.within(t0, t1)
+
+
 # -- memory ------------------------------------------------------------------------------------------------
 
 def current_rss() -> int:

@@ -46,9 +46,10 @@ def long_prompt(loaded, target_tokens: int) -> str:
     return FILLER * repeats + "\nDescribe the image and summarise the text above."
 
 
-def time_generate(loaded, inputs, new_tokens: int) -> float:
+def time_generate(loaded, inputs, new_tokens: int, pauses=None) -> float:
     """Decode tokens/s of plain model.generate: a stopping criterion stamps the time after every step, so the
-    prefill is left out exactly (no subtraction of two noisy runs)."""
+    prefill is left out exactly (no subtraction of two noisy runs). `pauses` (`common.Pauses`): the stretches in
+    which the process was stopped are left out."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Stamps(StoppingCriteria):
@@ -65,7 +66,10 @@ def time_generate(loaded, inputs, new_tokens: int) -> float:
         loaded.model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               stopping_criteria=StoppingCriteriaList([stamps]))
     # stamp 0 follows the prefill (first token); each later stamp follows one decode step
-    return (len(stamps.times) - 1) / max(stamps.times[-1] - stamps.times[0], 1e-9)
+    elapsed = stamps.times[-1] - stamps.times[0]
+    if pauses is not None:
+        elapsed = pauses.active(stamps.times[0], stamps.times[-1])
+    return (len(stamps.times) - 1) / max(elapsed, 1e-9)
 
 
 def time_engine(engine, image, prompt, methods, budget, new_tokens, knobs=None, **modes) -> dict:

@@ -23,10 +23,12 @@ Measured side by side in one process, repeats interleaved (the machines are shar
     python benchmarks/interactive.py --model embedded --budget 0.3 --new-tokens 64
     python benchmarks/interactive.py --model embedded --threads 1 --new-tokens 16 --time-alone
     python benchmarks/interactive.py --random-weights llava-interleave --new-tokens 24   # the Space's shape
+    python benchmarks/interactive.py --random-weights qwen2.5-vl-3b --threads 1 --new-tokens 8   # M-RoPE
 
 `--random-weights` builds a family's example checkpoint with random weights and a stand-in tokenizer
 (`llava-1.5`, `llava-interleave`: the Space default llava-interleave-qwen-0.5b, `llava-next`, `llava-onevision`,
-or `tiny-<family>`): its speed is the real model's, its answers are noise.
+or `tiny-<family>`; `qwen2.5-vl-3b`: Qwen2.5-VL-3B-Instruct, `internvl3-1b`: InternVL3-1B): its speed is the
+real model's, its answers are noise.
 """
 from __future__ import annotations
 
@@ -44,22 +46,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
+from benchmarks.common import REPO_ROOT, Pauses, run_info  # noqa: E402
 from benchmarks.engine_overhead import time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
-from prefixkv_core.models import RANDOM_FAMILIES, build_random_model, encode, format_prompt  # noqa: E402
-from prefixkv_core.models import resolve_device, resolve_dtype  # noqa: E402
+from prefixkv_core.models import RANDOM_FAMILIES, RANDOM_MROPE, build_random_model  # noqa: E402
+from prefixkv_core.models import encode, format_prompt  # noqa: E402
+from prefixkv_core.models import resolve_device, resolve_dtype, vision_inputs  # noqa: E402
+from prefixkv_core.models.families import hooks_of, uses_mrope  # noqa: E402
 from prefixkv_core.models.compat import cache_kwarg  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.policies import make_policy, role_method  # noqa: E402
 
 
-def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+def span(pauses: Pauses | None, t0: float, t1: float) -> float:
+    """Seconds from t0 to t1, less those in which the process was paused (`pauses`; None: all of them)."""
+    return t1 - t0 if pauses is None else pauses.active(t0, t1)
+
+
+def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int,
+                     pauses: Pauses | None = None) -> dict:
     """One comparison through the public API. Decode throughput is the runner's with the whole batch formed: from
     the end of the first step that every method took part in (a method with a prefill of its own joins the batch
-    once it is ready) to the last event, over the tokens decoded in that time; every method decodes exactly `new_tokens` (end of text ignored)
-    so the counts are comparable. Each method's first token is timed from the request, as a user waits for it."""
+    once it is ready) to the last event, over the tokens decoded in that time; every method decodes exactly
+    `new_tokens` (end of text ignored) so the counts are comparable. Each method's first token is timed from the
+    request, as a user waits for it. With `pauses`, every time leaves out the stretches the process was stopped."""
     device = engine.loaded.device
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = now(device)
@@ -72,7 +83,7 @@ def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], bud
             full_batch_start, tokens_since, whole = None, 0, False
         elif kind in ("token", "done"):
             if ev.method not in first_token:
-                first_token[ev.method] = now(device) - t0
+                first_token[ev.method] = span(pauses, t0, now(device))
             elif not whole:  # the first step with every row: the window opens when its tokens come out
                 full_batch_start, skip, whole = now(device), ev.batch_size - 1, True
             elif skip:  # the rest of that step's tokens, decoded before the window opened
@@ -82,9 +93,10 @@ def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], bud
         if kind == "error":
             errors[ev.method] = ev.error
     t_end = now(device)
-    decode_s = t_end - full_batch_start
+    decode_s = span(pauses, full_batch_start, t_end)
     record = session.record.to_dict()
-    return {"total_s": t_end - t0, "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
+    return {"total_s": span(pauses, t0, t_end), "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
+            "paused_s": 0.0 if pauses is None else pauses.within(t0, t_end),
             "decode_tokens": tokens_since, "decode_tokens_per_s": tokens_since / decode_s if decode_s > 0 else None,
             "prompt_tokens": session.prefill.prompt_tokens, "errors": errors, "batch": record["timing"]["batch"],
             "first_token_s": first_token,
@@ -107,7 +119,8 @@ def first_token_waits(together: list[dict], alone: list[dict], methods: list[str
     return out
 
 
-def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int) -> dict:
+def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: float, new_tokens: int,
+                pauses: Pauses | None = None) -> dict:
     """Every method decoded on its own, one after another, each from its own prefill (`batched=False`): the
     session's own per-method TTFT, tokens/s and per-token latency, and the wall time of the whole run."""
     device = engine.loaded.device
@@ -116,7 +129,7 @@ def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: 
     session = engine.new_session(image, prompt, methods, budget, settings, batched=False)
     for _ in session.run():
         pass
-    total = now(device) - t0
+    total = span(pauses, t0, now(device))
     out = {}
     for m, r in session.record.to_dict()["methods"].items():
         alone = r["alone"] or {}
@@ -126,43 +139,88 @@ def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: 
     return {"total_s": total, "methods": out}
 
 
-def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int) -> float:
-    """Decode tokens/s of a plain cached greedy loop in transformers (DynamicCache, the model's own attention, no
-    engine) over `batch` copies of one prompt: prefilled once, its cache repeated to `batch` rows, then
-    `new_tokens - 1` steps of one token per row. What the hardware gives a batch, with nothing of ours."""
+def generation_inputs(loaded, inputs: dict) -> dict:
+    """The prompt's tensors as transformers' `generate` takes them from the processor: `encode`'s output plus, for a
+    model with 3-D rotary positions (Qwen-VL), the token types `mm_token_type_ids` (1 image, 2 video, 0 text) that
+    the processor returns and `encode` leaves out; with them (and `image_grid_thw`) the model computes its M-RoPE
+    positions, without them it would run the prompt at 1-D text positions."""
+    config = loaded.model.config
+    if not uses_mrope(config) or "mm_token_type_ids" in inputs:
+        return dict(inputs)
+    ids = inputs["input_ids"]
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[ids == int(config.image_token_id)] = 1
+    if getattr(config, "video_token_id", None) is not None:
+        types[ids == int(config.video_token_id)] = 2
+    return {**inputs, "mm_token_type_ids": types}
+
+
+def plain_greedy(loaded, inputs, new_tokens: int, batch: int,
+                 pauses: Pauses | None = None) -> tuple[torch.Tensor, float]:
+    """A plain cached greedy loop in transformers (DynamicCache, the model's own attention, no engine) over `batch`
+    copies of one prompt: prefilled once, its cache repeated to `batch` rows, then `new_tokens - 1` steps of one
+    token per row. Returns (the tokens [batch, new_tokens], seconds of the decode steps).
+
+    The model is called as `generate` calls it: the prompt with every tensor the processor made
+    (`generation_inputs`); a model with 3-D rotary positions (Qwen-VL) gets the prompt's positions from its own
+    `get_rope_index` (the image grids, the token types) and each new token its text position plus the prompt's
+    rope delta on all three axes, which is what `generate` passes; other models one position per token."""
     from transformers import DynamicCache
 
     model, device = loaded.model, loaded.device
+    inputs = generation_inputs(loaded, inputs)
+    n = inputs["input_ids"].shape[1]
+    mrope = uses_mrope(model.config)
+    prefill, delta = dict(inputs), 0
+    if mrope:
+        positions, deltas = hooks_of(model.config).rope_index(model, inputs["input_ids"], vision_inputs(inputs))
+        prefill["position_ids"], delta = positions.to(device), int(deltas.reshape(-1)[0])
     with torch.inference_mode():
         cache = DynamicCache()
-        out = model(**inputs, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
+        out = model(**prefill, **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
         token = out.logits[:, -1].argmax(dim=-1).repeat(batch).view(batch, 1)
-        n = inputs["input_ids"].shape[1]
+        tokens = [token]
         t0 = now(device)
         for i in range(new_tokens - 1):
-            position = torch.full((batch, 1), n + i, device=device)
+            position = torch.full((batch, 1), n + i + delta, device=device)
+            if mrope:  # [3, batch, 1]: the same logical position on the temporal, height and width axes
+                position = position.unsqueeze(0).expand(3, -1, -1)
             out = model(input_ids=token, position_ids=position, **cache_kwarg(cache), use_cache=True,
                         logits_to_keep=1)
             token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        elapsed = now(device) - t0
+            tokens.append(token)
+        elapsed = span(pauses, t0, now(device))
+    return torch.cat(tokens, dim=1), elapsed
+
+
+def plain_decode_tokens_per_s(loaded, inputs, new_tokens: int, batch: int, pauses: Pauses | None = None) -> float:
+    """Decode tokens/s of the plain cached greedy loop (`plain_greedy`) at batch `batch`: what the hardware gives a
+    batch, with nothing of ours."""
+    _, elapsed = plain_greedy(loaded, inputs, new_tokens, batch, pauses)
     return batch * (new_tokens - 1) / elapsed
+
+
+# the random-weight kinds that come with a processor, so image prompts run through the engine: the LLaVA families'
+# shapes (and their tiny ones), and the released shapes whose family module builds them (Qwen2.5-VL-3B, InternVL3-1B)
+RANDOM_WITH_PROCESSOR = tuple(RANDOM_FAMILIES) + tuple(RANDOM_MROPE)
 
 
 def add_random_weights_arg(ap: argparse.ArgumentParser) -> None:
     """--random-weights: a family's released shape with random weights, read by `load_benchmark_model`."""
-    ap.add_argument("--random-weights", default=None, choices=tuple(RANDOM_FAMILIES),
+    ap.add_argument("--random-weights", default=None, choices=RANDOM_WITH_PROCESSOR,
                     help="instead of --model: random weights in a family's released shape (llava-interleave: the "
-                         "Space default), with a stand-in tokenizer; tiny-<family> for smoke runs")
+                         "Space default; qwen2.5-vl-3b, internvl3-1b), with a stand-in tokenizer; tiny-<family> "
+                         "for smoke runs")
 
 
 def load_benchmark_model(args):
     if args.random_weights is None:
         return load_model(args.model, device=args.device, dtype=args.dtype)
-    if args.random_weights not in RANDOM_FAMILIES:
+    if args.random_weights not in RANDOM_WITH_PROCESSOR:
         raise SystemExit(f"--random-weights {args.random_weights!r} has no processor for image prompts; accepted: "
-                         f"{', '.join(RANDOM_FAMILIES)}")
+                         f"{', '.join(RANDOM_WITH_PROCESSOR)}")
     device, _ = resolve_device(args.device)
     return build_random_model(args.random_weights, device, resolve_dtype(args.dtype, device))
 
@@ -182,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time every method decoded on its own (TTFT, tokens/s, speed-up over Full); it "
                          "replaces the one-after-another reference run")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    ap.add_argument("--json", default=None, help="write every number here")
+    ap.add_argument("--json", default=None, help="write every number here (and each repeat's raw runs, as soon as "
+                                                 "they are measured, beside it in <name>.partial.json)")
     return ap
 
 
@@ -192,6 +251,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     loaded = load_benchmark_model(args)
+    pauses = Pauses().start()  # on a shared machine the process may be stopped: those stretches are left out
     engine = Engine(loaded)
     image = Engine.load_image(args.image)
     methods = resolve_methods(args.methods)
@@ -201,19 +261,25 @@ def main(argv=None) -> int:
 
     together, alone, generate, sequential, each, plain = [], [], [], [], [], []
     for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
-        together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens))
-        alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens))
-        generate.append(time_generate(loaded, inputs, args.new_tokens))
-        one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1)
-        many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods))
+        together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens, pauses))
+        alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens, pauses))
+        generate.append(time_generate(loaded, generation_inputs(loaded, inputs), args.new_tokens, pauses))
+        one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1, pauses)
+        many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods), pauses)
         plain.append({"batch_1_tokens_per_s": one, "batch_b_tokens_per_s": many, "ceiling": many / one})
         if args.time_alone:  # each repeat starts the one-after-another run with another method
             order = methods[rep % len(methods):] + methods[:rep % len(methods)]
-            each.append(timed_alone(engine, image, args.prompt, order, args.budget, args.new_tokens))
+            each.append(timed_alone(engine, image, args.prompt, order, args.budget, args.new_tokens, pauses))
             sequential.append(each[-1]["total_s"])
         elif not args.no_sequential:
             sequential.append(sum(timed_comparison(engine, image, args.prompt, [m], args.budget,
-                                                   args.new_tokens)["total_s"] for m in methods))
+                                                   args.new_tokens, pauses)["total_s"] for m in methods))
+        if args.json:  # every repeat's raw runs as soon as they are measured: a run cut short keeps them
+            Path(args.json).with_suffix(".partial.json").write_text(json.dumps(
+                {"model": loaded.name, "methods": methods, "new_tokens": args.new_tokens, "repeats_done": rep + 1,
+                 "paused_s": sum(b - a for a, b in pauses.stretches),
+                 "runs": {"together": together, "alone": alone, "generate": generate, "plain": plain,
+                          "each_alone": each, "sequential": sequential}}, indent=1, default=str))
 
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
@@ -239,6 +305,7 @@ def main(argv=None) -> int:
     report = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "methods": methods,
               "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "prompt_tokens": together[0]["prompt_tokens"],
+              "image_tokens": int((inputs["input_ids"] == loaded.image_token_id).sum()),
               "together_tokens_per_s": med(together, "decode_tokens_per_s"),
               "full_alone_tokens_per_s": med(alone, "decode_tokens_per_s"),
               "generate_tokens_per_s": statistics.median(generate),
@@ -246,8 +313,12 @@ def main(argv=None) -> int:
               "sequential_wall_s": statistics.median(sequential) if sequential else None,
               "batch_forward_ms_per_step": med_of(t["batch"]["forward_ms_per_step"] for t in together if t["batch"]),
               "time_alone": args.time_alone, "per_method": per_method,
-              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain}}
+              "errors": together[-1]["errors"], "runs": {"together": together, "alone": alone, "each_alone": each, "plain": plain,
+                                                        "generate": generate}}
     report["first_token"] = first_token_waits(together, alone, methods, reference)
+    pauses.stop()
+    report["paused_s"] = sum(b - a for a, b in pauses.stretches)  # left out of every time above
+    report["pauses"] = len(pauses.stretches)
     report["whole_over_full_alone"] = report["comparison_wall_s"] / med(alone, "total_s")
     report["throughput_ratio"] = report["together_tokens_per_s"] / report["full_alone_tokens_per_s"]
     report["runner_over_generate"] = report["full_alone_tokens_per_s"] / report["generate_tokens_per_s"]
@@ -263,7 +334,8 @@ def main(argv=None) -> int:
 
     print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {torch.get_num_threads()} threads), "
           f"commit {report['commit']}, {report['date']}")
-    print(f"{len(methods)} methods, budget {args.budget}, prompt {report['prompt_tokens']} tokens, "
+    print(f"{len(methods)} methods, budget {args.budget}, prompt {report['prompt_tokens']} tokens "
+          f"({report['image_tokens']} image), "
           f"{args.new_tokens} new tokens each, median of {args.repeats}")
     print("| measure | value |\n|---|---|")
     print(f"| decode tok/s, all {len(methods)} methods as one batch (summed) | {report['together_tokens_per_s']:.1f} |")
@@ -288,6 +360,9 @@ def main(argv=None) -> int:
     if sequential:
         print(f"| the same methods one after another | {report['sequential_wall_s']:.1f} s |")
     print(f"| plain model.generate decode tok/s | {report['generate_tokens_per_s']:.1f} |")
+    if report["pauses"]:
+        print(f"| the process stopped (left out of every time above; the engine's own prefill and step times "
+              f"keep it) | {report['paused_s']:.1f} s in {report['pauses']} stretches |")
     print(f"| **Full through the runner / generate** (goal >= 0.95) | **{report['runner_over_generate']:.3f}** |")
     print_per_method(report, methods)
     if report["errors"]:

@@ -40,7 +40,8 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
-from benchmarks.interactive import add_random_weights_arg, load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
+from benchmarks.interactive import add_random_weights_arg, generation_inputs, load_benchmark_model  # noqa: E402
+from benchmarks.interactive import plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
 from prefixkv_core.limits import process_memory_bytes  # noqa: E402
@@ -102,8 +103,10 @@ def one_after_another(engine: Engine, requests: list[tuple], methods: list[str],
 
 def plain_prefill_prompts_per_s(loaded, inputs, batch: int) -> float:
     """Prompts/s of a plain transformers prefill (the model's own attention, no engine) over `batch` copies of one
-    prompt in one forward: no padding, the best case for batching the prefills of users who arrive together."""
-    batched = {k: v.repeat(batch, *[1] * (v.dim() - 1)) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    prompt in one forward: no padding, the best case for batching the prefills of users who arrive together. The
+    model gets what `generate` would (`generation_inputs`: Qwen-VL's token types, so its M-RoPE positions)."""
+    batched = {k: v.repeat(batch, *[1] * (v.dim() - 1)) if torch.is_tensor(v) else v
+               for k, v in generation_inputs(loaded, inputs).items()}
     with torch.inference_mode():
         t0 = now(loaded.device)
         loaded.model(**batched, use_cache=False, logits_to_keep=1)

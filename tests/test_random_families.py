@@ -60,3 +60,79 @@ def test_interactive_takes_a_family_and_measures_the_ceiling(tmp_path, capsys):
 def test_interactive_refuses_a_shape_without_a_processor():
     with pytest.raises(SystemExit):
         interactive.main(["--random-weights", "llava-1.5-7b"])
+
+
+@pytest.mark.parametrize("benchmark", ["interactive", "several_users", "app_visitors", "long_context"])
+@pytest.mark.parametrize("kind", ["qwen2.5-vl-3b", "internvl3-1b"])
+def test_random_weights_takes_the_released_shapes_with_a_processor(monkeypatch, benchmark, kind):
+    """--random-weights of every benchmark that shares the argument takes the released shapes their family module
+    builds (`RANDOM_MROPE`) and hands the kind to `build_random_model` (stubbed here: the 3B model is not built)."""
+    import importlib
+
+    from prefixkv_core.models import RANDOM_MROPE
+
+    assert kind in RANDOM_MROPE and kind in interactive.RANDOM_WITH_PROCESSOR
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build(k, device, dtype):
+        built.append((k, str(device)))
+        raise Built
+
+    monkeypatch.setattr(interactive, "build_random_model", build)
+    with pytest.raises(Built):
+        importlib.import_module(f"benchmarks.{benchmark}").main(["--random-weights", kind, "--device", "cpu"])
+    assert built == [(kind, "cpu")]
+
+
+def test_the_plain_loop_calls_a_qwen_vl_model_as_generate_does():
+    """interactive's batching ceiling on a Qwen-VL model: the prompt gets the processor's token types (with them
+    the model's M-RoPE positions), every new token its position plus the rope delta, so the plain loop's greedy
+    tokens are `generate`'s on the processor's own output, at batch 1 and in every row of a batch."""
+    from prefixkv_core import Engine
+    from prefixkv_core.models import encode, format_prompt, load_model
+
+    lm = load_model("tiny-qwen2.5-vl")
+    image = Engine.load_image(str(interactive.REPO_ROOT / "assets/images/scene-0.png"))
+    text = format_prompt(lm, "Describe the image in detail.", with_image=True)
+    inputs = encode(lm, image, text)
+    assert "mm_token_type_ids" not in inputs
+    given = interactive.generation_inputs(lm, inputs)
+    processed = lm.processor(images=image, text=text, return_tensors="pt")
+    assert torch.equal(given["mm_token_type_ids"].cpu(), processed["mm_token_type_ids"].to(torch.int))
+    assert int(given["mm_token_type_ids"].sum()) == int((inputs["input_ids"] == lm.image_token_id).sum()) > 0
+    new = 6
+    with torch.inference_mode():
+        reference = lm.model.generate(**given, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    reference = reference[:, inputs["input_ids"].shape[1]:]
+    one, _ = interactive.plain_greedy(lm, inputs, new, 1)
+    three, _ = interactive.plain_greedy(lm, inputs, new, 3)
+    assert torch.equal(one, reference)
+    assert torch.equal(three, reference.expand(3, -1))
+
+
+def test_interactive_measures_the_ceiling_on_a_qwen_vl_model(tmp_path):
+    out = tmp_path / "interactive.json"
+    assert interactive.main(["--model", "tiny-qwen2.5-vl", "--methods", "full,h2o,prefixkv", "--new-tokens", "3",
+                             "--repeats", "1", "--no-sequential", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ceiling_batch"] == 3 and not report["errors"]
+    assert 0 < report["image_tokens"] < report["prompt_tokens"]
+    assert report["efficiency"] == pytest.approx(report["throughput_ratio"] / report["ceiling"], rel=1e-9)
+
+
+def test_pauses_leave_the_stopped_stretches_out_of_a_timed_span():
+    """common.Pauses: the seconds of [t0, t1] that fell in a stretch the process was stopped are left out (stretches
+    given here; the stamping thread finds them from its gaps)."""
+    from benchmarks.common import Pauses
+
+    pauses = Pauses()
+    pauses.stretches = [(10.0, 12.0), (20.0, 25.0)]
+    assert pauses.within(0.0, 9.0) == 0.0
+    assert pauses.within(11.0, 21.0) == pytest.approx(2.0)
+    assert pauses.active(0.0, 30.0) == pytest.approx(23.0)
+    assert interactive.span(None, 11.0, 21.0) == 10.0 and interactive.span(pauses, 11.0, 21.0) == pytest.approx(8.0)
+    pauses.start()
+    pauses.stop()
