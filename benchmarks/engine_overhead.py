@@ -31,6 +31,7 @@ from prefixkv_core import Engine, GenerationSettings, load_model  # noqa: E402
 from prefixkv_core.kv.attention import AttentionProbe, StatRequest, tracked_attention_enabled  # noqa: E402
 from prefixkv_core.kv.cache import TrackedCache  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
+from prefixkv_core.models.families import uses_mrope  # noqa: E402
 from prefixkv_core.method_args import MethodArgError, add_method_args, add_model_args, method_args  # noqa: E402
 from prefixkv_core.decoding.runner import sync  # noqa: E402
 
@@ -46,11 +47,30 @@ def long_prompt(loaded, target_tokens: int) -> str:
     return FILLER * repeats + "\nDescribe the image and summarise the text above."
 
 
+def generation_inputs(loaded, inputs: dict) -> dict:
+    """The prompt's tensors as transformers' `generate` takes them from the processor: `encode`'s output plus, for a
+    model with 3-D rotary positions (Qwen-VL), the token types `mm_token_type_ids` (1 image, 2 video, 0 text) that
+    the processor returns and `encode` leaves out; with them (and `image_grid_thw`) the model computes its M-RoPE
+    positions, without them it would run the prompt at 1-D text positions."""
+    config = loaded.model.config
+    if not uses_mrope(config) or "mm_token_type_ids" in inputs:
+        return dict(inputs)
+    ids = inputs["input_ids"]
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[ids == int(config.image_token_id)] = 1
+    if getattr(config, "video_token_id", None) is not None:
+        types[ids == int(config.video_token_id)] = 2
+    return {**inputs, "mm_token_type_ids": types}
+
+
 def time_generate(loaded, inputs, new_tokens: int, pauses=None) -> float:
     """Decode tokens/s of plain model.generate: a stopping criterion stamps the time after every step, so the
     prefill is left out exactly (no subtraction of two noisy runs). `pauses` (`common.Pauses`): the stretches in
-    which the process was stopped are left out."""
+    which the process was stopped are left out. The prompt's tensors are given as the processor gives them
+    (`generation_inputs`: Qwen-VL's token types, so its 3-D positions)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
+
+    inputs = generation_inputs(loaded, inputs)
 
     class Stamps(StoppingCriteria):
         def __init__(self):

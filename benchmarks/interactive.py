@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, Pauses, run_info  # noqa: E402
-from benchmarks.engine_overhead import time_generate  # noqa: E402
+from benchmarks.engine_overhead import generation_inputs, time_generate  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, load_model, resolve_methods  # noqa: E402
 from prefixkv_core.models import RANDOM_FAMILIES, RANDOM_MROPE, build_random_model  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
@@ -137,22 +137,6 @@ def timed_alone(engine: Engine, image, prompt: str, methods: list[str], budget: 
                   "ms_per_token": alone.get("ms_per_token"), "policy_ms_per_token": alone.get("policy_ms_per_token"),
                   "speedup_vs_full": r["speedup_vs_full"], "text": r["text"], "error": r["error"]}
     return {"total_s": total, "methods": out}
-
-
-def generation_inputs(loaded, inputs: dict) -> dict:
-    """The prompt's tensors as transformers' `generate` takes them from the processor: `encode`'s output plus, for a
-    model with 3-D rotary positions (Qwen-VL), the token types `mm_token_type_ids` (1 image, 2 video, 0 text) that
-    the processor returns and `encode` leaves out; with them (and `image_grid_thw`) the model computes its M-RoPE
-    positions, without them it would run the prompt at 1-D text positions."""
-    config = loaded.model.config
-    if not uses_mrope(config) or "mm_token_type_ids" in inputs:
-        return dict(inputs)
-    ids = inputs["input_ids"]
-    types = torch.zeros_like(ids, dtype=torch.int)
-    types[ids == int(config.image_token_id)] = 1
-    if getattr(config, "video_token_id", None) is not None:
-        types[ids == int(config.video_token_id)] = 2
-    return {**inputs, "mm_token_type_ids": types}
 
 
 def plain_greedy(loaded, inputs, new_tokens: int, batch: int,
@@ -263,7 +247,7 @@ def main(argv=None) -> int:
     for rep in tqdm(range(args.repeats), desc="interleaved repeats"):
         together.append(timed_comparison(engine, image, args.prompt, methods, args.budget, args.new_tokens, pauses))
         alone.append(timed_comparison(engine, image, args.prompt, [reference], args.budget, args.new_tokens, pauses))
-        generate.append(time_generate(loaded, generation_inputs(loaded, inputs), args.new_tokens, pauses))
+        generate.append(time_generate(loaded, inputs, args.new_tokens, pauses))
         one = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, 1, pauses)
         many = plain_decode_tokens_per_s(loaded, inputs, args.new_tokens, len(methods), pauses)
         plain.append({"batch_1_tokens_per_s": one, "batch_b_tokens_per_s": many, "ceiling": many / one})
