@@ -49,8 +49,8 @@ class FigureMemo:
         self.size = size
         self._entries: OrderedDict[tuple, tuple[tuple, tuple, Any]] = OrderedDict()
 
-    def get(self, slot: tuple, key: tuple[tuple, tuple] | None, build: Callable[[], Any]) -> Any:
-        values, objects = key if key is not None else ((), ())
+    def get(self, slot: tuple, key: tuple[tuple, tuple], build: Callable[[], Any]) -> Any:
+        values, objects = key
         entry = self._entries.get(slot)
         if (entry is not None and entry[0] == values and len(entry[1]) == len(objects)
                 and all(a is b for a, b in zip(entry[1], objects))):
@@ -64,9 +64,9 @@ class FigureMemo:
         return value
 
 
-def _slot(comp: Comparison | None, name: str) -> tuple:
+def _slot(comp: Comparison, name: str) -> tuple:
     """A chart of one comparison (its id and creation time: an id alone may be reused once it is gone)."""
-    return (name, None) if comp is None else (name, id(comp), comp.created)
+    return (name, id(comp), comp.created)
 
 
 class Renderer:
@@ -100,33 +100,33 @@ class Renderer:
 
     def figures(self, comp: Comparison | None, box: SessionBox) -> dict[str, Any]:
         """Every chart of this comparison, keyed by its export name (each built again only when its data changed,
-        `FigureMemo`)."""
-        key = _drawn_data(comp) if comp is not None else None
+        `FigureMemo`; with no comparison, the placeholders, which `charts.placeholder` builds once)."""
+        if comp is None:
+            return {"retained-per-layer": self.bars(None), "lorenz": self.lorenz(None, box),
+                    "kv-memory": charts.placeholder("KV-cache size while decoding"),
+                    "latency": charts.placeholder("Per-token latency"),
+                    "quality-vs-memory": charts.placeholder("Answer quality vs KV-cache size")}
+        key = _drawn_data(comp)
         return {
             "retained-per-layer": self.bars(comp, key),
             "lorenz": self.lorenz(comp, box),
-            "kv-memory": self.memo.get(_slot(comp, "kv-memory"), key, lambda: (
-                charts.memory_figure(comp.series()) if comp else charts.placeholder("KV-cache size while decoding"))),
-            "latency": self.memo.get(_slot(comp, "latency"), key, lambda: (
-                charts.latency_figure(comp.series(), comp.batch, comp.alone_series()) if comp
-                else charts.placeholder("Per-token latency"))),
-            "quality-vs-memory": self.memo.get(_slot(comp, "quality"), key, lambda: (
-                charts.quality_figure(comp.quality_points()) if comp
-                else charts.placeholder("Answer quality vs KV-cache size"))),
+            "kv-memory": self.memo.get(_slot(comp, "kv-memory"), key, lambda: charts.memory_figure(comp.series())),
+            "latency": self.memo.get(_slot(comp, "latency"), key, lambda: charts.latency_figure(
+                comp.series(), comp.batch, comp.alone_series())),
+            "quality-vs-memory": self.memo.get(_slot(comp, "quality"), key, lambda: charts.quality_figure(
+                comp.quality_points())),
         }
 
     def bars(self, comp: Comparison | None, key: Any = None):
         if comp is None:
-            return self.memo.get(_slot(None, "bars"), None, lambda: charts.placeholder(
-                "Retained KV entries per layer (share of the uncompressed cache)"))
+            return charts.placeholder("Retained KV entries per layer (share of the uncompressed cache)")
         key = _drawn_data(comp) if key is None else key
         return self.memo.get(_slot(comp, "bars"), key, lambda: charts.retained_bars(comp.latest(), budget=comp.budget))
 
     def lorenz(self, comp: Comparison | None, box: SessionBox):
         if comp is None or comp.prefill is None:
-            return self.memo.get(_slot(None, "lorenz"), None, lambda: charts.placeholder(
-                "Importance retained vs tokens kept, per layer",
-                "Run a comparison: the curves come from the shared prefill."))
+            return charts.placeholder("Importance retained vs tokens kept, per layer",
+                                      "Run a comparison: the curves come from the shared prefill.")
         layers = box.lorenz_layers if box.lorenz_layers else charts.default_layers(comp.prefill.num_layers)
         budget = box.view_budget if box.view_budget is not None else comp.budget
         method = comp.lorenz_method  # the method whose allocation the chart draws (a policy's declared role)

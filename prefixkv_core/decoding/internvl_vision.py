@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..models.layout import image_runs
 from ..policies.base import Policy
 from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, join_records
 
@@ -101,19 +102,6 @@ def pooled_tower(model, image: torch.Tensor, shuffled: torch.Tensor, attention: 
                          None if cls is None else cls.float())
 
 
-def _image_runs(flags: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, tokens) of each image's block of image tokens in a row (InternVL wraps each in <img> ... </img>, so
-    two images' blocks never touch)."""
-    where = flags.nonzero().flatten().tolist()
-    runs: list[tuple[int, int]] = []
-    for p in where:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
-
-
 @dataclass
 class InternVLReduced:
     """The prompt as the language model sees it after a vision plan on InternVL."""
@@ -132,7 +120,7 @@ def reduce_internvl(model, policy: Policy, ids: torch.Tensor, is_image: torch.Te
     the budget in proportion to its tokens; every row holds the same images."""
     t = tower.tokens_per_tile
     rows, n = ids.shape
-    images = _image_runs(is_image[0])
+    images = image_runs(is_image[0])
     total = sum(tokens for _, tokens in images)
     if any(tokens % t for _, tokens in images):
         raise ValueError(f"an InternVL image block is not a whole number of {t}-token tiles")
@@ -143,7 +131,7 @@ def reduce_internvl(model, policy: Policy, ids: torch.Tensor, is_image: torch.Te
     embed = model.get_input_embeddings()
     out_ids, out_flags, out_embeds, record = [], [], [], None
     for r in range(rows):
-        if _image_runs(is_image[r]) != images:
+        if image_runs(is_image[r]) != images:
             raise ValueError("a vision-side reduction needs every row to hold the same images")
         base = r * tiles_per_row if tower.shuffled.shape[0] > tiles_per_row else 0
         text = embed(ids[r:r + 1])[0]

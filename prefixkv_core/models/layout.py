@@ -281,3 +281,17 @@ def max_image_tokens(config, processor) -> int:
     if getattr(config, "model_type", "llava") == "llava" or not pins:
         return image_layout(config, processor, int(vc.image_size), int(vc.image_size)).n_tokens
     return max(image_layout(config, processor, int(w), int(h)).n_tokens for h, w in pins)
+
+
+def image_runs(flags) -> list[tuple[int, int]]:
+    """(start, tokens) of each run of consecutive image tokens in a prompt row's flags ([N] bool, a tensor or a
+    list): one run per image block where images are separated by text (InternVL's <img> ... </img>)."""
+    runs: list[tuple[int, int]] = []
+    for p, flag in enumerate(flags.tolist() if hasattr(flags, "tolist") else flags):
+        if not flag:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs

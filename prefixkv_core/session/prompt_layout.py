@@ -7,6 +7,7 @@ from PIL import Image
 
 from ..errors import EngineError
 from ..models import IMAGE_TOKEN, ImageLayout, LoadedModel, encode, join_layouts, strip_layout
+from ..models.layout import image_runs
 from ..models.video import VIDEO_TOKEN, video_layout
 
 
@@ -55,19 +56,6 @@ def _one_layout(loaded: LoadedModel, image: Image.Image) -> ImageLayout | None:
         return None
 
 
-def _runs(is_image: torch.Tensor) -> list[int]:
-    """The lengths of the runs of consecutive image tokens in a prompt row [N]."""
-    flags = is_image.long().tolist()
-    runs, length = [], 0
-    for f in flags + [0]:
-        if f:
-            length += 1
-        elif length:
-            runs.append(length)
-            length = 0
-    return runs
-
-
 def image_token_layout(loaded: LoadedModel, visuals, ids: torch.Tensor, is_image: torch.Tensor
                        ) -> ImageLayout | None:
     """The layout of a prompt's visual tokens (`ids` [N], `is_image` [N]: every crop and newline token of every
@@ -92,7 +80,7 @@ def image_token_layout(loaded: LoadedModel, visuals, ids: torch.Tensor, is_image
     if all(layout is not None for layout in layouts) and sum(layout.n_tokens for layout in layouts) == n_image:
         return join_layouts(layouts)
     pictures = [picture for _, picture in visuals.in_order()]
-    runs = _runs(is_image)
+    runs = [n for _, n in image_runs(is_image)]
     if len(runs) == len(pictures):
         return join_layouts([strip_layout(n, im.size) for n, im in zip(runs, pictures)])
     return strip_layout(n_image, pictures[0].size)
