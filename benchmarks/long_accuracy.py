@@ -42,13 +42,13 @@ from tqdm import tqdm
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
-from prefixkv_core.policies import parse_knobs, resolve_methods, role_method
+from prefixkv_core.policies import parse_knobs, resolve_methods, role_method, split_draw
 from scenes.grading import is_correct
 from scenes.multi import MULTI_SUBTASKS, grade as multi_grade, multi_sample, multi_seeds
 from scenes.video import VIDEO_SUBTASKS, cached_clip, video_sample, video_seeds
 
 from . import vision_accuracy as va
-from .vision_accuracy import BLANK_GREY, draws, reported_budget, sessions, uses_budget
+from .vision_accuracy import BLANK_GREY, reported_budget, sessions, uses_budget
 
 TASKS = {"scene_multi": MULTI_SUBTASKS, "scene_video": VIDEO_SUBTASKS}
 CLIP_FRAMES = 16  # the lmms task's clips
@@ -64,13 +64,14 @@ def blank_images(n: int) -> list:
 
 def ask(engine: Engine, images, prompt: str, methods: list[str], budget: float, max_new: int, *, video=None,
         frames: int | None = None, knobs: dict | None = None, query_agnostic: bool = False,
-        seed: int = 0) -> dict[str, tuple[str, float | None, float | None]]:
-    """Each method's (answer, share of Full's KV bytes held at the end of it, share of the image tokens kept where
+        seed: int = 0, draws: int = 1) -> dict[str, tuple[str, float | None, float | None]]:
+    """Each row's (answer, share of Full's KV bytes held at the end of it, share of the image tokens kept where
     the method reports one) for one first turn, all methods in one session (batched by the engine). `seed`: the
-    comparison's seed (the controls' draw)."""
+    comparison's seed (the controls' draw); `draws`: the controls that draw at random answer that many times, as
+    rows "random", "random~1" … (`policies.split_draw`)."""
     session = engine.new_session(images or None, prompt, methods, budget,
                                  GenerationSettings(max_new_tokens=max_new, seed=seed), knobs,
-                                 query_agnostic=query_agnostic, video=video, frames=frames)
+                                 query_agnostic=query_agnostic, video=video, frames=frames, draws=draws)
     for _ in session.run():
         pass
     return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"],
@@ -141,16 +142,16 @@ def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods
             line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "records": []}
             groups = sessions(ms, knobs or {}, image_rows) if condition != BLANK else [(ms, {}, "")]
             for group, group_knobs, suffix in groups:
-                for draw, chosen in draws(group, control_seeds if condition != BLANK else 1):
-                    outs = ask(engine, images, prompt, chosen, budget, max_new, video=video,
-                               frames=frames if video else None, knobs=group_knobs,
-                               query_agnostic=query_agnostic, seed=draw)
-                    line["records"] += [
+                outs = ask(engine, images, prompt, group, budget, max_new, video=video,
+                           frames=frames if video else None, knobs=group_knobs, query_agnostic=query_agnostic,
+                           draws=control_seeds if condition != BLANK else 1)
+                for row, (text, kv, kept) in outs.items():
+                    m, draw = split_draw(row)
+                    line["records"].append(
                         {"task": task, "subtask": sub, "seed": seed, "split": split, "condition": condition,
                          "method": m + suffix, "budget": reported_budget(m, budget), "draw": draw, "prompt": prompt,
                          "question": prompt, "answer": answer, "output": text, "correct": bool(grade(text)),
-                         "kv_share": kv, "image_kept_share": kept}
-                        for m, (text, kv, kept) in outs.items()]
+                         "kv_share": kv, "image_kept_share": kept})
             records += line["records"]
             if checkpoint is not None:
                 with checkpoint.open("a") as f:

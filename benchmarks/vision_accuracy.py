@@ -54,7 +54,7 @@ from benchmarks import accuracy_leaderboard, chance
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.method_args import add_model_args
 from prefixkv_core.models import load_model
-from prefixkv_core.policies import REGISTRY, knob_fields, parse_knobs, resolve_methods, role_method
+from prefixkv_core.policies import REGISTRY, knob_fields, parse_knobs, resolve_methods, role_method, split_draw
 from scenes import QTYPES, render_scene, split_seeds
 from scenes.freeform import render_freeform
 from prefixkv_core.report.metrics import rouge_l
@@ -93,13 +93,14 @@ def ask(engine: Engine, image, prompt: str, methods: list[str], budget: float, m
 
 def ask_with_share(engine: Engine, image, prompt: str, methods: list[str], budget: float, max_new: int,
                    budget_mode: str = "published", knobs: dict | None = None, query_agnostic: bool = False,
-                   seed: int = 0) -> dict[str, tuple[str, float | None, float | None]]:
-    """Each method's answer, the share of the image tokens it kept (`image_kept_share`, reported by the
+                   seed: int = 0, draws: int = 1) -> dict[str, tuple[str, float | None, float | None]]:
+    """Each row's answer, the share of the image tokens it kept (`image_kept_share`, reported by the
     image-token reductions; None for the others) and the share of Full's KV bytes its cache held at the end of
     the answer (measured from the tensors). `query_agnostic`: the image is compressed before the question is fed
-    (the engine's query-agnostic mode). `seed`: the comparison's seed (the controls' draw)."""
+    (the engine's query-agnostic mode). `seed`: the comparison's seed (the controls' draw). `draws`: the controls
+    that draw at random answer that many times, as rows "random", "random~1" … (`policies.split_draw`)."""
     session = engine.new_session(image, prompt, methods, budget, GenerationSettings(max_new_tokens=max_new, seed=seed),
-                                 knobs, budget_mode=budget_mode, query_agnostic=query_agnostic)
+                                 knobs, budget_mode=budget_mode, query_agnostic=query_agnostic, draws=draws)
     for _ in session.run():
         pass
     return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"], (r.get("extras") or {}).get("image_kept_share"),
@@ -108,16 +109,8 @@ def ask_with_share(engine: Engine, image, prompt: str, methods: list[str], budge
 
 
 def draws_at_random(method: str) -> bool:
-    """A control whose answers depend on its draw (Random, Random drop): asked with several seeds."""
-    cls = REGISTRY[method.removesuffix(IMAGE_SUFFIX)]
-    return cls.is_control and "seed" in {f.name for f in dataclasses.fields(cls)}
-
-
-def draws(group: list[str], control_seeds: int) -> list[tuple[int, list[str]]]:
-    """(seed, methods) of each session one question is asked in: every method with seed 0, then the controls that
-    draw at random again with seeds 1 … N-1."""
-    drawn = [m for m in group if draws_at_random(m)]
-    return [(0, group)] + ([(k, drawn) for k in range(1, control_seeds)] if drawn else [])
+    """A control whose answers depend on its draw (Random, Random drop): asked with several draws."""
+    return REGISTRY[method.removesuffix(IMAGE_SUFFIX)].draws_at_random
 
 
 def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[list[str], dict, str]]:
@@ -133,10 +126,11 @@ def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[li
 def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list[float], max_new: int,
              describe: int, split: str, budget_mode: str = "published", knobs: dict | None = None,
              image_rows: bool = False, query_agnostic: bool = False, checkpoint: Path | None = None,
-             control_seeds: int = 1) -> dict:
+             control_seeds: int = 1, shard: tuple[int, int] = (0, 1)) -> dict:
     """Every question of every scene at every budget. `checkpoint`: a JSON-lines file that gets one line per scene
     and budget as it finishes; the (scene, budget) pairs already in it are not asked again (a long run resumes).
-    `control_seeds`: the controls that draw at random are asked with seeds 0 … N-1 (a record's `draw`)."""
+    `control_seeds`: the controls that draw at random are asked with draws 0 … N-1 (a record's `draw`).
+    `shard` (i, n): only the scenes whose index is i modulo n are asked (n processes share a run)."""
     done = read_checkpoint(checkpoint)
     records, descriptions = [], []
     for line in done.values():
@@ -150,20 +144,20 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
         scene = render_scene(seed)
         for budget, ms in runs:
             bar.update()
-            if (seed, budget) in done:
+            if (seed, budget) in done or i % shard[1] != shard[0]:
                 continue
             line = {"seed": seed, "budget": budget, "records": [], "descriptions": []}
             for qa in scene.qa:
                 for group, group_knobs, suffix in sessions(ms, knobs or {}, image_rows):
-                    for draw, chosen in draws(group, control_seeds):
-                        outs = ask_with_share(engine, scene.image, qa.question, chosen, budget, max_new, budget_mode,
-                                              group_knobs, query_agnostic, **({"seed": draw} if draw else {}))
-                        for m, (text, share, kv) in outs.items():
-                            line["records"].append({
-                                "split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
-                                "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
-                                "draw": draw, "image_kept_share": share, "kv_share": kv, "output": text,
-                                "correct": is_correct(text, qa.answer)})
+                    outs = ask_with_share(engine, scene.image, qa.question, group, budget, max_new, budget_mode,
+                                          group_knobs, query_agnostic, draws=control_seeds)
+                    for row, (text, share, kv) in outs.items():
+                        m, draw = split_draw(row)
+                        line["records"].append({
+                            "split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
+                            "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
+                            "draw": draw, "image_kept_share": share, "kv_share": kv, "output": text,
+                            "correct": is_correct(text, qa.answer)})
             if i < describe:
                 outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, knobs, query_agnostic)
                 for m, text in outs.items():
@@ -520,6 +514,18 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
     return message
 
 
+def shard_arg(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N), 0 <= I < N."""
+    i, sep, n = text.partition("/")
+    try:
+        shard = int(i), int(n)
+    except ValueError:
+        shard = None
+    if not sep or shard is None or not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"a shard is I/N with 0 <= I < N (e.g. 1/2), got {text!r}")
+    return shard
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -550,6 +556,10 @@ def main(argv=None) -> int:
                          "own kind over the draws); 1: one draw, the methods compared with --control")
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="append each scene and budget's answers here as they finish, and skip those already in it")
+    ap.add_argument("--shard", default="0/1", type=shard_arg, metavar="I/N",
+                    help="ask only the scenes whose index is I modulo N: N processes (or machines) share one run, each "
+                         "with a --checkpoint of its own; join the files (cat) and run again without --shard for the "
+                         "tables of the whole")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--leaderboard", default=None, metavar="DIR",
                     help="also write the rows in the leaderboard's layout there (the app's Leaderboard tab reads "
@@ -565,7 +575,7 @@ def main(argv=None) -> int:
     knobs = parse_knobs(args.knob)
     res = evaluate(engine, split_seeds(args.split, args.scenes), methods, budgets, args.max_new_tokens,
                    args.describe, args.split, budget_mode, knobs, args.budget_of_image, args.query_agnostic,
-                   Path(args.checkpoint) if args.checkpoint else None, max(1, args.control_seeds))
+                   Path(args.checkpoint) if args.checkpoint else None, max(1, args.control_seeds), args.shard)
     ctrl = controls(engine, split_seeds(args.split, args.scenes), args.controls, args.max_new_tokens) \
         if args.controls else None
     summary = summarise(res)

@@ -32,7 +32,8 @@ def cmd_compare(args) -> int:
     session = engine.new_session(images, args.prompt, chosen.methods, chosen.budget, gen, chosen.knobs,
                                  budget_mode=chosen.budget_mode, query_agnostic=chosen.query_agnostic,
                                  time_alone=args.time_alone is not None,
-                                 batched=args.time_alone != "only", video=args.video, frames=args.frames)
+                                 batched=args.time_alone != "only", video=args.video, frames=args.frames,
+                                 draws=args.draws)
     names = list(session.states)
     passes = 2 if args.time_alone == "after" else 1  # the batched run, then every method alone
     bar = tqdm(total=len(names) * args.max_new_tokens * passes, desc="decoding", disable=args.quiet)
@@ -150,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="the comparison's seed: sampling (each method starts from it) and the methods that draw "
                         "at random")
+    p.add_argument("--draws", type=int, default=1, metavar="N",
+                   help="run each control that draws at random (random, random_drop) N times in this comparison, "
+                        "as rows random, random~1 ... (row k: the draw of --seed + k), so chance shows as a spread")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_compare)

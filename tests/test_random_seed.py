@@ -129,3 +129,69 @@ def test_random_drop_draws_image_tokens_only_once_for_every_later_layer(tiny_lla
 
     assert REGISTRY["fastv"].control == REGISTRY["dart"].control == REGISTRY["visionzip"].control == "random_drop"
     assert REGISTRY["snapkv"].control == "random" and REGISTRY["random"].is_control
+
+
+@pytest.mark.parametrize("query_agnostic", [False, True])
+def test_several_draws_in_one_comparison_are_the_comparisons_of_the_next_seeds(tiny_llama, noise_image,
+                                                                              query_agnostic):
+    """draws=N runs each control that draws at random N times as rows "random", "random~1" …, with the same knobs;
+    row k keeps what a comparison with seed + k keeps and answers as it does; the other methods run once."""
+    from prefixkv_core.policies import row_label, split_draw
+
+    knobs = {"random_drop": {"budget_of": "image"}}
+    settings = GenerationSettings(max_new_tokens=3, seed=5)
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, PROMPT, ["h2o", "random", "random_drop"], 0.4, settings, knobs,
+                                 query_agnostic=query_agnostic, draws=3)
+    assert list(session.states) == ["h2o", "random", "random~1", "random~2", "random_drop", "random_drop~1",
+                                    "random_drop~2"]
+    list(session.run())
+    results = session.results()
+    assert results["random~2"]["label"] == row_label("random~2", session.states["random"].policy) == "Random (draw 3)"
+    for k in (1, 2):
+        alone = engine.new_session(noise_image, PROMPT, ["random", "random_drop"], 0.4,
+                                   GenerationSettings(max_new_tokens=3, seed=5 + k), knobs,
+                                   query_agnostic=query_agnostic)
+        list(alone.run())
+        for method in ("random", "random_drop"):
+            row = f"{method}~{k}"
+            assert split_draw(row) == (method, k)
+            assert session.states[row].policy == alone.states[method].policy  # its seed, knobs and request
+            assert _prompt_kept(session, row) == _prompt_kept(alone, method)
+            assert session.states[row].turn_ids == alone.states[method].turn_ids
+    assert _prompt_kept(session, "random") != _prompt_kept(session, "random~1")
+
+
+@pytest.mark.parametrize("draws", [0, 65, 2.0, True, "3"])
+def test_draws_out_of_range_are_refused(tiny_llama, noise_image, draws):
+    from prefixkv_core import EngineError
+
+    with pytest.raises(EngineError, match="draws must be a whole number from 1 to 64"):
+        Engine(tiny_llama).new_session(noise_image, PROMPT, ["random"], 0.4, draws=draws)
+
+
+def test_row_names_of_draws():
+    from prefixkv_core.policies import draw_row, split_draw
+
+    assert draw_row("random", 0) == "random" and draw_row("random", 4) == "random~4"
+    assert split_draw("random_drop~12") == ("random_drop", 12) and split_draw("h2o") == ("h2o", 0)
+    assert split_draw("odd~name") == ("odd~name", 0)
+
+
+def test_the_cli_runs_several_draws(tmp_path, noise_image, capsys):
+    import json
+
+    from prefixkv_core.__main__ import main
+
+    image = tmp_path / "img.png"
+    noise_image.save(image)
+    out = tmp_path / "out.json"
+    assert main(["compare", "--model", "tiny-llama", "--image", str(image), "--prompt", PROMPT, "--methods",
+                 "h2o,random", "--budget", "0.4", "--max-new-tokens", "2", "--draws", "3", "--quiet",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data["methods"]) == ["h2o", "random", "random~1", "random~2"]
+    assert data["methods"]["random~1"]["label"] == "Random (draw 2)"
+    assert main(["compare", "--model", "tiny-llama", "--prompt", PROMPT, "--methods", "random", "--draws", "0",
+                 "--quiet"]) != 0
+    assert "draws must be a whole number" in capsys.readouterr().err

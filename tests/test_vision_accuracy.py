@@ -57,10 +57,10 @@ def test_query_agnostic_run_resumes_from_its_checkpoint_and_names_who_does_not_b
     real = va.ask_with_share
 
     def spy(engine, image, prompt, methods, budget, max_new, budget_mode="published", knobs=None,
-            query_agnostic=False):
+            query_agnostic=False, draws=1):
         asked_modes.append(query_agnostic)
         asked.append((prompt, budget))
-        return real(engine, image, prompt, methods, budget, max_new, budget_mode, knobs, query_agnostic)
+        return real(engine, image, prompt, methods, budget, max_new, budget_mode, knobs, query_agnostic, draws=draws)
 
     monkeypatch.setattr(va, "ask_with_share", spy)
     args = ["--model", "tiny-llama", "--device", "cpu", "--methods", "full,random,snapkv", "--budgets", "0.3,0.6",
@@ -82,6 +82,22 @@ def test_query_agnostic_run_resumes_from_its_checkpoint_and_names_who_does_not_b
     resumed = json.loads(part.with_suffix(".json").read_text())
     key = lambda r: (r["seed"], r["question"], r["method"], r["budget"], r["output"])  # noqa: E731
     assert sorted(map(key, resumed["records"])) == sorted(map(key, whole["records"]))
+
+    # two shards, each with a checkpoint of its own, joined: the same answers as one run
+    shards = [tmp_path / f"shard{i}.jsonl" for i in (0, 1)]
+    for i, path in enumerate(shards):
+        assert va.main(args + ["--scenes", "2", "--shard", f"{i}/2", "--checkpoint", str(path), "--out",
+                               str(tmp_path / f"s{i}")]) == 0
+        assert {json.loads(line)["seed"] for line in path.read_text().splitlines()} == {seeds[i]}
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text("".join(path.read_text() for path in shards))
+    before = len(asked)
+    assert va.main(args + ["--scenes", "2", "--checkpoint", str(joined), "--out", str(part)]) == 0
+    assert len(asked) == before  # nothing asked again
+    assert sorted(map(key, json.loads(part.with_suffix(".json").read_text())["records"])) == \
+        sorted(map(key, whole["records"]))
+    with pytest.raises(SystemExit):
+        va.main(args + ["--shard", "2/2"])
 
     md = one.with_suffix(".md").read_text()
     assert "Methods that do not beat random" in md

@@ -209,6 +209,29 @@ def _number(raw: str) -> Any:
     return raw
 
 
+DRAW_MARK = "~"  # a row's name for another draw of a control: "random~2" is Random's third draw (draw 0 is "random")
+MAX_DRAWS = 64  # the most draws of a control one comparison runs
+
+
+def draw_row(method: str, draw: int) -> str:
+    """The row name of a method's `draw`-th draw (0: the method's own name)."""
+    return method if draw == 0 else f"{method}{DRAW_MARK}{draw}"
+
+
+def split_draw(row: str) -> tuple[str, int]:
+    """A row name -> (method, draw): "random~2" -> ("random", 2), "h2o" -> ("h2o", 0)."""
+    method, mark, draw = row.rpartition(DRAW_MARK)
+    if mark and method and draw.isdigit():
+        return method, int(draw)
+    return row, 0
+
+
+def row_label(row: str, policy: Policy) -> str:
+    """What a row is called in records and tables: its method's label, and which draw it is when not the first."""
+    draw = split_draw(row)[1]
+    return policy.label if draw == 0 else f"{policy.label} (draw {draw + 1})"
+
+
 def describe() -> list[dict[str, Any]]:
     """Name, label, summary, schedule, stage, colour, whether the budget applies, and knobs (defaults and details:
     help, choices, range) of every method, in registry order (for the UI, the CLI and the benchmarks)."""
@@ -218,4 +241,5 @@ def describe() -> list[dict[str, Any]]:
 __all__ = ["EqualMemoryHold", "held_in_equal_memory", "BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "role_label", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
            "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
-           "make_policy", "resolve_methods", "describe", "Budget", "check_budget"]
+           "make_policy", "resolve_methods", "describe", "Budget", "check_budget", "DRAW_MARK", "MAX_DRAWS", "draw_row",
+           "split_draw", "row_label"]

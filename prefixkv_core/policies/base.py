@@ -199,6 +199,9 @@ class Policy:
     # None for a control itself and for the methods no control is drawn for
     control: ClassVar[str | None] = "random"
     is_control: ClassVar[bool] = False
+    # its answer depends on a random draw (from the comparison's seed and the request): a comparison may run it
+    # several times, each row another draw (`Engine.new_session(draws=N)`), so chance is a spread, not one draw
+    draws_at_random: ClassVar[bool] = False
     # knobs the benchmarks also take as a flag of their own, --<method>-<knob> (method_args.add_knob_flags): knob
     # -> what its default, "auto", picks for the model (`auto_knob` picks it)
     flag_knobs: ClassVar[dict[str, str]] = {}

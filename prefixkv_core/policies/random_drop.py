@@ -46,6 +46,7 @@ class RandomDropPolicy(ImageDropPolicy):
     colour = "#B0B0B0"  # a lighter grey than Random's: the other chance line
     control = None
     is_control = True
+    draws_at_random = True
 
     layer: int = knob(2, help="K: layers 0 … K-1 see every token; layers K and later never see the image tokens "
                               "the draw leaves out (2, as FastV's and DART's default)", low=1, high=1024, integer=True)

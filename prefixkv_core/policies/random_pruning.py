@@ -70,6 +70,7 @@ class RandomPolicy(Policy):
     name = "random"
     control = None
     is_control = True
+    draws_at_random = True
     label = "Random"
     summary = ("A control: each layer keeps round(r·N) prompt entries drawn uniformly at random (the sink and the "
                "last prompt token always), one draw per layer from the comparison's seed. Compresses the prompt "

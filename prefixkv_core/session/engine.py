@@ -25,6 +25,7 @@ overlay's map).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any
 
@@ -36,7 +37,8 @@ from ..errors import EngineError
 from ..kv.attention import AttentionProbe, tracked_attention_enabled
 from ..kv.cache import TrackedCache
 from ..models import LoadedModel
-from ..policies import BUDGET_MODES, Budget, PolicyError, ResolveContext, make_policy, resolve_methods
+from ..policies import (BUDGET_MODES, MAX_DRAWS, REGISTRY, Budget, PolicyError, ResolveContext, draw_row, make_policy,
+                        resolve_methods)
 from ..report.events import PrefillInfo
 from .generation import GenerationSettings
 from .image_input import MAX_IMAGE_SIDE, MAX_VISUALS, load_image, load_images
@@ -82,7 +84,8 @@ class Engine:
                     generation: GenerationSettings | None = None,
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
                     budget_mode: str = "published", query_agnostic: bool = False, time_alone: bool = False,
-                    batched: bool = True, video: Any = None, frames: int | None = None) -> "Session":
+                    batched: bool = True, video: Any = None, frames: int | None = None,
+                    draws: int = 1) -> "Session":
         """`image`: None, one image (PIL or path) or a list of them, in order. `video`: a video file (or a
         `VideoClip`, or a list of frames), sampled uniformly to `frames` frames (default 8) that the model reads
         on its own video path (LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else as images after the images.
@@ -106,7 +109,11 @@ class Engine:
         `time_alone=True`: after each turn's batched run, every method is decoded again on its own, from its
         own prefill (a follow-up: from a copy of its cache), and timed alone. `batched=False`: every method
         is decoded on its own, one after another, instead of the batched run (its timings are then all its
-        own). The answers are the same either way."""
+        own). The answers are the same either way.
+
+        `draws=N` runs each control that draws at random (Random, Random drop) N times, as rows "random",
+        "random~1" … "random~N-1" (with the same knobs): row k is the draw a comparison with seed `seed + k` makes
+        for this request, so chance comes as a spread over N draws from one prefill instead of N comparisons."""
         if isinstance(prompt, (list, tuple)):
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -123,6 +130,8 @@ class Engine:
         for flag, value in (("query_agnostic", query_agnostic), ("time_alone", time_alone), ("batched", batched)):
             if not isinstance(value, bool):
                 raise EngineError(f"{flag} must be True or False, got {value!r}")
+        if isinstance(draws, bool) or not isinstance(draws, int) or not 1 <= draws <= MAX_DRAWS:
+            raise EngineError(f"draws must be a whole number from 1 to {MAX_DRAWS}, got {draws!r}")
         if query_agnostic and not chat_template:
             raise EngineError("a plain-text prompt (chat_template=False) has no question to hold back: "
                               "query_agnostic needs the chat template")
@@ -138,10 +147,13 @@ class Engine:
                                  family=self.loaded.family)
         policies = {}
         for name in names:
-            try:
-                policies[name] = make_policy(name, budget, budget_mode, **dict(knobs.get(name, {}))).resolve(context)
-            except (PolicyError, TypeError) as exc:
-                raise EngineError(str(exc)) from None
+            count = draws if REGISTRY[name].draws_at_random else 1
+            for draw in range(count):  # draw k: the seed a comparison with seed + k would have
+                try:
+                    policies[draw_row(name, draw)] = make_policy(name, budget, budget_mode, **dict(
+                        knobs.get(name, {}))).resolve(dataclasses.replace(context, seed=context.seed + draw))
+                except (PolicyError, TypeError) as exc:
+                    raise EngineError(str(exc)) from None
         return Session(self, visuals, prompt, policies, budget, generation, knobs,
                        chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic,
                        time_alone=time_alone or not batched, batched=batched)

@@ -9,7 +9,7 @@ import torch
 
 from ..kv.cache import TrackedCache
 from ..report.events import MethodEvent
-from ..policies import Policy, PolicyState
+from ..policies import Policy, PolicyState, row_label
 
 
 @dataclass
@@ -70,7 +70,7 @@ class MethodState:
         cache = self.cache
         full_len = self.true_len + self.reduced_by
         return MethodEvent(
-            method=self.name, label=self.policy.label, kind=kind, turn=turn,
+            method=self.name, label=row_label(self.name, self.policy), kind=kind, turn=turn,
             step=len(self.turn_ids), text=self.text, delta=delta,
             kept_per_layer=cache.lengths() if cache is not None else [],
             kept_image_per_layer=cache.image_counts() if cache is not None else [],

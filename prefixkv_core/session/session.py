@@ -17,7 +17,7 @@ from ..errors import EngineError
 from ..decoding import runner
 from ..decoding.vision_tower import prompt_embeds, vision_features
 from ..models import ImageLayout, encode, format_followup, vision_inputs
-from ..policies import Budget, Policy, role_methods
+from ..policies import Budget, Policy, role_methods, row_label
 from ..report.events import KeptImageMap, MethodEvent, PrefillInfo
 from ..report.record import ComparisonRecord
 from .generation import GenerationSettings
@@ -82,7 +82,7 @@ class Session:
         self._turn_lock = threading.Lock()  # one turn of this conversation at a time
         # the result record every consumer reads (CLI --json, results(), benchmarks), fed with every event
         self.record = ComparisonRecord(
-            list(policies), {n: p.label for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
+            list(policies), {n: row_label(n, p) for n, p in policies.items()}, prompt, budget, settings=asdict(generation),
             knobs=knobs, model={"name": loaded.name, "device": str(loaded.device)}, budget_mode=budget_mode,
             query_agnostic=query_agnostic, batched=self.batched, alone=self.time_alone, roles=role_methods())
         self.record.visuals = visuals.describe()
