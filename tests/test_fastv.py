@@ -102,14 +102,14 @@ def test_other_rankings_keep_the_naive_top_image_tokens(tiny, noise_image, rank)
 
 
 def test_facts_say_the_share_of_image_tokens_kept(tiny_llama, noise_image):
-    """The panel shows R beside r: the share of the image tokens kept, and the paper's R dropped."""
+    """The panel shows R beside r: the share of the image tokens kept, and the share dropped (FastV's paper's R)."""
     session = Engine(tiny_llama).new_session(noise_image, PROMPT, ["fastv"], 0.9, GenerationSettings(max_new_tokens=2))
     done = [e for e in session.run() if getattr(e, "kind", None) == "done"][0]
     n, n_img = done.full_len, done.kept_image_per_layer[0]
     keep = kept_image_tokens(0.9, n - 2, n_img, tiny_llama.num_layers, 2, "cache")
     assert done.extras["image_kept_share"] == pytest.approx(keep / n_img)
     texts = [Fact.from_dict(f).text() for f in done.extras["facts"]]
-    assert f"share of the image tokens kept = {keep / n_img:.0%} (the paper's R = {1 - keep / n_img:.0%} dropped)" \
+    assert f"R, the share of the image tokens kept = {keep / n_img:.0%} ({1 - keep / n_img:.0%} dropped, what FastV's paper calls R)" \
         in texts
     assert not any("embedded model" in t for t in texts)
 

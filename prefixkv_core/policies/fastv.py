@@ -27,7 +27,7 @@ from .base import (Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled,
 BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
                   "method (image tokens are dropped after layer K until the mean reaches r); image: the image tokens "
-                  "kept after layer K (the paper's 1 - R)")
+                  "kept after layer K (R; the paper's R is the share dropped)")
 RANKS = ("last_query", "mean_received", "random")
 RANK_HELP = ("what ranks the image tokens at layer K-1. last_query: the last prompt token's attention averaged over "
              "heads (the reference code); mean_received: the attention each token receives, averaged over every "
@@ -158,8 +158,8 @@ class ImageDropPolicy(Policy):
             share = state.image_kept / state.image_tokens
             out.append(Fact("image_kept", f"image tokens kept from layer {state.layer} on", state.image_kept,
                             fmt="d", unit=f" of {state.image_tokens}"))
-            out.append(Fact("image_kept_share", "share of the image tokens kept", share, fmt=".0%",
-                            unit=f" (the paper's R = {1 - share:.0%} dropped)"))
+            out.append(Fact("image_kept_share", "R, the share of the image tokens kept", share, fmt=".0%",
+                            unit=f" ({1 - share:.0%} dropped, what FastV's paper calls R)"))
             if state.rank:
                 out.append(Fact("rank", "ranked by", state.rank.replace("_", " ")))
         return out

@@ -123,11 +123,11 @@ class ImageTokenSources:
         return kept, merged
 
     def fed_facts(self) -> list[Fact]:
-        """How many image tokens the language model was fed, and their share of the prompt's (the paper's R is
-        the share dropped): what every vision-side reduction's panel shows first."""
+        """How many image tokens the language model was fed, and their share of the prompt's (R, the share
+        kept): what every vision-side reduction's panel shows first."""
         return [Fact("image_fed", "image tokens fed to the language model", self.tokens, fmt="d",
                      unit=f" of {self.original_tokens}"),
-                Fact("image_kept_share", "share of the image tokens kept", self.tokens / max(1, self.original_tokens),
+                Fact("image_kept_share", "R, the share of the image tokens kept", self.tokens / max(1, self.original_tokens),
                      fmt=".0%")]
 
 
