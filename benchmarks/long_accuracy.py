@@ -118,10 +118,12 @@ def read_checkpoint(path: Path | None) -> dict[tuple, dict]:
 def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods: list[str], budgets: list[float],
              max_new: int, frames: int, *, blank: bool = True, knobs: dict | None = None,
              query_agnostic: bool = False, subtasks: list[str] | None = None,
-             checkpoint: Path | None = None, image_rows: bool = False, control_seeds: int = 1) -> list[dict]:
+             checkpoint: Path | None = None, image_rows: bool = False, control_seeds: int = 1,
+             shard: tuple[int, int] = (0, 1)) -> list[dict]:
     """Every sample at every budget (all methods of a budget in one session; with `image_rows` the methods with a
-    `budget_of` knob again with budget_of=image; the controls that draw at random again with seeds 1 … N-1), then
-    the blank baseline with the reference method; one record per answer."""
+    `budget_of` knob again with budget_of=image; the controls that draw at random as N rows of draws), then the
+    blank baseline with the reference method; one record per answer. `shard` (i, n): only the samples whose index
+    is i modulo n are asked (n processes share a run, each with a checkpoint of its own)."""
     done = read_checkpoint(checkpoint)
     runs = [(budget, ms, "images") for j, budget in enumerate(budgets)
             if (ms := [m for m in methods if uses_budget(m) or j == 0])]
@@ -132,11 +134,13 @@ def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods
     records: list[dict] = []
     bar = tqdm(total=len(todo) * len(runs), desc="sample x run", file=sys.stderr, mininterval=5)
     for budget, ms, condition in runs:
-        for task, sub, seed in todo:
+        for index, (task, sub, seed) in enumerate(todo):
             bar.update()
             key = (task, seed, budget, condition)
             if key in done:
                 records += done[key]["records"]
+                continue
+            if index % shard[1] != shard[0]:
                 continue
             images, prompt, video, answer, grade = question(task, seed, condition == BLANK, frames)
             line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "records": []}
@@ -241,6 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="append each sample's answers here as they finish, and skip those already in it")
+    ap.add_argument("--shard", default="0/1", type=va.shard_arg, metavar="I/N",
+                    help="ask only the samples whose index is I modulo N: N processes share one run, each with a "
+                         "--checkpoint of its own; join the files (cat) and run again without --shard for the whole")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the records and the summary here")
     ap.add_argument("--budget-of-image", action="store_true",
                     help="also run the methods with a budget_of knob with budget_of=image (rows '<method>[image]')")
@@ -269,7 +276,8 @@ def main(argv=None) -> int:
     records = evaluate(engine, tasks, args.split, args.samples, methods, budgets, args.max_new_tokens, args.frames,
                        blank=not args.no_blank, knobs=parse_knobs(args.knob), query_agnostic=args.query_agnostic,
                        subtasks=subtasks, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                       image_rows=args.budget_of_image, control_seeds=max(1, args.control_seeds))
+                       image_rows=args.budget_of_image, control_seeds=max(1, args.control_seeds),
+                       shard=args.shard)
     summary = summarise(records)
     mode = "query-agnostic" if args.query_agnostic else "question in view"
     md = (f"Long-cache scene tasks, {args.split} split, {args.samples} samples per subtask, model {args.model}, "

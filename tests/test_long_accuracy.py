@@ -52,3 +52,32 @@ def test_headline_records_and_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(la, "ask", lambda *a, **k: asked.append(a) or {})
     assert la.main([*ARGS, "--checkpoint", str(ckpt), "--no-blank"]) == 0
     assert asked == []  # every sample and budget was in the checkpoint
+
+
+def test_two_shards_joined_ask_what_one_run_asks(tmp_path, monkeypatch):
+    """--shard I/N: each process asks every N-th sample into a checkpoint of its own; the files joined, a run
+    without --shard asks nothing again and has every answer one run has."""
+    monkeypatch.setattr(va, "figure", lambda *a, **k: "figure skipped in tests")
+    args = [*ARGS, "--no-blank", "--budgets", "0.3", "--control-seeds", "1", "--methods", "full,h2o"]
+    whole = tmp_path / "whole.json"
+    assert la.main([*args, "--json", str(whole)]) == 0
+    shards = [tmp_path / f"shard{i}.jsonl" for i in (0, 1)]
+    for i, path in enumerate(shards):
+        assert la.main([*args, "--shard", f"{i}/2", "--checkpoint", str(path)]) == 0
+    def asked_in(path):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        return {(line["task"], line["records"][0]["subtask"], line["seed"]) for line in lines}
+
+    seen = [asked_in(path) for path in shards]
+    assert seen[0] and seen[1] and not seen[0] & seen[1]
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text("".join(path.read_text() for path in shards))
+    asked = []
+    real = la.ask
+    monkeypatch.setattr(la, "ask", lambda *a, **k: asked.append(a) or real(*a, **k))
+    again = tmp_path / "again.json"
+    assert la.main([*args, "--checkpoint", str(joined), "--json", str(again)]) == 0
+    assert asked == []
+    key = lambda r: (r["task"], r["seed"], r["method"], r["budget"], r["output"])  # noqa: E731
+    assert sorted(map(key, json.loads(again.read_text())["records"])) == \
+        sorted(map(key, json.loads(whole.read_text())["records"]))
