@@ -3,7 +3,9 @@ tab: one folder per budget mode and query mode with `leaderboard.csv` (accuracy 
 (agreement with Full's own answers × 100, EffiVLM-Bench's loyalty) and `results.json` (each row's run: its budget,
 questions and the share of Full's KV bytes it measured, the command and commit).
 
-One task column, `scene_qa`: every question pooled, so a row's score is the headline table's cell. A row per
+A row's score is every question pooled (`scene_qa`'s, the headline table's cell); its columns are the task's, or
+with per-type figures one per question type (`scene_qa_colour` …, as the lmms-eval task's subtasks are named). A
+row per
 method and budget as `vision_accuracy.summarise` gives them; the `[image]` rows (budget_of=image) and the controls
 asked with several draws (their mean over the draws) are rows of their own. `compression_ratio` is 1 - r as kvpress
 writes it; the tab plots each row at its measured KV share."""
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from prefixkv_core.report.leaderboard import LeaderboardRow, compression_ratio, method_name, to_csv
 from prefixkv_core.report.provenance import git_commit
+from scenes import QTYPES
 
 TASK = "scene_qa"
 NO_BUDGET = 1.0  # a method without a budget (Full, ZipVL) is reported at 1
@@ -34,7 +37,9 @@ def rows(summary: dict, model: str, query_agnostic: bool,
         ratio = 0.0 if method == "full" else compression_ratio(None if b == NO_BUDGET else b, per.get("kv_share"))
         base = dict(dataset=task, data_dir="", model=model, method=method_name(method, query_aware=not query_agnostic),
                     compression_ratio=ratio)
-        scores.append(LeaderboardRow(**base, scores={task: 100.0 * per["all"]["accuracy"]}))
+        pooled = 100.0 * per["all"]["accuracy"]
+        by_type = {f"{task}_{q}": 100.0 * per[q]["accuracy"] for q in QTYPES if q in per}
+        scores.append(LeaderboardRow(**base, scores=by_type or {task: pooled}, overall=pooled))
         agree = 1.0 if method == "full" else per.get("agrees_with_full", {}).get("accuracy")
         agreements.append(LeaderboardRow(**base, scores={task: None if agree is None else 100.0 * agree}))
     return scores, agreements
@@ -68,7 +73,8 @@ def write(folder: Path, summary: dict, *, model: str, budget_mode: str, query_ag
     payload = results(summary, model=model, budget_mode=budget_mode, query_agnostic=query_agnostic, device=device,
                       dtype=dtype, command=command, commit=commit or git_commit(), task=task)
     out = [folder / "leaderboard.csv", folder / "leaderboard-agreement.csv", folder / "results.json"]
-    out[0].write_text(to_csv(score_rows, [task]))
+    columns = [f"{task}_{q}" for q in QTYPES if any(f"{task}_{q}" in r.scores for r in score_rows)] or [task]
+    out[0].write_text(to_csv(score_rows, columns))
     out[1].write_text(to_csv(agree_rows, [task]))
     out[2].write_text(json.dumps(payload, indent=1) + "\n")
     return out

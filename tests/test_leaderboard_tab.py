@@ -80,9 +80,9 @@ def test_the_page_has_a_compare_and_a_leaderboard_tab(app):
 
 def test_show_filters_the_shipped_rows(ctl):
     fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_agnostic", "published", "agreement")
-    assert len(rows) == 38 and len(fig.data) == 14
+    assert len(rows) == 102 and len(fig.data) == 22  # the headline's rows: every method and control, [image] rows
     assert {r[-2] for r in rows} == {"scene_qa/embedded-query-agnostic"}
-    assert "synthetic scenes only" in note and "4 samples per task" in note
+    assert "synthetic scenes only" in note and "343 samples per task" in note and "by 0.29 points" in note
     snapkv = next(t for t in fig.data if t.name == "SnapKV")
     held = sorted(p.kv_share for p in ctl.leaderboard.store.select(task="scene_qa", query_mode="query_agnostic",
                                                                   budget_mode="published") if p.method == "snapkv")
@@ -171,7 +171,7 @@ def test_the_leaderboard_endpoints_through_gradio_client(tiny_llama, serve_app, 
                            api_name="/leaderboard_export")
         again = client.predict("scene_qa", "embedded", "query_agnostic", "published", "agreement",
                                api_name="/leaderboard")
-        assert len(again[1]["data"]) == 38  # the app is still up
+        assert len(again[1]["data"]) == 102  # the app is still up
     finally:
         client.close()
 

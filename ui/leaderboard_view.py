@@ -126,7 +126,7 @@ class LeaderboardView:
             line = f"{len(points)} points, {len({p.method for p in points})} methods, from {sources}"
             if samples:
                 n = min(samples)
-                line += f"; {n} samples per task, so one answer moves a task's score by {100 / n:.0f} points"
+                line += f"; {n} samples per task, so one answer moves a task's score by {100 / n:.2g} points"
             lines.append(line + ".")
         if sel.model in EMBEDDED_MODELS:
             lines.append("The embedded model sees synthetic scenes only: its rows are on the project's own scene "

@@ -31,10 +31,14 @@ class LeaderboardRow:
     method: str
     compression_ratio: float
     scores: dict[str, float | None] = field(default_factory=dict)  # task -> score (None: not measured)
+    # the row's score when it is not the mean of its task columns (a pooled score beside its parts' columns)
+    overall: float | None = None
 
     @property
     def score(self) -> float | None:
-        """The mean of the measured task scores (None when no task was measured)."""
+        """`overall` when given, else the mean of the measured task scores (None when no task was measured)."""
+        if self.overall is not None:
+            return round(self.overall, 2)
         got = [s for s in self.scores.values() if s is not None]
         return round(sum(got) / len(got), 2) if got else None
 
