@@ -471,10 +471,11 @@ def pivot(summary: dict, qtype: str = "all") -> str:
 
 
 def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agnostic: bool = False,
-           control: str | None = None, title: str = "Scene QA accuracy vs KV budget (held-out test scenes)") -> str:
-    """Accuracy vs budget per method in its registered colour (the reference, Full, and any other method without a
-    budget as horizontal lines; budget_of=image rows dashed; the control drawn thick); HTML always, PNG when
-    Chromium is there."""
+           control: str | None = None, title: str | None = None) -> str:
+    """Accuracy per method in its registered colour against the share of Full's KV bytes it held where every row
+    measured it, else against the budget (the reference, Full, a horizontal line; another method without a budget a
+    point at its measured share, else a line; budget_of=image rows dashed; the control drawn thick); HTML always,
+    PNG when Chromium is there."""
     import plotly.graph_objects as go
 
     from benchmarks.common import save_figure
@@ -482,17 +483,24 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
     fig = go.Figure()
     by_method: dict = defaultdict(list)
     measured = all(per.get("kv_share") is not None for key, per in summary.items() if uses_budget(key.rsplit("@", 1)[0]))
+    held: dict[str, float] = {}  # a method without a budget: the share it measured
     for key, per in summary.items():
         m, b = key.rsplit("@", 1)
         x = per["kv_share"] if measured and uses_budget(m) else float(b)
         by_method[m].append((x, per["all"]["accuracy"]))
+        if not uses_budget(m) and per.get("kv_share") is not None:
+            held[m] = per["kv_share"]
     full = dict(by_method.pop(role_method("reference"), [])).get(NO_BUDGET)
     budgets = sorted({b for m, pts in by_method.items() if uses_budget(m) for b, _ in pts}) or [NO_BUDGET]
     for m, pts in sorted(by_method.items()):
-        if not uses_budget(m):  # one answer for every budget: a flat line across them
+        if not uses_budget(m):  # one answer for every budget: a point at its share held, else a flat line
             acc = dict(pts)[NO_BUDGET]
-            fig.add_trace(go.Scatter(x=[budgets[0], budgets[-1]], y=[acc, acc], mode="lines", name=f"{m} (no budget)",
-                                     line=dict(dash="dot")))
+            if measured and m in held:
+                fig.add_trace(go.Scatter(x=[held[m]], y=[acc], mode="markers", name=f"{m} (no budget)",
+                                         marker=dict(symbol="star", size=14, color=REGISTRY[m].colour or None)))
+            else:
+                fig.add_trace(go.Scatter(x=[budgets[0], budgets[-1]], y=[acc, acc], mode="lines",
+                                         name=f"{m} (no budget)", line=dict(dash="dot")))
             continue
         pts.sort()
         base = m.removesuffix(IMAGE_SUFFIX)  # a budget_of=image row: the method's colour, dashed
@@ -505,11 +513,13 @@ def figure(summary: dict, stem: Path, budget_mode: str = "published", query_agno
         fig.add_hline(y=full, line_dash="dash", annotation_text=f"full cache {full:.0%}")
     mode = ("equal memory" if budget_mode == "equal_memory" else "budgets as published") + (
         ", query-agnostic" if query_agnostic else ", question in view")
+    title = title or ("Scene QA accuracy against the memory held (held-out test scenes)" if measured else
+                      "Scene QA accuracy against the KV budget (held-out test scenes)")
     fig.update_layout(title=f"{title} [{mode}]",
                       xaxis_title=("the share of Full's KV bytes each method held (measured)" if measured else
                                    "budget r (the share of the cache kept; dashed [image] rows: of the image tokens)"),
                       yaxis_title="accuracy (every question pooled)", yaxis_range=[0, 1], yaxis_tickformat=".0%",
-                      width=1000, height=560)
+                      width=1000, height=max(560, 120 + 24 * len(fig.data)))  # every legend entry shown
     _, message = save_figure(fig, stem)
     return message
 
