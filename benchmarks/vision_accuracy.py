@@ -40,7 +40,6 @@ the shape's colour in phrasings the model was never trained on (scenes.phrasings
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -106,11 +105,6 @@ def ask_with_share(engine: Engine, image, prompt: str, methods: list[str], budge
     return {m: ((r["error"] and f"ERROR {r['error']}") or r["text"], (r.get("extras") or {}).get("image_kept_share"),
                 r["kv_bytes"] / r["full_kv_bytes"] if r.get("kv_bytes") and r.get("full_kv_bytes") else None)
             for m, r in session.results().items()}
-
-
-def draws_at_random(method: str) -> bool:
-    """A control whose answers depend on its draw (Random, Random drop): asked with several draws."""
-    return REGISTRY[method.removesuffix(IMAGE_SUFFIX)].draws_at_random
 
 
 def sessions(methods: list[str], knobs: dict, image_rows: bool) -> list[tuple[list[str], dict, str]]:
