@@ -470,16 +470,19 @@ class Prefill:
 @torch.inference_mode()
 def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
             policies: Sequence[Policy], num_layers: int, device: torch.device,
-            turn_image: TurnImage | None = None) -> Prefill:
+            turn_image: TurnImage | None = None, inputs_embeds: torch.Tensor | None = None) -> Prefill:
     """One prefill (batch = prompts of equal length) recording every statistic the given policies asked for.
     `vision_inputs`: the pixel values, or every image tensor the processor made (see `vision_kwargs`).
     `turn_image`: the image already through the vision tower (or to be, by whichever prefill asks first): the
-    language model is fed its input embeddings instead of the pixel values."""
+    language model is fed its input embeddings instead of the pixel values. `inputs_embeds` [B, N, H]: the
+    prompts' input embeddings already made (several conversations' prompts stacked, `prefill_pool.py`)."""
     n = ids.shape[1]
     request = StatRequest.union([StatRequest(colsum=True)] + [p.prefill_stats(n) for p in policies])
     cache = TrackedCache(num_layers)
     t0 = now(device)
-    embeds = turn_image.prompt_embeds(ids, is_image) if turn_image is not None else None
+    embeds = inputs_embeds
+    if embeds is None and turn_image is not None:
+        embeds = turn_image.prompt_embeds(ids, is_image)
     pixels = vision_inputs if embeds is None else None
     logits, stats = forward_group(model, cache, ids, 0, request, is_image, pixels, inputs_embeds=embeds,
                                   rope_inputs=vision_inputs)

@@ -47,6 +47,8 @@ from .method_state import MethodState
 from .session import Session
 from .model_worker import ModelLock, ModelWorker
 from .step_pool import StepPool
+from .prefill_pool import PrefillPool
+from ..models.families import uses_mrope
 
 __all__ = ["Engine", "Session", "EngineError", "GenerationSettings", "MethodState", "MAX_IMAGE_SIDE", "MAX_VISUALS"]
 
@@ -60,6 +62,9 @@ class Engine:
         self.lock = ModelLock()  # held while the model runs a call (a prefill, or a batched step)
         self.worker = ModelWorker(self.lock)  # the one thread the model's calls run on
         self.pool = StepPool(loaded, self.worker)
+        # first-turn prefills of conversations that start together share a forward (not where positions are 3-D)
+        self.prefills = PrefillPool(lambda: self.loaded.model, loaded.num_layers, loaded.device,
+                                    batchable=not uses_mrope(loaded.model.config))
         self._users = 0  # turns running now, which need our attention function on the model
         self._users_lock = threading.Lock()
         self._attention: Any = None  # the attention function's context while any turn runs

@@ -26,6 +26,7 @@ from ..models import ImageLayout, LoadedModel, encode, format_prompt, vision_inp
 from ..policies import Budget, Policy
 from ..report.events import PrefillInfo
 from .method_state import MethodState
+from .prefill_pool import PrefillPool, PrefillTicket
 from .prompt_layout import image_token_layout, question_start
 from .visuals import TurnVisuals
 from .stepping import RowStepper
@@ -89,6 +90,17 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
                          video_fps=visuals.video_fps, video_times=visuals.video_times)
 
 
+def shared_prefill_ticket(prompt: EncodedPrompt, states: list[MethodState]) -> PrefillTicket | None:
+    """The ticket for a first turn's shared prefill in the engine's pool; None when no method shares it, or when
+    its image is read as pixels (no shared pass of the tower)."""
+    sharing = [s.policy for s in states if not s.policy.own_prefill()]
+    pixels = vision_inputs(prompt.inputs)
+    if not sharing or (pixels and prompt.shared_image is None):
+        return None
+    return PrefillTicket(prompt.ids[:, :prompt.split], prompt.is_image[:, :prompt.split], prompt.shared_image,
+                         pixels, sharing)
+
+
 def share_image(loaded: LoadedModel, prompt: EncodedPrompt, policies: list[Policy]) -> None:
     """From now on the prompt's prefills (not those run alone) read one pass of the vision tower, which records
     the feature layer when one of `policies` may shrink the image in the tower. Nothing for a prompt without one,
@@ -116,8 +128,9 @@ class Prefiller:
     """Prefills and compresses the caches of a first turn's methods (see the module docstring)."""
 
     def __init__(self, loaded: LoadedModel, stepper: RowStepper, prompt: EncodedPrompt, budget: Budget,
-                 seed: int):
+                 seed: int, pool: PrefillPool | None = None, ticket: PrefillTicket | None = None):
         self.loaded = loaded
+        self.pool, self.ticket = pool, ticket  # the shared prefill, perhaps in one forward with other turns'
         self.stepper = stepper
         self.prompt = prompt
         self.budget = budget
@@ -131,7 +144,7 @@ class Prefiller:
         charts' analysis; None without `analysis` (a method timed alone again)."""
         self.image = None if alone else self.prompt.shared_image  # run alone: each prefill encodes the image itself
         sharing = [s for s in states if not s.policy.own_prefill()]
-        shared = self._prefill([s.policy for s in sharing]) if sharing and not alone else None
+        shared = self._shared_prefill([s.policy for s in sharing]) if sharing and not alone else None
         analysed = shared  # the prefill whose column sums the importance charts show
         curves: dict[str, np.ndarray] = {}
         for state in states:
@@ -208,6 +221,16 @@ class Prefiller:
         wanted = policy.kept_image_tokens(p.split, p.n_image)
         return resized_prompt(self.loaded, p.images, p.text, wanted, p.n_image, p.frames if p.video else None,
                               p.frames_at, p.video_fps, p.video_times)
+
+    def _shared_prefill(self, policies) -> runner.Prefill:
+        """The prefill every sharing method starts from: from the pool when the turn holds a ticket (perhaps one
+        forward with other conversations' prompts, `prefill_pool.py`), else one of this turn's own."""
+        if self.pool is None or self.ticket is None:
+            return self._prefill(policies)
+        prefilled = self.pool.prefill(self.ticket)
+        if self.bytes_per_token is None:
+            self.bytes_per_token = prefilled.cache.nbytes() / self.prompt.split
+        return prefilled
 
     def _prefill(self, policies) -> runner.Prefill:
         """One prefill of the compressed context recording what `policies` ask for (the uncompressed cache's bytes

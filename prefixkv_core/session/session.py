@@ -23,7 +23,8 @@ from ..report.record import ComparisonRecord
 from .generation import GenerationSettings
 from .kept_image import kept_image_map, kept_per_image
 from .method_state import MethodState
-from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info, share_image
+from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info, share_image, shared_prefill_ticket
+from .prefill_pool import PrefillPool, PrefillTicket
 from .schedule import schedule_for
 from .model_worker import ModelWorker
 from .step_pool import StepPool
@@ -207,13 +208,17 @@ class Session:
         """Encode the first turn's prompt, prefill and compress the caches of `states` (default: every method; one
         shared prefill, or each its own when `alone`) and sample each first token, on the model's thread."""
         loaded = self.engine.loaded
-        self.encoded = encode_prompt(loaded, self.visuals, chat_template=self.chat_template,
-                                     query_agnostic=self.query_agnostic,
-                                     max_new_tokens=self.generation.max_new_tokens)
-        if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
-            share_image(loaded, self.encoded, [s.policy for s in self.states.values()])
+        pool: PrefillPool | None = getattr(self.engine, "prefills", None)
         chosen = list(self.states.values()) if states is None else states
-        analysis = self.stepper.on_model(lambda: self._prefiller().run(chosen, alone=alone))
+        with pool.coming() if pool is not None and not alone else contextlib.nullcontext():
+            self.encoded = encode_prompt(loaded, self.visuals, chat_template=self.chat_template,
+                                         query_agnostic=self.query_agnostic,
+                                         max_new_tokens=self.generation.max_new_tokens)
+            if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
+                share_image(loaded, self.encoded, [s.policy for s in self.states.values()])
+            ticket = shared_prefill_ticket(self.encoded, chosen) if pool is not None and not alone else None
+        with pool.waiting(ticket) if ticket is not None else contextlib.nullcontext():
+            analysis = self.stepper.on_model(lambda: self._prefiller(ticket).run(chosen, alone=alone))
         self._drop_image_once_prefilled()
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
@@ -280,8 +285,10 @@ class Session:
         if self.encoded is not None:
             self.encoded.shared_image = None
 
-    def _prefiller(self) -> Prefiller:
-        return Prefiller(self.engine.loaded, self.stepper, self.encoded, self.budget, self.generation.seed)
+    def _prefiller(self, ticket: PrefillTicket | None = None) -> Prefiller:
+        pool = getattr(self.engine, "prefills", None) if ticket is not None else None
+        return Prefiller(self.engine.loaded, self.stepper, self.encoded, self.budget, self.generation.seed, pool,
+                         ticket)
 
     @contextlib.contextmanager
     def _model_turn(self):
