@@ -86,6 +86,7 @@ class ServerProbe:
         self.t0 = time.perf_counter()
         pool = self.engine.pool
         self._pool0 = {k: getattr(pool, k) for k in POOL_COUNTERS}
+        self._prefills0 = dict(self.engine.prefills.forwards)
 
         def timed_put(original):
             def put(worker, priority, job):
@@ -144,7 +145,18 @@ class ServerProbe:
         pool = self.engine.pool
         return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
                 "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
-                "pool": {k: getattr(pool, k) - self._pool0.get(k, 0) for k in POOL_COUNTERS}}
+                "pool": {k: getattr(pool, k) - self._pool0.get(k, 0) for k in POOL_COUNTERS},
+                "prefill_forwards": prefill_forwards(self.engine, self._prefills0)}
+
+
+def prefill_forwards(engine: Engine, before: dict[int, int]) -> dict[int, int]:
+    """Shared prefills run since `before`, by how many visitors' prompts each forward held."""
+    now = engine.prefills.forwards
+    return {rows: now[rows] - before.get(rows, 0) for rows in sorted(now) if now[rows] > before.get(rows, 0)}
+
+
+def forwards_text(counts: dict) -> str:
+    return ", ".join(f"{n} of {rows}" for rows, n in sorted((int(k), v) for k, v in counts.items())) or "none"
 
 
 def launch(engine: Engine, max_new_tokens: int):
@@ -442,6 +454,9 @@ def markdown(r: dict) -> str:
         lines.append(f"| {k} | {cells[0]} | {cells[1]} |")
     for k in POOL_COUNTERS:
         lines.append(f"| step pool: {k.replace('_', ' ')} | {r['where_alone']['pool'][k]} | {r['where_together']['pool'][k]} |")
+    lines.append(f"| shared prefills: forwards of k visitors' prompts (forwards of k) | "
+                 f"{forwards_text(r['where_alone'].get('prefill_forwards', {}))} | "
+                 f"{forwards_text(r['where_together'].get('prefill_forwards', {}))} |")
     if r["together"]["errors"]:
         lines.append(f"- errors: {r['together']['errors']}")
     return "\n".join(lines)

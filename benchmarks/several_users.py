@@ -16,10 +16,13 @@ Measured side by side in one process, repeats interleaved (the machines are shar
    faster than N decodes of M rows as the hardware's batching allows (the ceiling: a plain cached greedy loop in
    transformers, no engine, at batch N·M over batch M, in tokens/s); and what batching the prefills could buy
    (the prefill ceiling: a plain transformers forward over N copies of one prompt at once against one copy, in
-   prompts/s; N would be free batching).
+   prompts/s; N would be free batching). Users whose prompts have one length and layout (`--prompt`: one prompt
+   on same-sized images) share their first-turn prefills' forward (`session/prefill_pool.py`);
+   `--prefills-alone-too` also sends them at once with every prefill alone, interleaved, for what that buys.
 
     python benchmarks/several_users.py --model embedded --users 4 --methods full,snapkv,h2o,prefixkv
     python benchmarks/several_users.py --random-weights llava-interleave --threads 2 --users 4 --new-tokens 8
+    python benchmarks/several_users.py --threads 2 --prompt "What color is the circle?" --prefills-alone-too
 """
 from __future__ import annotations
 
@@ -53,18 +56,20 @@ PROMPTS = ["Describe the image in detail.", "What objects are in the picture?", 
            "What stands in the middle?", "Name the smallest object."]
 
 
-def user_requests(n: int) -> list[tuple]:
-    """N different requests: another scene image and another prompt for each user."""
+def user_requests(n: int, prompt: str | None = None) -> list[tuple]:
+    """N different requests: another scene image for each user, and another prompt (or `prompt` for all)."""
     images = sorted((REPO_ROOT / "assets/images").glob("scene-*.png"))
-    return [(Engine.load_image(str(images[i % len(images)])), PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+    return [(Engine.load_image(str(images[i % len(images)])), prompt or PROMPTS[i % len(PROMPTS)]) for i in range(n)]
 
 
-def run_user(engine: Engine, request: tuple, methods: list[str], budget: float, new_tokens: int, t0: float,
-             out: dict) -> None:
-    """One user's comparison, timed from `t0` (the moment every user sent theirs)."""
+def new_user_session(engine: Engine, request: tuple, methods: list[str], budget: float, new_tokens: int):
     image, prompt = request
-    session = engine.new_session(image, prompt, methods, budget,
-                                 GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True))
+    return engine.new_session(image, prompt, methods, budget,
+                              GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True))
+
+
+def run_user(engine: Engine, session, t0: float, out: dict) -> None:
+    """One user's comparison (its session made), timed from `t0` (the moment every user sent theirs)."""
     for _ in session.run():
         pass
     out["wall_s"] = now(engine.loaded.device) - t0
@@ -76,11 +81,13 @@ def at_once(engine: Engine, requests: list[tuple], methods: list[str], budget: f
     """Every request sent at the same moment, each on its own thread."""
     pool = engine.pool
     shared_before, formed_before, steps_before = pool.shared_steps, pool.formed, pool.steps
+    prefills_before = dict(engine.prefills.forwards)
     pool.largest_batch = 0
     outs = [{} for _ in requests]
     t0 = now(engine.loaded.device)
-    threads = [threading.Thread(target=run_user, args=(engine, r, methods, budget, new_tokens, t0, o))
-               for r, o in zip(requests, outs)]
+    # every user's request arrives now: the sessions are made at once (as the app makes each before running it)
+    sessions = [new_user_session(engine, r, methods, budget, new_tokens) for r in requests]
+    threads = [threading.Thread(target=run_user, args=(engine, session, t0, o)) for session, o in zip(sessions, outs)]
     for t in threads:
         t.start()
     for t in threads:
@@ -88,7 +95,9 @@ def at_once(engine: Engine, requests: list[tuple], methods: list[str], budget: f
     return {"last_s": max(o["wall_s"] for o in outs), "each_s": [o["wall_s"] for o in outs],
             "texts": [o["texts"] for o in outs], "shared_steps": pool.shared_steps - shared_before,
             "formed": pool.formed - formed_before, "steps": pool.steps - steps_before,
-            "largest_batch": pool.largest_batch}
+            "largest_batch": pool.largest_batch,
+            "prefill_forwards": {rows: n - prefills_before.get(rows, 0) for rows, n in engine.prefills.forwards.items()
+                                 if n > prefills_before.get(rows, 0)}}
 
 
 def one_after_another(engine: Engine, requests: list[tuple], methods: list[str], budget: float,
@@ -96,7 +105,7 @@ def one_after_another(engine: Engine, requests: list[tuple], methods: list[str],
     outs = [{} for _ in requests]
     t0 = now(engine.loaded.device)
     for r, o in zip(requests, outs):
-        run_user(engine, r, methods, budget, new_tokens, t0, o)
+        run_user(engine, new_user_session(engine, r, methods, budget, new_tokens), t0, o)
     return {"last_s": outs[-1]["wall_s"], "each_s": [o["wall_s"] for o in outs], "texts": [o["texts"] for o in outs],
             "prefill_s": [o["prefill_s"] for o in outs]}
 
@@ -137,6 +146,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; medians are reported")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--prompt", default=None,
+                    help="every user asks this (default: another prompt each); one prompt on same-sized images "
+                         "lets the users' first-turn prefills share a forward")
+    ap.add_argument("--prefills-alone-too", action="store_true",
+                    help="each repeat also sends the users at once with every prefill alone (no shared prefill "
+                         "forward), interleaved: what sharing the prefills buys")
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args(argv)
     if args.threads > 0:
@@ -145,17 +160,24 @@ def main(argv=None) -> int:
     loaded = load_benchmark_model(args)
     engine = Engine(loaded)
     methods = resolve_methods(args.methods)
-    requests = user_requests(args.users)
+    requests = user_requests(args.users, args.prompt)
     at_once(engine, requests[:2], methods, args.budget, 2)  # warm-up
 
     image, prompt = requests[0]
     inputs = encode(loaded, image, format_prompt(loaded, prompt, with_image=True))
-    alone, together, serial, ceilings, prefill_ceilings = [], [], [], [], []
+    alone, together, unshared, serial, ceilings, prefill_ceilings = [], [], [], [], [], []
     for _ in tqdm(range(args.repeats), desc="interleaved repeats"):
         alone.append(one_after_another(engine, requests[:1], methods, args.budget, args.new_tokens))
         phase("one user alone")
         together.append(at_once(engine, requests, methods, args.budget, args.new_tokens))
         phase(f"{args.users} users at once")
+        if args.prefills_alone_too:
+            engine.prefills.batchable = False
+            try:
+                unshared.append(at_once(engine, requests, methods, args.budget, args.new_tokens))
+            finally:
+                engine.prefills.batchable = True
+            phase(f"{args.users} users at once, every prefill alone")
         serial.append(one_after_another(engine, requests, methods, args.budget, args.new_tokens))
         phase("one after another")
         rows = len(methods)
@@ -167,7 +189,8 @@ def main(argv=None) -> int:
     alone_s = statistics.median(a["last_s"] for a in alone)
     last_s = statistics.median(t["last_s"] for t in together)
     serial_s = statistics.median(s["last_s"] for s in serial)
-    same = all(t["texts"] == s["texts"] for t, s in zip(together, serial))
+    same = all(t["texts"] == s["texts"] for t, s in zip(together, serial)) and \
+        all(u["texts"] == s["texts"] for u, s in zip(unshared, serial))
     prefill_s = statistics.median(a["prefill_s"][0] for a in alone)
     ratios = [t["last_s"] / a["last_s"] for t, a in zip(together, alone)]
     ceiling, prefill_ceiling = statistics.median(ceilings), statistics.median(prefill_ceilings)
@@ -183,7 +206,12 @@ def main(argv=None) -> int:
               "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
               "hardware_bound_s": hardware_bound_s(args.users, prefill_s, alone_s, prefill_ceiling, ceiling),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "runs": {"alone": alone, "together": together, "one_after_another": serial}}
+              "prefill_forwards": [t["prefill_forwards"] for t in together],
+              "runs": {"alone": alone, "together": together, "one_after_another": serial,
+                       "together_prefills_alone": unshared}}
+    if unshared:
+        report["prefills_alone_last_s"] = statistics.median(t["last_s"] for t in unshared)
+        report["shared_over_alone_prefills"] = [t["last_s"] / u["last_s"] for t, u in zip(together, unshared)]
 
     print(f"\n{loaded.name} on {report['machine']} ({loaded.dtype}, {report['threads']} threads), commit "
           f"{report['commit']}, {report['date']}")
@@ -197,6 +225,13 @@ def main(argv=None) -> int:
     print(f"| the same requests one after another: the last one's wait | {serial_s:.2f} s = "
           f"{report['one_after_another_over_one']:.2f}x |")
     print(f"| every answer equal to the same request alone | {'yes' if same else 'NO'} |")
+    print(f"| first-turn prefills: forwards holding k users' prompts (per repeat, k: forwards) | "
+          f"{'; '.join(', '.join(f'{k}: {n}' for k, n in sorted(f.items())) for f in report['prefill_forwards'])} |")
+    if unshared:
+        shares = report["shared_over_alone_prefills"]
+        print(f"| the same at once with every prefill alone: the last one's wait; shared over alone (per repeat) | "
+              f"{report['prefills_alone_last_s']:.2f} s; {statistics.median(shares):.2f}x "
+              f"({min(shares):.2f}-{max(shares):.2f}x) |")
     print(f"| batched steps holding several users' rows (per repeat) | {report['shared_steps']} |")
     print(f"| most rows in one step | {report['largest_batch']} |")
     print(f"| steps that formed the shared stores anew, of all batched steps (per repeat) | "

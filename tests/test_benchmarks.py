@@ -420,6 +420,25 @@ def test_several_users_reports_the_last_users_wait_and_checks_every_answer(tmp_p
     assert len(report["runs"]["together"][0]["each_s"]) == 3
 
 
+def test_several_users_with_one_prompt_share_their_prefills(tmp_path, capsys):
+    """--prompt: one prompt for every user, so their first-turn prefills share a forward (counted per repeat);
+    --prefills-alone-too: the same users at once with every prefill alone, every answer the same."""
+    from benchmarks import several_users
+
+    out = tmp_path / "users.json"
+    assert several_users.main(["--model", "tiny-llama", "--users", "3", "--methods", "full,h2o", "--new-tokens", "3",
+                               "--repeats", "1", "--prompt", "describe the picture", "--prefills-alone-too",
+                               "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "every prefill alone" in printed
+    report = json.loads(out.read_text())
+    assert report["same_answers_as_alone"]
+    assert max(int(k) for k in report["prefill_forwards"][0]) > 1  # users' prompts shared a forward
+    alone = report["runs"]["together_prefills_alone"][0]["prefill_forwards"]
+    assert set(alone) == {"1"} and alone["1"] == 3
+    assert report["shared_over_alone_prefills"][0] > 0
+
+
 def test_the_hardware_bound_counts_batched_prefills_then_one_batched_decode():
     from benchmarks.several_users import hardware_bound_s
 

@@ -87,3 +87,26 @@ def test_stop_lets_the_running_job_finish_and_a_later_call_starts_again():
     running.join(10)
     assert ran == ["long"] and worker._thread is None
     assert worker.call(lambda: "again") == "again"
+
+
+def test_a_job_run_early_by_another_runs_once_and_its_caller_gets_its_outcome():
+    """`run_early`: a job on the model's thread runs a queued job at once (the shared prefill serving other turns);
+    its caller wakes with that outcome, and the job is skipped when its own turn comes."""
+    lock = ModelLock()
+    worker = ModelWorker(lock)
+    runs, later = [], []
+    gate = threading.Event()
+    # the first job holds the thread until the gate opens, then runs the queued one early
+    first = worker.submit(lambda: (gate.wait(10), worker.run_early(later[0]), runs.append("first")), PREFILL)
+    assert wait_until(lambda: lock.locked(), timeout=10)
+    later.append(worker.submit(lambda: runs.append("queued") or "its result", PREFILL))
+    queued = later[0]
+    failing = worker.submit(lambda: 1 / 0, PREFILL)
+    gate.set()
+    assert worker.wait_for(queued) == "its result"
+    worker.wait_for(first)
+    with pytest.raises(ZeroDivisionError):
+        worker.wait_for(failing)
+    assert worker.call(lambda: "after", STEP) == "after"
+    assert runs == ["queued", "first"]  # the queued job ran once, inside the first, before it ended
+    worker.stop()

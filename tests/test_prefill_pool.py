@@ -14,7 +14,7 @@ from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.report.events import PrefillInfo
-from prefixkv_core.session import prefill_pool
+from prefixkv_core.session import prefill_pool, step_pool
 from prefixkv_core.session.prefill_pool import PrefillTicket
 from prefixkv_core.policies import make_policy
 from prefixkv_core.testing import wait_until
@@ -73,7 +73,7 @@ def _same(alone: dict, together: dict) -> None:
 
 
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
-def test_turns_started_together_share_one_prefill_and_answer_as_alone(tiny_llama, query_agnostic):
+def test_turns_started_together_share_one_prefill_and_answer_as_alone(tiny_llama, query_agnostic, monkeypatch):
     engine = Engine(tiny_llama)
     # query-aware: one prompt on two pictures; query-agnostic: the questions differ, the image block does not
     prompts = (["describe the picture", "describe the picture", "describe the picture"] if not query_agnostic else
@@ -82,8 +82,14 @@ def test_turns_started_together_share_one_prefill_and_answer_as_alone(tiny_llama
                                            query_agnostic=query_agnostic) for k in range(3)]
     alone = [_run(m()) for m in make]
     assert dict(engine.prefills.forwards) == {1: 3}
+    sizes = []  # rows of each batched step
+    real_advance = step_pool.advance_rows
+    monkeypatch.setattr(step_pool, "advance_rows", lambda loaded, buffers, states, *rest: (
+        sizes.append(len(states)), real_advance(loaded, buffers, states, *rest))[1])
     together = _together(engine, [m() for m in make])
     assert engine.prefills.forwards[3] == 1  # the three shared one forward
+    # ... and the turns it served were prefilled at once, so their sharing rows decoded together from the first step
+    assert sizes[0] == 3 * (len(METHODS) - 1)
     for a, b in zip(alone, together):
         _same(a, b)
     assert engine.prefills.waiting_count() == 0
@@ -183,3 +189,18 @@ def test_tickets_share_only_what_one_forward_can_run(tiny_llama):
     # another probe-query subset: one forward cannot record both
     assert not ticket(policies=[zip_a]).shares_with(ticket(policies=[zip_b]))
     assert ticket(policies=[zip_a]).shares_with(ticket(policies=[make_policy("snapkv", 0.4)]))
+
+
+def test_a_session_just_made_is_waited_for_briefly(tiny_llama):
+    """A session made but not started yet (the app makes it, then runs it on another thread) is on its way: a turn
+    starting meanwhile waits for it, at most `gather_s`; once older than `expect_s` it counts no more."""
+    engine = Engine(tiny_llama)
+    engine.prefills.gather_s = 0.05
+    made = engine.new_session(_picture(1), "describe the picture", ["full"], 0.4, _settings())
+    _run(engine.new_session(_picture(0), "describe the picture", ["full"], 0.4, _settings()))
+    assert engine.prefills.gathers == 1
+    engine.prefills.expect_s = 0.0
+    _run(engine.new_session(_picture(0), "describe the picture", ["full"], 0.4, _settings()))
+    assert engine.prefills.gathers == 1
+    _run(made)  # its own turn removes it from those on their way
+    assert engine.prefills.gathers == 1

@@ -159,9 +159,12 @@ class Engine:
                         knobs.get(name, {}))).resolve(dataclasses.replace(context, seed=context.seed + draw))
                 except (PolicyError, TypeError) as exc:
                     raise EngineError(str(exc)) from None
-        return Session(self, visuals, prompt, policies, budget, generation, knobs,
-                       chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic,
-                       time_alone=time_alone or not batched, batched=batched)
+        session = Session(self, visuals, prompt, policies, budget, generation, knobs,
+                          chat_template=chat_template, budget_mode=budget_mode, query_agnostic=query_agnostic,
+                          time_alone=time_alone or not batched, batched=batched)
+        if batched:  # its first turn may share a prefill forward with turns starting about now
+            self.prefills.expect(session)
+        return session
 
     def analyse(self, image: Any, prompt: str) -> PrefillInfo:
         """Prefill only: the per-layer importance of these images and prompt (calibration, Lorenz charts)."""

@@ -65,6 +65,18 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
+    started: bool = False  # run already (a job run early by another job is skipped when its turn comes)
+
+    def run(self) -> None:
+        """(On the model's thread, the lock held.)"""
+        self.started = True
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self.error = exc
+            if not self.wait:
+                log.exception("a model job failed")
+        self.done.set()
 
 
 class ModelWorker:
@@ -81,14 +93,40 @@ class ModelWorker:
     def call(self, fn: Callable[[], Any], priority: int = PREFILL) -> Any:
         """fn() on the model's thread; returns its result or raises its exception. On that thread already (a job
         that needs another model call), or holding the engine's lock: runs it at once, here."""
+        return self.wait_for(self.submit(fn, priority))
+
+    def submit(self, fn: Callable[[], Any], priority: int = PREFILL) -> _Job:
+        """fn() queued for the model's thread (see `call`); `wait_for` its outcome."""
+        return self.enqueue(self.prepare(fn), priority)
+
+    @staticmethod
+    def prepare(fn: Callable[[], Any]) -> _Job:
+        """A job not queued yet: another job may run it early (`run_early`) once it is, or even before."""
+        return _Job(fn, wait=True)
+
+    def enqueue(self, job: _Job, priority: int = PREFILL) -> _Job:
+        """Queue a prepared job for the model's thread. On that thread already, or holding the engine's lock: run at
+        once, here."""
+        if job.started:
+            return job
         if threading.current_thread() is self._thread or self.lock.held_here():
-            return fn()
-        job = _Job(fn, wait=True)
+            job.run()
+            return job
         self._put(priority, job)
+        return job
+
+    @staticmethod
+    def wait_for(job: _Job) -> Any:
         job.done.wait()
         if job.error is not None:
             raise job.error
         return job.result
+
+    def run_early(self, job: _Job) -> None:
+        """From a job on the model's thread: run `job` now if it has not run (it is then skipped when its turn
+        comes). The shared prefill's forward runs the turns it served at once, so that they decode together."""
+        if not job.started:
+            job.run()
 
     def post(self, fn: Callable[[], Any]) -> None:
         """fn() on the model's thread after the waiting steps and prefills; nobody waits for it (errors logged)."""
@@ -134,14 +172,10 @@ class ModelWorker:
                     if not self._jobs.empty():  # put while this thread was stopping: a new one takes them
                         self._start()
                     return
+            if job.started:  # run early by another job
+                continue
             with self.lock:
-                try:
-                    job.result = job.fn()
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    job.error = exc
-                    if not job.wait:
-                        log.exception("a model job failed")
-            job.done.set()
+                job.run()
 
 
 _RUNNING: "weakref.WeakSet[ModelWorker]" = weakref.WeakSet()

@@ -8,9 +8,9 @@ one batched prefill (`runner.prefill` over the stacked prompts; each row's stati
 attends to its own tokens only) and hands each its row: its cache, statistics and logits, as a prefill of its own
 would have made them. The others find theirs done when their turn reaches the model.
 
-A turn that encodes its prompt meanwhile is expected (`coming`): a turn about to queue its prefill waits up to
-`gather_s` for those (on its own thread, never holding the model), so visitors who press Compare together share
-one forward. What cannot share (another length or layout, a family whose prefill reads 3-D positions or pixels,
+A session made but not yet started (`expect`, for at most `expect_s`) and a turn that encodes its prompt
+(`coming`) are on their way: a turn about to queue its prefill waits up to `gather_s` for those (on its own
+thread, never holding the model), so visitors who press Compare together share one forward. What cannot share (another length or layout, a family whose prefill reads 3-D positions or pixels,
 statistics that cannot share one pass) runs alone, as before.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import collections
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -30,6 +31,7 @@ from ..kv.attention import StatRequest
 from ..policies import Policy
 
 GATHER_S = 0.1  # how long a turn about to prefill waits for turns that are still encoding their prompts
+EXPECT_S = 1.0  # a session made this recently and not yet started counts as on its way
 MAX_TOKENS = 4096  # a shared forward's rows together at most this many tokens (a longer prompt prefills alone)
 
 
@@ -46,6 +48,10 @@ class PrefillTicket:
     result: runner.Prefill | None = None
     error: BaseException | None = None
     taken: bool = False  # in a group's forward (done, or running now)
+    # runs the rest of its turn's prefill job at once (on the model's thread), once its row is done: the turns
+    # that shared a forward then decode together (set by the session; None: its job runs in its own turn)
+    finish: Callable[[], None] | None = None
+    arrive: Callable[[], None] | None = None  # tells the steps that its turn is about to decode (set by the session)
     rows: int = 1  # how many prompts its forward ran
     request: StatRequest = field(init=False)
 
@@ -78,16 +84,25 @@ class PrefillPool:
         self.max_tokens = max_tokens
         self.batchable = batchable  # False: every prefill alone (a family whose prefill reads 3-D positions)
         self._cond = threading.Condition()
+        self.expect_s = EXPECT_S
         self._coming = 0  # turns encoding their prompts, whose tickets are on their way
+        self._expected: "weakref.WeakKeyDictionary[object, float]" = weakref.WeakKeyDictionary()  # session -> made at
         self._waiting: list[PrefillTicket] = []
         self.forwards = collections.Counter()  # prompts in a forward -> how many forwards ran them (the reports')
         self.gathers = 0  # turns that waited for others still encoding
 
     # -- the turn's side ------------------------------------------------------------------------------------------
+    def expect(self, session: object) -> None:
+        """A session was made: its first turn will likely start in a moment (the app makes the session, then runs
+        it on a thread of its own). Counted as on its way for `expect_s` at most, or until its turn starts."""
+        with self._cond:
+            self._expected[session] = time.monotonic()
+
     @contextlib.contextmanager
-    def coming(self) -> Iterator[None]:
+    def coming(self, session: object = None) -> Iterator[None]:
         """Around encoding a first turn's prompt: the turns about to prefill wait a little for it."""
         with self._cond:
+            self._expected.pop(session, None)
             self._coming += 1
         try:
             yield
@@ -107,9 +122,9 @@ class PrefillPool:
             self._waiting.append(ticket)
             self._cond.notify_all()
             deadline = time.monotonic() + self.gather_s
-            if self.batchable and self._coming > 0:
+            if self.batchable and self._on_their_way():
                 self.gathers += 1
-            while self.batchable and self._coming > 0 and not ticket.taken:
+            while self.batchable and self._on_their_way() and not ticket.taken:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -120,6 +135,11 @@ class PrefillPool:
             with self._cond:
                 if ticket in self._waiting:
                     self._waiting.remove(ticket)
+
+    def _on_their_way(self) -> int:
+        """(With the lock held.) Turns encoding now, and sessions made recently whose turns have not started."""
+        fresh = time.monotonic() - self.expect_s
+        return self._coming + sum(made > fresh for made in self._expected.values())
 
     def waiting_count(self) -> int:
         """Tickets waiting for a forward now (tests, reports)."""
@@ -134,6 +154,13 @@ class PrefillPool:
             group = [] if ticket.taken else self._group(ticket)
         if group:
             self._run(group)
+            served = [m for m in group if m.result is not None]
+            for member in served:  # every turn served is about to decode: the first to step waits for the others
+                if member.arrive is not None:
+                    member.arrive()
+            for member in served:  # the other turns' prefill jobs now, before any step
+                if member is not ticket and member.finish is not None:
+                    member.finish()
         if ticket.error is not None:
             raise ticket.error
         if ticket.result is None:  # its group's forward failed as a whole: its own, alone

@@ -26,7 +26,7 @@ from .method_state import MethodState
 from .prefill import EncodedPrompt, Prefiller, encode_prompt, prefill_info, share_image, shared_prefill_ticket
 from .prefill_pool import PrefillPool, PrefillTicket
 from .schedule import schedule_for
-from .model_worker import ModelWorker
+from .model_worker import PREFILL, ModelWorker
 from .step_pool import StepPool
 from .stepping import RowStepper
 from .teacher_forcing import answer_nll
@@ -210,15 +210,14 @@ class Session:
         loaded = self.engine.loaded
         pool: PrefillPool | None = getattr(self.engine, "prefills", None)
         chosen = list(self.states.values()) if states is None else states
-        with pool.coming() if pool is not None and not alone else contextlib.nullcontext():
+        with pool.coming(self) if pool is not None and not alone else contextlib.nullcontext():
             self.encoded = encode_prompt(loaded, self.visuals, chat_template=self.chat_template,
                                          query_agnostic=self.query_agnostic,
                                          max_new_tokens=self.generation.max_new_tokens)
             if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
                 share_image(loaded, self.encoded, [s.policy for s in self.states.values()])
             ticket = shared_prefill_ticket(self.encoded, chosen) if pool is not None and not alone else None
-        with pool.waiting(ticket) if ticket is not None else contextlib.nullcontext():
-            analysis = self.stepper.on_model(lambda: self._prefiller(ticket).run(chosen, alone=alone))
+        analysis = self._on_model_sharing(lambda: self._prefiller(ticket).run(chosen, alone=alone), pool, ticket)
         self._drop_image_once_prefilled()
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
@@ -284,6 +283,30 @@ class Session:
     def _drop_shared_image(self) -> None:
         if self.encoded is not None:
             self.encoded.shared_image = None
+
+    def _on_model_sharing(self, fn, pool: PrefillPool | None, ticket: PrefillTicket | None):
+        """fn() on the model's thread, with `ticket` waiting in the pool meanwhile, as a job that the forward
+        serving the ticket may run at once with its own (so that the turns whose prompts shared it start decoding
+        together, before any step of the others)."""
+        worker, steps = self.stepper.worker, self.stepper.pool
+        if ticket is None or pool is None:
+            return self.stepper.on_model(fn)
+        if worker is None:
+            with pool.waiting(ticket):
+                return fn()
+
+        def prefill_then_arrive():
+            out = fn()
+            if steps is not None:  # the steps of others wait (briefly) for this turn to join them
+                steps.arriving(self.stepper, ready=True)
+            return out
+
+        job = worker.prepare(prefill_then_arrive)
+        ticket.finish = lambda: worker.run_early(job)
+        if steps is not None:
+            ticket.arrive = lambda: steps.arriving(self.stepper)
+        with pool.waiting(ticket):
+            return worker.wait_for(worker.enqueue(job, PREFILL))
 
     def _prefiller(self, ticket: PrefillTicket | None = None) -> Prefiller:
         pool = getattr(self.engine, "prefills", None) if ticket is not None else None

@@ -28,6 +28,7 @@ from .method_state import MethodState
 from .model_worker import STEP, ModelWorker
 
 GATHER_S = 0.05  # how long a step waits for decoding turns that have not asked yet
+ARRIVING_S = 1.0  # a turn whose prefill ended this recently and has not started decoding counts as coming
 
 
 @dataclass
@@ -97,6 +98,9 @@ class StepPool:
         self.gather_s = gather_s
         self._cond = threading.Condition()
         self._members: dict[int, bool] = {}  # decoding turns -> whether one is expected to ask (not in a prefill)
+        # turns about to decode -> (announced at, until when the steps wait once its prefill ended, or None while it
+        # still runs: the model is busy with it then, so waiting costs nothing)
+        self._arriving: dict[int, tuple[float, float | None]] = {}
         self._rows_of: dict[int, dict[int, MethodState]] = {}  # member -> the rows it fed (by id)
         self._leaving: list[MethodState] = []  # rows of members that left, still in the shared stores
         self._pending: list[_Request] = []
@@ -111,11 +115,33 @@ class StepPool:
         self.formed = 0  # steps that formed the shared stores anew (rows joined or left)
 
     # -- who decodes -----------------------------------------------------------------------------------------
+    def arriving(self, turn: object, ready: bool = False) -> None:
+        """A turn is about to decode (its prefill shared a forward and runs now on the model's thread; `ready`: it
+        ended): the steps wait for it to join, as for a member, while its prefill runs and then `gather_s` at most
+        (ARRIVING_S in all), so several turns whose prefills shared a forward decode together from the start."""
+        now = time.monotonic()
+        with self._cond:
+            since = self._arriving.get(id(turn), (now, None))[0]
+            self._arriving[id(turn)] = (since, now + self.gather_s if ready else None)
+            self._cond.notify_all()
+
+    def _arrivals_until(self) -> float:
+        """(With the lock held.) Until when a step waits for the turns about to decode (0: none)."""
+        now, until = time.monotonic(), 0.0
+        for turn, (since, ready_until) in list(self._arriving.items()):
+            end = min(since + ARRIVING_S, ready_until if ready_until is not None else since + ARRIVING_S)
+            if end < now:  # never came (it failed or was stopped before decoding)
+                del self._arriving[turn]
+            else:
+                until = max(until, end)
+        return until
+
     @contextlib.contextmanager
-    def member(self) -> Iterator[int]:
+    def member(self, turn: object = None) -> Iterator[int]:
         """A turn's decode loop: its steps are waited for until it leaves. On leaving, the rows it fed take their
         entries out of the shared stores (so those can go when nobody decodes)."""
         with self._cond:
+            self._arriving.pop(id(turn), None)
             member = self._next_id
             self._next_id += 1
             self._members[member] = True
@@ -167,12 +193,13 @@ class StepPool:
             while not request.done.is_set():
                 if not self._stepping and request in self._pending:
                     everyone = self._all_asked()
-                    if everyone or time.monotonic() >= deadline:
+                    if everyone or time.monotonic() >= max(deadline, self._arrivals_until()):
                         self.waited_out += not everyone
                         batch, self._pending, self._stepping = self._pending, [], True
                         break
                 was_stepping = self._stepping
-                self._cond.wait(max(0.001, deadline - time.monotonic()) if not was_stepping else None)
+                wait_until = max(deadline, self._arrivals_until())
+                self._cond.wait(max(0.001, wait_until - time.monotonic()) if not was_stepping else None)
                 if was_stepping and not self._stepping:  # a step just ended: give its rows time to ask again
                     deadline = max(deadline, time.monotonic() + self.gather_s)
             else:
@@ -190,7 +217,7 @@ class StepPool:
 
     def _all_asked(self) -> bool:
         asking = {r.member for r in self._pending}
-        return all(m in asking for m, expected in self._members.items() if expected)
+        return not self._arrivals_until() and all(m in asking for m, expected in self._members.items() if expected)
 
     def _run(self, batch: list[_Request]) -> None:
         # Requests arrive in whatever order their threads wake; in a fixed order (by member, then row) the same

@@ -192,7 +192,7 @@ class RowStepper:
         if alone or self.pool is None:
             yield from self._decode(list(states), event, cancel, alone, joining)
             return
-        with self.pool.member() as member:  # other turns' rows share these steps
+        with self.pool.member(self) as member:  # other turns' rows share these steps
             self._member = member
             try:
                 yield from self._decode(list(states), event, cancel, alone, joining)
