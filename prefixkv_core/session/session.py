@@ -305,8 +305,11 @@ class Session:
         ticket.finish = lambda: worker.run_early(job)
         if steps is not None:
             ticket.arrive = lambda: steps.arriving(self.stepper)
-        with pool.waiting(ticket):
-            return worker.wait_for(worker.enqueue(job, PREFILL))
+        try:
+            with pool.waiting(ticket):
+                return worker.wait_for(worker.enqueue(job, PREFILL))
+        finally:  # the ticket's callbacks hold the job, whose closure holds the ticket: no cycle left for gc
+            ticket.finish = ticket.arrive = None
 
     def _prefiller(self, ticket: PrefillTicket | None = None) -> Prefiller:
         pool = getattr(self.engine, "prefills", None) if ticket is not None else None
