@@ -204,3 +204,25 @@ def test_a_session_just_made_is_waited_for_briefly(tiny_llama):
     assert engine.prefills.gathers == 1
     _run(made)  # its own turn removes it from those on their way
     assert engine.prefills.gathers == 1
+
+
+def test_turns_about_to_decode_hold_the_steps_until_they_join_or_fail(tiny_llama):
+    """StepPool.arriving: a turn whose prefill runs (served by a shared forward) holds the steps for ARRIVING_S at
+    most, one whose prefill ended for `gather_s` at most; joining, or failing, lets them go at once."""
+    import time
+
+    from prefixkv_core.session.model_worker import ModelLock, ModelWorker
+    from prefixkv_core.session.step_pool import ARRIVING_S, StepPool
+
+    pool = StepPool(tiny_llama, ModelWorker(ModelLock()))
+    a, b = object(), object()
+    t0 = time.monotonic()
+    pool.arriving(a)
+    assert t0 < pool._arrivals_until() <= time.monotonic() + ARRIVING_S
+    pool.not_arriving(a)  # its prefill failed
+    assert pool._arrivals_until() == 0
+    pool.arriving(b)
+    pool.arriving(b, ready=True)
+    assert pool._arrivals_until() <= time.monotonic() + pool.gather_s
+    with pool.member(b):  # it joined
+        assert pool._arrivals_until() == 0

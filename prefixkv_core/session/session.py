@@ -296,7 +296,12 @@ class Session:
                 return fn()
 
         def prefill_then_arrive():
-            out = fn()
+            try:
+                out = fn()
+            except BaseException:
+                if steps is not None:  # it will not decode: the others' steps wait for it no longer
+                    steps.not_arriving(self.stepper)
+                raise
             if steps is not None:  # the steps of others wait (briefly) for this turn to join them
                 steps.arriving(self.stepper, ready=True)
             return out

@@ -125,6 +125,12 @@ class StepPool:
             self._arriving[id(turn)] = (since, now + self.gather_s if ready else None)
             self._cond.notify_all()
 
+    def not_arriving(self, turn: object) -> None:
+        """The turn announced by `arriving` will not decode (its prefill failed)."""
+        with self._cond:
+            self._arriving.pop(id(turn), None)
+            self._cond.notify_all()
+
     def _arrivals_until(self) -> float:
         """(With the lock held.) Until when a step waits for the turns about to decode (0: none)."""
         now, until = time.monotonic(), 0.0
