@@ -15,7 +15,7 @@ from PIL import Image
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.report.events import PrefillInfo
 from prefixkv_core.session import prefill_pool, step_pool
-from prefixkv_core.session.prefill_pool import PrefillTicket
+from prefixkv_core.session.prefill_pool import PrefillTicket, joint_request
 from prefixkv_core.policies import make_policy
 from prefixkv_core.testing import wait_until
 
@@ -188,7 +188,11 @@ def test_tickets_share_only_what_one_forward_can_run(tiny_llama):
     zip_a, zip_b = make_policy("zipvl", 0.4), dataclasses.replace(make_policy("zipvl", 0.4), seed=1)
     # another probe-query subset: one forward cannot record both
     assert not ticket(policies=[zip_a]).shares_with(ticket(policies=[zip_b]))
-    assert ticket(policies=[zip_a]).shares_with(ticket(policies=[make_policy("snapkv", 0.4)]))
+    snap = ticket(policies=[make_policy("snapkv", 0.4)])
+    assert ticket(policies=[zip_a]).shares_with(snap)
+    # a group is checked against what its forward records already: snapkv's ticket with zip_a's in it refuses zip_b
+    joint = joint_request(snap.request, ticket(policies=[zip_a]).request)
+    assert snap.shares_with(ticket(policies=[zip_b])) and not snap.shares_with(ticket(policies=[zip_b]), joint)
 
 
 def test_a_session_just_made_is_waited_for_briefly(tiny_llama):

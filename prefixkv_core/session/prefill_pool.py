@@ -10,8 +10,9 @@ would have made them. The others find theirs done when their turn reaches the mo
 
 A session made but not yet started (`expect`, for at most `expect_s`) and a turn that encodes its prompt
 (`coming`) are on their way: a turn about to queue its prefill waits up to `gather_s` for those (on its own
-thread, never holding the model), so visitors who press Compare together share one forward. What cannot share (another length or layout, a family whose prefill reads 3-D positions or pixels,
-statistics that cannot share one pass) runs alone, as before.
+thread, never holding the model), so visitors who press Compare together share one forward. What cannot share
+(another length or layout, a family whose prefill reads 3-D positions or pixels, statistics that cannot share one
+pass) runs alone, as before.
 """
 from __future__ import annotations
 
@@ -52,24 +53,28 @@ class PrefillTicket:
     # that shared a forward then decode together (set by the session; None: its job runs in its own turn)
     finish: Callable[[], None] | None = None
     arrive: Callable[[], None] | None = None  # tells the steps that its turn is about to decode (set by the session)
-    rows: int = 1  # how many prompts its forward ran
     request: StatRequest = field(init=False)
 
     def __post_init__(self):
         n = self.ids.shape[1]
         self.request = StatRequest.union([StatRequest(colsum=True)] + [p.prefill_stats(n) for p in self.policies])
 
-    def shares_with(self, other: "PrefillTicket") -> bool:
-        """Whether one forward can run both prompts: same length and layout, the image's embeddings either way."""
+    def shares_with(self, other: "PrefillTicket", request: StatRequest | None = None) -> bool:
+        """Whether one forward can run both prompts: same length and layout, the image's embeddings either way, and
+        statistics one pass records for both (`request`: what the forward records already, if more than ours)."""
         if self.ids.shape != other.ids.shape or not torch.equal(self.is_image, other.is_image):
             return False
         if (self.image is None) != (other.image is None):
             return False
-        try:
-            StatRequest.union([self.request, other.request])
-        except ValueError:  # e.g. two probe-query subsets
-            return False
-        return True
+        return joint_request(request or self.request, other.request) is not None
+
+
+def joint_request(a: StatRequest, b: StatRequest) -> StatRequest | None:
+    """One request recording what both ask for; None when one pass cannot (e.g. two probe-query subsets)."""
+    try:
+        return StatRequest.union([a, b])
+    except ValueError:
+        return None
 
 
 class PrefillPool:
@@ -174,14 +179,15 @@ class PrefillPool:
         """(With the lock held.) The ticket and the waiting tickets it can share a forward with, all marked taken."""
         group = [ticket]
         if self.batchable:
-            tokens = ticket.ids.shape[1]
+            tokens, request = ticket.ids.shape[1], ticket.request
             for other in self._waiting:
-                if other is ticket or other.taken or not ticket.shares_with(other):
+                if other is ticket or other.taken or not ticket.shares_with(other, request):
                     continue
                 if tokens + other.ids.shape[1] > self.max_tokens:
                     break
                 group.append(other)
                 tokens += other.ids.shape[1]
+                request = joint_request(request, other.request)
         for member in group:
             member.taken = True
             if member in self._waiting:
@@ -219,4 +225,3 @@ class PrefillPool:
         for r, (member, cache) in enumerate(zip(group, shared.cache.split_rows())):
             stats = {layer: {name: value[r:r + 1] for name, value in s.items()} for layer, s in shared.stats.items()}
             member.result = runner.Prefill(cache, stats, shared.logits[r:r + 1], shared.prompt_len, seconds)
-            member.rows = len(group)
