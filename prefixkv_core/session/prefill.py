@@ -227,20 +227,21 @@ class Prefiller:
         forward with other conversations' prompts, `prefill_pool.py`), else one of this turn's own."""
         if self.pool is None or self.ticket is None:
             return self._prefill(policies)
-        prefilled = self.pool.prefill(self.ticket)
-        if self.bytes_per_token is None:
-            self.bytes_per_token = prefilled.cache.nbytes() / self.prompt.split
-        return prefilled
+        return self._noted(self.pool.prefill(self.ticket))
 
     def _prefill(self, policies) -> runner.Prefill:
         """One prefill of the compressed context recording what `policies` ask for (the uncompressed cache's bytes
         per token noted before any policy compresses it)."""
         p = self.prompt
-        prefilled = runner.prefill(self.loaded.model, p.ids[:, :p.split], p.is_image[:, :p.split],
-                                   vision_inputs(p.inputs), policies, self.loaded.num_layers, self.loaded.device,
-                                   self.image)
-        if self.bytes_per_token is None:  # the same for every prefill of this context: note it before compression
-            self.bytes_per_token = prefilled.cache.nbytes() / p.split
+        return self._noted(runner.prefill(self.loaded.model, p.ids[:, :p.split], p.is_image[:, :p.split],
+                                          vision_inputs(p.inputs), policies, self.loaded.num_layers,
+                                          self.loaded.device, self.image))
+
+    def _noted(self, prefilled: runner.Prefill) -> runner.Prefill:
+        """The uncompressed cache's bytes per token, noted from the first shared-kind prefill (the same for every
+        prefill of this context) before any policy compresses it."""
+        if self.bytes_per_token is None:
+            self.bytes_per_token = prefilled.cache.nbytes() / self.prompt.split
         return prefilled
 
     def _compress(self, state: MethodState, prefilled: runner.Prefill, curves: dict[str, np.ndarray]) -> None:

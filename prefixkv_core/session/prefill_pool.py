@@ -117,12 +117,9 @@ class PrefillPool:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def waiting(self, ticket: PrefillTicket | None) -> Iterator[None]:
+    def waiting(self, ticket: PrefillTicket) -> Iterator[None]:
         """While the turn's prefill job is queued and runs: other turns' forwards may take the ticket. First waits up
         to `gather_s` for the turns still encoding (so visitors arriving together share one forward)."""
-        if ticket is None:
-            yield
-            return
         with self._cond:
             self._waiting.append(ticket)
             self._cond.notify_all()

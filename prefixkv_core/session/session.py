@@ -217,7 +217,8 @@ class Session:
             if not alone:  # the shared prefill and every own prefill of the turn read one pass of the vision tower
                 share_image(loaded, self.encoded, [s.policy for s in self.states.values()])
             ticket = shared_prefill_ticket(self.encoded, chosen) if pool is not None and not alone else None
-        analysis = self._on_model_sharing(lambda: self._prefiller(ticket).run(chosen, alone=alone), pool, ticket)
+        analysis = self._on_model_sharing(lambda: self._prefiller(pool, ticket).run(chosen, alone=alone), pool,
+                                          ticket)
         self._drop_image_once_prefilled()
         self.bytes_per_token = analysis.bytes_per_token
         self.prefill = prefill_info(loaded, self.encoded, analysis)
@@ -289,7 +290,7 @@ class Session:
         serving the ticket may run at once with its own (so that the turns whose prompts shared it start decoding
         together, before any step of the others)."""
         worker, steps = self.stepper.worker, self.stepper.pool
-        if ticket is None or pool is None:
+        if ticket is None:
             return self.stepper.on_model(fn)
         if worker is None:
             with pool.waiting(ticket):
@@ -316,8 +317,7 @@ class Session:
         finally:  # the ticket's callbacks hold the job, whose closure holds the ticket: no cycle left for gc
             ticket.finish = ticket.arrive = None
 
-    def _prefiller(self, ticket: PrefillTicket | None = None) -> Prefiller:
-        pool = getattr(self.engine, "prefills", None) if ticket is not None else None
+    def _prefiller(self, pool: PrefillPool | None = None, ticket: PrefillTicket | None = None) -> Prefiller:
         return Prefiller(self.engine.loaded, self.stepper, self.encoded, self.budget, self.generation.seed, pool,
                          ticket)
 
