@@ -16,7 +16,6 @@ from prefixkv_core.models.compat import cache_kwarg
 from prefixkv_core.decoding import runner
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
-from prefixkv_core.session.model_worker import CHORE
 from prefixkv_core.testing import kept_entry_masks, masked_reference_cache
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
@@ -142,7 +141,8 @@ def _run_steps(loaded, image, methods, budget, max_new=12):
     session = engine.new_session(image, PROMPT, methods, budget, GenerationSettings(max_new_tokens=max_new))
     events = [e for e in session.run() if getattr(e, "kind", None) in ("token", "done")]
     # the rows that left the batch take their entries back on the model's thread just after the turn: wait for it
-    engine.worker.call(lambda: None, CHORE)
+    # (the session's own readers do; these tests read the caches directly)
+    session._settled()
     return session, events
 
 

@@ -15,7 +15,6 @@ from PIL import Image
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.report.events import PrefillInfo
 from prefixkv_core.session import prefill_pool, step_pool
-from prefixkv_core.session.model_worker import CHORE
 from prefixkv_core.session.prefill_pool import PrefillTicket, joint_request
 from prefixkv_core.policies import make_policy
 from prefixkv_core.testing import wait_until
@@ -46,7 +45,8 @@ def _run(session) -> dict:
         if isinstance(event, PrefillInfo):
             prefill = event
     # the rows that left the batch take their entries back on the model's thread just after the turn: wait for it
-    session.engine.worker.call(lambda: None, CHORE)
+    # (the session's own readers do; these tests read the caches directly)
+    session._settled()
     return _outcome(session, prefill)
 
 

@@ -4,6 +4,7 @@ rows, a cancelled user's rows leave at the next step, and nothing of the batch s
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,9 @@ from PIL import Image
 
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.report.events import MethodEvent
+from prefixkv_core.kv.cache import TrackedLayer
+from prefixkv_core.session.model_worker import CHORE
+from prefixkv_core.session.step_pool import StepPool
 from prefixkv_core.testing import wait_until
 
 FIRST = ("describe the picture in detail and name every object you can see in it", ["full", "snapkv", "fastv"])
@@ -122,6 +126,49 @@ def test_a_user_alone_never_waits_for_anyone(tiny_llama, noise_image):
     engine = Engine(tiny_llama)
     _alone(engine, noise_image, FIRST, 6, follow_up="and the colours?")
     assert engine.pool.steps > 6 and engine.pool.waited_out == 0
+
+
+def test_the_caches_a_turn_leaves_are_read_only_once_moved_out_of_the_batch(tiny_llama, noise_image, monkeypatch):
+    """A turn ends without waiting for its rows to move out of the batch's shared stores (the model's thread does
+    that after it); its session's readers (bytes held, the overlay's map) wait for the move, so they never meet a
+    cache half moved. The move is slowed here so that a reader that did not wait would come first."""
+    moved, settling = [], threading.local()
+    own_settle, own_storage = StepPool._settle, TrackedLayer.own_storage
+
+    def slow_settle(pool):
+        with pool._cond:
+            leaving = bool(pool._leaving)
+        if leaving:
+            time.sleep(0.3)
+        settling.on = True
+        try:
+            own_settle(pool)
+        finally:
+            settling.on = False
+
+    def counted_own_storage(layer):
+        own_storage(layer)
+        if getattr(settling, "on", False):  # a move of a row that left (not one within a step)
+            moved.append(layer)
+
+    monkeypatch.setattr(StepPool, "_settle", slow_settle)
+    monkeypatch.setattr(TrackedLayer, "own_storage", counted_own_storage)
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, FIRST[0], FIRST[1], 0.4, _settings(4))
+    for _ in session.run():
+        pass
+    assert not moved  # the turn did not wait for the move
+    assert session.cache_bytes() > 0
+    after_read = len(moved)
+    engine.worker.call(lambda: None, CHORE)  # everything the model's thread had to do
+    assert after_read == len(moved) > 0
+    moved.clear()
+    for _ in session.follow_up("and the colours?"):
+        pass
+    assert session.kept_image_map("snapkv", 0) is not None
+    after_read = len(moved)
+    engine.worker.call(lambda: None, CHORE)
+    assert after_read == len(moved) > 0
 
 
 # -- through the app: several clients at once --------------------------------------------------------------

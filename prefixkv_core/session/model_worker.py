@@ -109,11 +109,15 @@ class ModelWorker:
         once, here."""
         if job.started:
             return job
-        if threading.current_thread() is self._thread or self.lock.held_here():
+        if self.here():
             job.run()
             return job
         self._put(priority, job)
         return job
+
+    def here(self) -> bool:
+        """Whether this thread runs the model's calls now (the model's thread, or one holding the engine's lock)."""
+        return threading.current_thread() is self._thread or self.lock.held_here()
 
     @staticmethod
     def wait_for(job: _Job) -> Any:

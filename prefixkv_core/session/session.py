@@ -259,6 +259,7 @@ class Session:
     def cache_bytes(self) -> int:
         """Bytes held by this session's caches right now, the batched step's padded tensors included while a
         turn runs (0 once released)."""
+        self._settled()
         held = sum(s.cache.stored_nbytes() for s in [*self.states.values(), *self.timing] if s.cache is not None)
         shared = self.encoded.shared_image if self.encoded is not None else None
         return held + self.stepper.nbytes() + (shared.nbytes() if shared is not None else 0)
@@ -271,10 +272,17 @@ class Session:
         """Share of KV heads that still hold each image token in `layer`, placed on the image's views (every
         crop and newline token of an anyres image included), for the overlay (`kept_image.py`)."""
         state = self.states[method]
+        self._settled()
         return kept_image_map(state.cache, layer, self._image_positions(), self.image_layout, state.policy,
                               state.policy_state)
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _settled(self) -> None:
+        """A turn that ended may leave its rows' moves out of the batch's shared stores to the model's thread (the
+        turn does not wait for them); a reader of the caches waits for them here."""
+        if self.stepper.pool is not None:
+            self.stepper.pool.settled([*self.states.values(), *self.timing])
+
     def _drop_image_once_prefilled(self) -> None:
         """The first turn's shared pass of the vision tower is kept for the own prefills still to come (they run
         between decode steps), and dropped once every method has its cache (or failed)."""

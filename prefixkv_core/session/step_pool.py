@@ -103,6 +103,7 @@ class StepPool:
         self._arriving: dict[int, tuple[float, float | None]] = {}
         self._rows_of: dict[int, dict[int, MethodState]] = {}  # member -> the rows it fed (by id)
         self._leaving: list[MethodState] = []  # rows of members that left, still in the shared stores
+        self._moving: list[MethodState] = []  # those the model's thread is moving into stores of their own now
         self._pending: list[_Request] = []
         self._stepping = False
         self._next_id = 0
@@ -282,16 +283,32 @@ class StepPool:
         """On the model's thread: the rows that left own their entries; no member left, no shared stores."""
         with self._cond:
             leaving, self._leaving = self._leaving, []
+            self._moving = leaving
             if any(s.cache is not None and id(s.cache) in self._formed for s in leaving):
                 self._formed = []  # its entries move out of the shared stores: the next step forms them anew
             idle = not self._members and not self._pending
-        for state in leaving:
-            if state.cache is not None:
-                for layer in state.cache.layers:
-                    layer.own_storage()
+        try:
+            for state in leaving:
+                if state.cache is not None:
+                    for layer in state.cache.layers:
+                        layer.own_storage()
+        finally:
+            with self._cond:
+                self._moving = []
+                self._cond.notify_all()
         if leaving:
             return_free_memory()
         if idle:
             with self._cond:
                 if not self._members and not self._pending and not self._stepping:
                     self._buffers = None
+
+    def settled(self, states: list[MethodState]) -> None:
+        """Wait until none of `states` is still leaving the shared stores: a turn that ended hands its rows' moves to
+        the model's thread, and whoever reads their caches next (their bytes, the overlay) must not meet them half
+        moved. On the model's thread itself nothing waits (the move runs there, after the job at hand)."""
+        if self.worker.here():
+            return
+        ids = {id(s) for s in states}
+        with self._cond:
+            self._cond.wait_for(lambda: not any(id(s) in ids for s in (*self._leaving, *self._moving)))
