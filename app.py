@@ -8,8 +8,12 @@ Every flag also reads an environment variable (PREFIXKV_MODEL, PREFIXKV_DEVICE, 
 PREFIXKV_HOST, PORT, PREFIXKV_METHODS, PREFIXKV_MAX_NEW_TOKENS_LIMIT, and the limits: PREFIXKV_MAX_PROMPT_CHARS,
 PREFIXKV_MAX_PROMPT_TOKENS, PREFIXKV_MAX_RUN_TOKENS, PREFIXKV_MAX_IMAGE_MB, PREFIXKV_MAX_IMAGE_MEGAPIXELS,
 PREFIXKV_MAX_VIDEO_MB, PREFIXKV_MAX_VIDEO_MEGAPIXELS, PREFIXKV_MAX_SESSIONS, PREFIXKV_SESSION_IDLE_MINUTES, PREFIXKV_CACHE_LIMIT_MB, PREFIXKV_MEMORY_LIMIT_MB,
-PREFIXKV_QUEUE_SIZE), which is how the Docker image / a Hugging Face Space sets them. No share link is ever
-opened.
+PREFIXKV_QUEUE_SIZE, PREFIXKV_ENGINE_PROCESS, PREFIXKV_SERVER_NICE), which is how the Docker image / a Hugging Face
+Space sets them. No share link is ever opened.
+
+The model runs in a process of its own (`--no-engine-process` keeps it in the server's): the server's Python work for
+several visitors (their redraws, the updates it sends) then never holds the interpreter the model's thread needs,
+and the server lowers its own priority (`--server-nice`) so that on a few cores the model comes first.
 """
 from __future__ import annotations
 
@@ -68,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="methods offered, 'all' or a comma list, e.g. full,snapkv,prefixkv")
     p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("PREFIXKV_MAX_NEW_TOKENS_LIMIT", "256")),
                    help="upper end of the max-new-tokens slider (default 256)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                   default=_env("PREFIXKV_ENGINE_PROCESS", "1").lower() not in ("0", "false", "no", "off"),
+                   help="run the model in a process of its own (default on; --no-engine-process: in the server's)")
+    p.add_argument("--server-nice", type=int, default=int(_env("PREFIXKV_SERVER_NICE", "10")),
+                   help="with the engine in its own process, lower the server's priority by this much (0-19; "
+                        "default 10): the model's process comes first on the cores")
     g = p.add_argument_group("limits (what one client may ask, what all of them may hold)")
     g.add_argument("--max-prompt-chars", type=_positive(int), default=_env("PREFIXKV_MAX_PROMPT_CHARS", "2000"),
                    help="characters in a prompt or follow-up question (default 2000)")
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("app")
 
-    from prefixkv_core import Engine, ModelLoadError, PolicyError, load_model, resolve_methods
+    from prefixkv_core import Engine, EngineProcess, ModelLoadError, PolicyError, load_model, resolve_methods
 
     try:
         methods = resolve_methods(args.methods)
@@ -136,15 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens_limit < 1:
         print("app.py: --max-new-tokens-limit must be at least 1", file=sys.stderr)
         return 2
+    if not 0 <= args.server_nice <= 19:
+        print("app.py: --server-nice must be from 0 to 19", file=sys.stderr)
+        return 2
 
     log.info("loading model %r (device=%s, dtype=%s)…", args.model, args.device, args.dtype)
     t0 = time.perf_counter()
     try:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        if args.engine_process:
+            engine = EngineProcess(args.model, device=args.device, dtype=args.dtype)
+        else:
+            engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
     except ModelLoadError as exc:
         print(f"app.py: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 1
-    log.info("loaded %s on %s (%s) in %.1f s", loaded.name, loaded.device, loaded.dtype, time.perf_counter() - t0)
+    loaded = engine.loaded
+    log.info("loaded %s on %s (%s) in %.1f s%s", loaded.name, loaded.device, loaded.dtype, time.perf_counter() - t0,
+             " in a process of its own" if args.engine_process else "")
+    if args.engine_process and args.server_nice:
+        os.nice(args.server_nice)  # this process only: the engine's was started before
     for note in loaded.notes:
         log.info("model note: %s", note)
 
@@ -157,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{limits.max_video_bytes / 2**20:g} MB and {limits.max_video_pixels / 1e6:g} megapixels of frames",
              limits.max_sessions, limits.idle_s / 60, _mb(limits.cache_limit_bytes), _mb(limits.memory_limit_bytes),
              limits.max_batch_users)
-    demo = build_app(Engine(loaded), methods=methods, max_new_tokens_limit=args.max_new_tokens_limit, limits=limits,
+    demo = build_app(engine, methods=methods, max_new_tokens_limit=args.max_new_tokens_limit, limits=limits,
                      queue_size=args.queue_size)
     hand_the_interpreter_back_sooner()
     demo.launch(**launch_kwargs(args.host, args.port, limits=limits))

@@ -13,6 +13,11 @@ For each request (one comparison: an image, a prompt, the methods, a budget) it 
     python benchmarks/app_visitors.py --model embedded --clients 4 --repeats 3
     python benchmarks/app_visitors.py --random-weights llava-interleave --device cuda --clients 4   # Space shape
     python benchmarks/app_visitors.py --random-weights tiny-llava-interleave --clients 2 --new-tokens 4  # smoke
+    python benchmarks/app_visitors.py --model embedded --engine-process both --repeats 3   # the model's process
+
+`--engine-process on` serves the app as app.py does by default: the model in a process of its own (`EngineProcess`)
+and this server process at a lower priority (`--server-nice`); `both` launches the two apps and alternates their
+rounds (the server's priority is then lowered for both). The engine-at-once reference runs in this process.
 
 A warm-up request runs first (kernels, the first HTTP connection). `--json` writes every number.
 """
@@ -56,8 +61,10 @@ class ServerProbe:
 
     KINDS = {STEP: "decode steps", PREFILL: "prefills and model calls", CHORE: "chores"}
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):
         self.engine = engine
+        # an EngineProcess: the model's thread is in the other process; its counters come through stats()
+        self.remote = not isinstance(engine, Engine)
         self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
@@ -84,9 +91,7 @@ class ServerProbe:
         probe = self
         self.seconds, self.counts, self.spans = {}, {}, []
         self.t0 = time.perf_counter()
-        pool = self.engine.pool
-        self._pool0 = {k: getattr(pool, k) for k in POOL_COUNTERS}
-        self._prefills0 = dict(self.engine.prefills.forwards)
+        self._pool0, self._prefills0 = self._counters()
 
         def timed_put(original):
             def put(worker, priority, job):
@@ -138,20 +143,40 @@ class ServerProbe:
             self._wrap(module, "return_free_memory", timed("memory handed back to the system (malloc_trim)"))
         return self
 
+    def _counters(self) -> tuple[dict[str, int], dict[int, int]]:
+        if self.remote:
+            stats = self.engine.stats()
+            self._busy = ({int(k): v for k, v in stats["model_busy_s"].items()},
+                          {int(k): v for k, v in stats["model_jobs"].items()})
+            return {k: stats[k] for k in POOL_COUNTERS}, dict(stats["prefill_forwards"])
+        pool = self.engine.pool
+        return {k: getattr(pool, k) for k in POOL_COUNTERS}, dict(self.engine.prefills.forwards)
+
+    def _remote_model_thread(self, before: tuple[dict, dict]) -> None:
+        """The engine process's model thread, from its own counters (jobs run on its thread, by kind)."""
+        (busy0, jobs0), (busy1, jobs1) = before, self._busy
+        for priority, kind in ServerProbe.KINDS.items():
+            if jobs1.get(priority, 0) > jobs0.get(priority, 0):
+                key = f"model thread: {kind}"
+                self.seconds[key] = busy1.get(priority, 0.0) - busy0.get(priority, 0.0)
+                self.counts[key] = jobs1[priority] - jobs0.get(priority, 0)
+
     def stop(self) -> dict:
         while self._saved:
             owner, name, original = self._saved.pop()
             setattr(owner, name, original)
-        pool = self.engine.pool
+        busy0 = getattr(self, "_busy", None)
+        pool, prefills = self._counters()
+        if self.remote and busy0 is not None:
+            self._remote_model_thread(busy0)
         return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
                 "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
-                "pool": {k: getattr(pool, k) - self._pool0.get(k, 0) for k in POOL_COUNTERS},
-                "prefill_forwards": prefill_forwards(self.engine, self._prefills0)}
+                "pool": {k: pool[k] - self._pool0.get(k, 0) for k in POOL_COUNTERS},
+                "prefill_forwards": prefill_forwards(prefills, self._prefills0)}
 
 
-def prefill_forwards(engine: Engine, before: dict[int, int]) -> dict[int, int]:
+def prefill_forwards(now: dict[int, int], before: dict[int, int]) -> dict[int, int]:
     """Shared prefills run since `before`, by how many visitors' prompts each forward held."""
-    now = engine.prefills.forwards
     return {rows: now[rows] - before.get(rows, 0) for rows in sorted(now) if now[rows] > before.get(rows, 0)}
 
 
@@ -159,7 +184,7 @@ def forwards_text(counts: dict) -> str:
     return ", ".join(f"{n} of {rows}" for rows, n in sorted((int(k), v) for k, v in counts.items())) or "none"
 
 
-def launch(engine: Engine, max_new_tokens: int):
+def launch(engine, max_new_tokens: int):
     """The app as app.py builds it with its default limits, on a free localhost port; returns (demo, url)."""
     from ui.app_builder import serve_locally
 
@@ -199,7 +224,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
 
 def _client_process_setup() -> None:
     """The visitors' process yields the processors to the server's (their browsers would be elsewhere)."""
-    os.nice(10)
+    os.nice(19 - os.nice(0))
 
 
 class Visitors:
@@ -310,8 +335,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fixed-pace", action="store_true",
                     help="redraw every stream at the fixed pace (panels every 0.25 s, charts every second) instead "
                          "of spacing redraws by their cost and the number of streams: the app before that change")
+    ap.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
+                    help="on: the app's model in a process of its own, as app.py runs it by default; both: the two "
+                         "apps, their rounds alternated (default off: the model in this process)")
+    ap.add_argument("--server-nice", type=int, default=10,
+                    help="with --engine-process on or both: lower this server process's priority by this much, as "
+                         "app.py does (default 10)")
     ap.add_argument("--json", default=None, help="write every number here")
     return ap
+
+
+VARIANTS = {"off": ["in-process"], "on": ["engine process"], "both": ["in-process", "engine process"]}
+
+
+def start_engine_process(args):
+    """The app's model in a process of its own, loaded as this process loaded it."""
+    from prefixkv_core import EngineProcess
+
+    if args.random_weights is not None:
+        return EngineProcess(args.random_weights, device=args.device, dtype=args.dtype, threads=args.threads or None,
+                             loader="benchmarks.interactive:load_random_model")
+    return EngineProcess(args.model, device=args.device, dtype=args.dtype, threads=args.threads or None)
 
 
 def main(argv=None) -> int:
@@ -331,40 +375,70 @@ def main(argv=None) -> int:
         from ui import run_stream
 
         run_stream.CHART_SHARE = run_stream.TEXT_SHARE = float("inf")
-    engine = Engine(loaded)
-    demo, url = launch(engine, args.new_tokens)
-    progress(f"app up at {url}")
-    probe = ServerProbe(engine)
+    engine = Engine(loaded)  # the app's engine in this process, and the engine-at-once reference
+    variants = VARIANTS[args.engine_process]
+    remote = None
+    if "engine process" in variants:
+        remote = start_engine_process(args)
+        progress(f"the engine's own process is up (pid {remote.process.pid})")
+        if args.server_nice:
+            os.nice(args.server_nice)  # this process; the engine's was started before
+    served = {v: launch(engine if v == "in-process" else remote, args.new_tokens) for v in variants}
+    progress("app up at " + ", ".join(f"{url} ({v})" for v, (_, url) in served.items()))
     clients = Visitors()  # the visitors' side in a process of its own, as browsers are
-    rounds: list[dict] = []
+    runs = {v: {"alone": None, "where_alone": None, "rounds": []} for v in variants}
     try:
-        clients.visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
-        progress("warm-up request answered")
-        probe.start()
-        alone = []
-        for i, img in enumerate(images):
-            alone.append(clients.visit(url, img, args.prompt, methods, args.budget, args.new_tokens))
-            progress(f"visitor {i + 1} alone: last update after {alone[-1]['last_s']:.2f} s")
-        where_alone = probe.stop()
-        for r in range(args.repeats):  # the app and the engine at once, interleaved
-            probe.start()
-            together = clients.at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
-            where = probe.stop()
-            engine_once = engine_at_once(engine, images, args.prompt, methods, args.budget, args.new_tokens)
-            rounds.append({"together": together, "where": where, "engine_at_once": engine_once})
-            progress(f"round {r + 1}: {args.clients} visitors at once through the app {together['wall_s']:.2f} s, "
-                     f"the same through the engine {engine_once['last_s']:.2f} s")
+        for v, (_, url) in served.items():
+            clients.visit(url, images[0], args.prompt, methods, args.budget, min(4, args.new_tokens))  # warm-up
+            probe = ServerProbe(engine if v == "in-process" else remote).start()
+            alone = []
+            for i, img in enumerate(images):
+                alone.append(clients.visit(url, img, args.prompt, methods, args.budget, args.new_tokens))
+                progress(f"{v}: visitor {i + 1} alone: last update after {alone[-1]['last_s']:.2f} s")
+            runs[v]["alone"], runs[v]["where_alone"] = alone, probe.stop()
+        for r in range(args.repeats):  # the app(s) and the engine at once, interleaved
+            for v, (_, url) in served.items():
+                probe = ServerProbe(engine if v == "in-process" else remote).start()
+                together = clients.at_once(url, images, args.prompt, methods, args.budget, args.new_tokens)
+                where = probe.stop()
+                engine_once = engine_at_once(engine, images, args.prompt, methods, args.budget, args.new_tokens)
+                runs[v]["rounds"].append({"together": together, "where": where, "engine_at_once": engine_once})
+                progress(f"round {r + 1}, {v}: {args.clients} visitors at once through the app "
+                         f"{together['wall_s']:.2f} s, the same through the engine {engine_once['last_s']:.2f} s")
     finally:
         clients.close()
-        demo.close()
+        for demo, _ in served.values():
+            demo.close()
+        if remote is not None:
+            remote.close()
     engine_runs = [engine_alone(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
     expected = [run["texts"] for run in engine_runs]
     bound = hardware_bound(loaded, images[0], args.prompt, engine_runs[0], len(methods), len(images), args.new_tokens)
     progress(f"the least possible wait on this hardware: {bound['bound_s']:.2f} s")
+    info = {**run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "load_s": load_s,
+            "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "clients": args.clients,
+            "pace": ("fixed" if args.fixed_pace else "by cost and load"), "repeats": args.repeats,
+            "prompt": args.prompt, "server_nice": args.server_nice if remote is not None else 0}
+    reports = {v: variant_report(info, v, run, expected, bound) for v, run in runs.items()}
+    for v, report in reports.items():
+        if len(reports) > 1:
+            print(f"\n### {v}\n")
+        print(markdown(report))
+    if len(reports) > 1:
+        print("\n" + comparison_text(reports))
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else next(iter(reports.values())),
+                                              indent=1, default=str) + "\n")
+    failed = any(rnd["together"]["errors"] for run in runs.values() for rnd in run["rounds"])
+    return 0 if not failed and all(r["same_as_engine_alone"] for r in reports.values()) else 1
 
-    def same(runs):
-        return all(r is not None and r["texts"] == e for r, e in zip(runs, expected))
 
+def variant_report(info: dict, variant: str, run: dict, expected: list[dict], bound: dict) -> dict:
+    """One app's figures: its visitors alone and at once, each round against the engine at once."""
+    def same(visits):
+        return all(r is not None and r["texts"] == e for r, e in zip(visits, expected))
+
+    alone, rounds = run["alone"], run["rounds"]
     alone_last = [r["last_s"] for r in alone]
     for rnd in rounds:
         visitors = [v for v in rnd["together"]["visitors"] if v is not None]
@@ -373,11 +447,8 @@ def main(argv=None) -> int:
         rnd["over_one_after_another"] = rnd["together"]["wall_s"] / sum(alone_last)
     middle = sorted(rounds, key=lambda x: x["over_engine"] or 0)[len(rounds) // 2]  # the median round's details
     together, last = middle["together"], middle["last_s"]
-    report = {
-        **run_info(loaded.device), "model": loaded.name, "dtype": str(loaded.dtype), "load_s": load_s,
-        "methods": methods, "budget": args.budget, "new_tokens": args.new_tokens, "clients": args.clients,
-        "pace": ("fixed" if args.fixed_pace else "by cost and load"), "repeats": args.repeats,
-        "prompt": args.prompt, "alone": alone, "together": together, "rounds": rounds,
+    return {
+        **info, "variant": variant, "alone": alone, "together": together, "rounds": rounds,
         "alone_first_token_s": statistics.median(r["first_token_s"] for r in alone if r["first_token_s"]),
         "alone_last_s": statistics.median(alone_last),
         "one_after_another_s": sum(alone_last),
@@ -388,15 +459,25 @@ def main(argv=None) -> int:
         "engine_at_once": middle["engine_at_once"], "hardware_bound": bound,
         "last_over_engine_at_once": middle["over_engine"],
         "last_over_hardware_bound": last / bound["bound_s"] if last else None,
-        "where_alone": where_alone, "where_together": middle["where"],
+        "where_alone": run["where_alone"], "where_together": middle["where"],
         "peak_resident_bytes": peak_resident_bytes(),
         "same_as_engine_alone": same(alone),
         "same_as_engine_together": all(same(rnd["together"]["visitors"]) for rnd in rounds),
     }
-    print(markdown(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return 0 if not any(rnd["together"]["errors"] for rnd in rounds) and report["same_as_engine_alone"] else 1
+
+
+def comparison_text(reports: dict) -> str:
+    """The apps side by side: per variant, the last visitor over the engine at once, median (spread) over rounds."""
+    lines = ["| app | the last visitor over the engine at once: median (lowest-highest) | all at once over one "
+             "after another | first token at once (median of visitors) |", "|---|---|---|---|"]
+    for v, r in reports.items():
+        over = sorted(x["over_engine"] for x in r["rounds"] if x["over_engine"])
+        whole = sorted(x["over_one_after_another"] for x in r["rounds"])
+        firsts = [t["first_token_s"] for t in r["together"]["visitors"] if t and t["first_token_s"]]
+        lines.append(f"| {v} | {statistics.median(over):.2f}x ({over[0]:.2f}-{over[-1]:.2f}x) | "
+                     f"{statistics.median(whole):.2f}x ({whole[0]:.2f}-{whole[-1]:.2f}x) | "
+                     f"{statistics.median(firsts):.2f} s |" if over and firsts else f"| {v} | – | – | – |")
+    return "\n".join(lines)
 
 
 def peak_resident_bytes() -> int:
@@ -415,9 +496,11 @@ def markdown(r: dict) -> str:
     def s(v):
         return "–" if v is None else f"{v:.2f} s"
 
+    where = ("the model in a process of its own, the server at nice " + str(r["server_nice"])
+             if r.get("variant") == "engine process" else "the model in the server's process")
     lines = [f"App through its API: {r['model']} ({r['dtype']}) on {r['machine']}; {', '.join(r['methods'])} at "
              f"r = {r['budget']}, {r['new_tokens']} new tokens, {r['clients']} visitor(s); redraw pace: "
-             f"{r['pace']}; {r['torch_threads']} torch threads.", "",
+             f"{r['pace']}; {r['torch_threads']} torch threads; {where}.", "",
              "| visitor | image | alone: first token | alone: last | at once: first token | at once: last |",
              "|---|---|---|---|---|---|"]
     for i, (a, t) in enumerate(zip(r["alone"], r["together"]["visitors"])):

@@ -205,8 +205,13 @@ def load_benchmark_model(args):
     if args.random_weights not in RANDOM_WITH_PROCESSOR:
         raise SystemExit(f"--random-weights {args.random_weights!r} has no processor for image prompts; accepted: "
                          f"{', '.join(RANDOM_WITH_PROCESSOR)}")
-    device, _ = resolve_device(args.device)
-    return build_random_model(args.random_weights, device, resolve_dtype(args.dtype, device))
+    return load_random_model(args.random_weights, device=args.device, dtype=args.dtype)
+
+
+def load_random_model(kind: str, device: str = "auto", dtype: str = "auto"):
+    """Random weights in a family's released shape, as `load_model` is called (an `EngineProcess` loader)."""
+    device, _ = resolve_device(device)
+    return build_random_model(kind, device, resolve_dtype(dtype, device))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,9 +9,11 @@ The engine never imports gradio. Typical use:
         ...
 """
 from .session.engine import Engine, EngineError, GenerationSettings, Session
+from .session.engine_process import EngineProcess, EngineProcessError, RemoteSession
 from .report.events import MethodEvent, PrefillInfo
 from .models import LoadedModel, ModelLoadError, load_model
 from .policies import METHODS, PolicyError, describe, make_policy, resolve_methods
 
-__all__ = ["Engine", "EngineError", "GenerationSettings", "Session", "MethodEvent", "PrefillInfo", "LoadedModel",
+__all__ = ["Engine", "EngineError", "EngineProcess", "EngineProcessError", "RemoteSession", "GenerationSettings",
+           "Session", "MethodEvent", "PrefillInfo", "LoadedModel",
            "ModelLoadError", "load_model", "METHODS", "PolicyError", "describe", "make_policy", "resolve_methods"]

@@ -91,6 +91,12 @@ def test_show_filters_the_shipped_rows(ctl):
     assert len(default[1]) == 38 and "query-aware" in default[0].layout.title.text
     fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_aware", "equal_memory", "accuracy")
     assert rows == [] and "No stored results" in note and "query-aware, published" in note
+    # the equal-memory sitting: the same rows, every budgeted one at the r it holds at every step
+    fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_agnostic", "equal_memory", "accuracy")
+    assert len(rows) == 102 and len(fig.data) == 22
+    assert {r[-2] for r in rows} == {"scene_qa/embedded-query-agnostic-equal-memory"}
+    snapkv = next(t for t in fig.data if t.name == "SnapKV")
+    assert list(snapkv.x) == pytest.approx([0.05, 0.1, 0.2, 0.3, 0.5], abs=0.005)
 
 
 @pytest.mark.parametrize("values,message", [

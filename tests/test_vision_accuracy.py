@@ -156,6 +156,8 @@ def test_chance_rates_and_the_test_against_them():
     assert chance.beats_chance({(1, "a"): True, (1, "b"): False}, rates)[2] == 1.0  # no variance, no excess
     assert chance.at_equal_memory([(0.1, 0.2), (0.3, 0.6)], 0.2) == pytest.approx(0.4)
     assert chance.at_equal_memory([(0.1, 0.2), (0.3, 0.6)], 0.5) is None  # never extrapolated
+    assert chance.at_equal_memory([(0.1, 0.2), (0.4997, 0.6)], 0.5) == pytest.approx(0.6)  # r = 0.5's whole entries
+    assert chance.at_equal_memory([(0.1, 0.2), (0.49, 0.6)], 0.5) is None
 
 
 def test_controls_drawn_with_several_seeds_and_rows_at_their_real_memory(tmp_path, monkeypatch):

@@ -123,8 +123,9 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     """Blocks for one loaded model. `methods` are the methods offered (registry order), all selected unless
     `default_methods` says otherwise. Up to `limits.max_batch_users` engine requests run at once (their
     methods decoded in one batch); at most `queue_size` more wait in line. `leaderboard`: the stored results the Leaderboard tab shows (default: the repository's
-    `benchmarks/leaderboard/`, read once here)."""
-    engine = engine_or_factory if isinstance(engine_or_factory, Engine) else engine_or_factory()
+    `benchmarks/leaderboard/`, read once here). The engine may be an `Engine` or an `EngineProcess` (the model in a
+    process of its own; its `memory_bytes()` then counts both processes against the memory ceiling)."""
+    engine = engine_or_factory if hasattr(engine_or_factory, "new_session") else engine_or_factory()
     limits = limits or server_limits(engine.loaded)
     offered = resolve_methods(methods)
     chosen = [m for m in (resolve_methods(default_methods) if default_methods else offered) if m in offered]
@@ -132,7 +133,9 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     described = [d for d in describe() if d["name"] in offered]
     specs = knob_specs(described, offered)
     examples_folder = Path(examples_dir) if examples_dir else ASSETS
-    ctl = Controller(engine, offered, limit, specs, limits=limits, registry=SessionRegistry(limits),
+    memory = getattr(engine, "memory_bytes", None)
+    registry = SessionRegistry(limits, memory=memory) if memory is not None else SessionRegistry(limits)
+    ctl = Controller(engine, offered, limit, specs, limits=limits, registry=registry,
                      exports=ExportStore(),
                      image_roots=lambda: [upload_folder(), str(examples_folder), str(MULTI_ASSETS), str(VIDEO_ASSETS)],
                      leaderboard=leaderboard)

@@ -15,14 +15,10 @@ class OverlaySampler:
 
     def snapshot(self, comp: Comparison, box: SessionBox) -> OverlayMaps | None:
         """Runs on the thread that owns the engine session, between two decoding steps (the caches are
-        consistent there), or once the run has ended."""
+        consistent there), or once the run has ended. With the engine in its own process the sample is taken there
+        between two of the turn's events, or skipped (None: the page keeps the last one) if none comes soon."""
         if comp.shown is None or comp.session is None or comp.prefill is None or not comp.prefill.image_tokens:
             return None
         layer = self.layer_for(box)
-        maps = {}
-        for m in comp.methods:
-            try:
-                maps[m] = comp.session.kept_image_map(m, layer)
-            except Exception:  # noqa: BLE001 - a failed method has no cache to show
-                maps[m] = None
-        return OverlayMaps(layer, maps)
+        maps = comp.session.kept_image_maps(comp.methods, layer)
+        return None if maps is None else OverlayMaps(layer, maps)  # None: the engine had no moment for it now

@@ -144,6 +144,15 @@ class ComparisonRecord:
         self.error: str | None = None  # a failure of the whole request (bad input found during prefill, crash)
         self.begin_turn(prompt)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (a record crosses to another process whole: `engine_process.py`)."""
+        with self.lock:
+            return {k: v for k, v in vars(self).items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
     # -- feeding ---------------------------------------------------------------------------------------------
     def begin_turn(self, prompt: str) -> None:
         with self.lock:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -89,6 +90,9 @@ class ModelWorker:
         self._order = itertools.count()  # first come first served within a priority
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
+        # seconds the model's thread spent in jobs, and jobs run, by priority (STEP, PREFILL, CHORE): for benchmarks
+        self.busy_s: dict[int, float] = {}
+        self.jobs_run: dict[int, int] = {}
 
     def call(self, fn: Callable[[], Any], priority: int = PREFILL) -> Any:
         """fn() on the model's thread; returns its result or raises its exception. On that thread already (a job
@@ -165,7 +169,7 @@ class ModelWorker:
     def _loop(self) -> None:
         while True:
             try:
-                _, _, job = self._jobs.get(timeout=self.idle_s)
+                priority, _, job = self._jobs.get(timeout=self.idle_s)
             except queue.Empty:
                 job = None
             if job is None or job.fn is None:  # idle, or stopped
@@ -179,7 +183,10 @@ class ModelWorker:
             if job.started:  # run early by another job
                 continue
             with self.lock:
+                t0 = time.perf_counter()
                 job.run()
+                self.busy_s[priority] = self.busy_s.get(priority, 0.0) + time.perf_counter() - t0
+                self.jobs_run[priority] = self.jobs_run.get(priority, 0) + 1
 
 
 _RUNNING: "weakref.WeakSet[ModelWorker]" = weakref.WeakSet()

@@ -276,6 +276,16 @@ class Session:
         return kept_image_map(state.cache, layer, self._image_positions(), self.image_layout, state.policy,
                               state.policy_state)
 
+    def kept_image_maps(self, methods: list[str], layer: int) -> dict[str, KeptImageMap | None]:
+        """`kept_image_map` of each method at `layer`; None for a method with no cache to show (it failed)."""
+        maps: dict[str, KeptImageMap | None] = {}
+        for method in methods:
+            try:
+                maps[method] = self.kept_image_map(method, layer)
+            except Exception:  # noqa: BLE001 - a failed method has no cache to show
+                maps[method] = None
+        return maps
+
     # -- internals -----------------------------------------------------------------------------------------
     def _settled(self) -> None:
         """A turn that ended may leave its rows' moves out of the batch's shared stores to the model's thread (the
