@@ -409,7 +409,10 @@ def main(argv=None) -> int:
         clients.close()
         for demo, _ in served.values():
             demo.close()
+        engine_peak = None
         if remote is not None:
+            if remote.alive:
+                engine_peak = remote.stats()["peak_resident_bytes"]
             remote.close()
     engine_runs = [engine_alone(engine, img, args.prompt, methods, args.budget, args.new_tokens) for img in images]
     expected = [run["texts"] for run in engine_runs]
@@ -420,6 +423,8 @@ def main(argv=None) -> int:
             "pace": ("fixed" if args.fixed_pace else "by cost and load"), "repeats": args.repeats,
             "prompt": args.prompt, "server_nice": args.server_nice if remote is not None else 0}
     reports = {v: variant_report(info, v, run, expected, bound) for v, run in runs.items()}
+    if "engine process" in reports:
+        reports["engine process"]["engine_peak_resident_bytes"] = engine_peak
     for v, report in reports.items():
         if len(reports) > 1:
             print(f"\n### {v}\n")
@@ -524,6 +529,8 @@ def markdown(r: dict) -> str:
     eng, bound = r["engine_at_once"], r["hardware_bound"]
     if r.get("peak_resident_bytes"):
         lines.append(f"- the server's peak resident memory: {r['peak_resident_bytes'] / 2**30:.2f} GiB")
+    if r.get("engine_peak_resident_bytes"):
+        lines.append(f"- the engine process's peak resident memory: {r['engine_peak_resident_bytes'] / 2**30:.2f} GiB")
     lines += [f"- the same requests through the engine at once, no app: last {eng['last_s']:.2f} s; the app's last "
               f"visitor over it: {r['last_over_engine_at_once']:.2f}x",
               f"- the least possible wait here (prefills batched at {bound['prefill_ceiling']:.2f}x, one decode of every "

@@ -247,7 +247,17 @@ def _engine_stats(engine) -> dict[str, Any]:
     return {"steps": pool.steps, "shared_steps": pool.shared_steps, "formed": pool.formed,
             "waited_out": pool.waited_out, "largest_batch": pool.largest_batch,
             "prefill_forwards": dict(engine.prefills.forwards), "model_busy_s": dict(worker.busy_s),
-            "model_jobs": dict(worker.jobs_run)}
+            "model_jobs": dict(worker.jobs_run), "peak_resident_bytes": _peak_resident_bytes()}
+
+
+def _peak_resident_bytes() -> int | None:
+    """This process's resident-memory high-water mark (Linux and macOS)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
 def child_main(conn, model: str, device: str, dtype: str, threads: int | None, loader: str | None = None) -> None:
@@ -343,7 +353,8 @@ class EngineProcess:
         return self._call("analyse", (image, prompt), {})
 
     def stats(self) -> dict[str, Any]:
-        """The child engine's batching counters (steps, shared steps, prefill forwards by rows), for benchmarks."""
+        """The child engine's batching counters (steps, shared steps, prefill forwards by rows), its model thread's
+        busy seconds and jobs by priority, and the child's peak resident memory: for benchmarks."""
         return self._call("stats", (), {})
 
     def memory_bytes(self) -> int | None:
