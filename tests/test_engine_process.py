@@ -103,8 +103,15 @@ def test_a_stream_closed_early_stops_the_childs_turn(remote, noise_image):
     events = session.run()
     next(events)
     events.close()  # a tab closed mid-run
-    follow = list(session.follow_up("and then?"))  # waits for the child's turn to stop, not for 400 tokens
+    maps, follow = [], []
+    for event in session.follow_up("and then?"):  # waits for the child's turn to stop, not for 400 tokens
+        follow.append(event)
+        if len(follow) == 3:  # the overlay reads the caches of the turn that took over: served, never left waiting
+            worker = threading.Thread(target=lambda: maps.append(session.kept_image_map("h2o", 0)))
+            worker.start()
+            worker.join(30)
     assert any(isinstance(e, MethodEvent) and e.kind == "done" for e in follow)
+    assert maps and isinstance(maps[0], KeptImageMap)
 
 
 @pytest.mark.parametrize("call,message", [

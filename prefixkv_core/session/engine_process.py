@@ -84,8 +84,8 @@ class _Child:
         self.calls = ThreadPoolExecutor(CALL_WORKERS, thread_name_prefix="prefixkv-engine-call")
         self.cancels: dict[int, threading.Event] = {}  # run id -> its Stop flag
         # a session whose turn runs: calls that read its caches run on the turn's thread between two events
-        # (the caches are consistent there, as in a single process), queued here
-        self.between: dict[int, queue.SimpleQueue] = {}
+        # (the caches are consistent there, as in a single process), queued here with the run that serves them
+        self.between: dict[int, tuple[int, queue.SimpleQueue]] = {}
         self.between_lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
@@ -104,6 +104,7 @@ class _Child:
             if kind == "call":
                 self.calls.submit(self._call, *message[1:])
             elif kind == "run":
+                self.cancels[message[2]] = threading.Event()  # before its thread starts: a stop may come next
                 threading.Thread(target=self._turn, args=message[1:], name="prefixkv-engine-turn",
                                  daemon=True).start()
             elif kind == "cancel":
@@ -155,11 +156,11 @@ class _Child:
         """fn() on the thread of the session's running turn, between two of its events; at once when none runs.
         `wait_s`: give up (return None) when the turn brings no event that soon (it waits for the model)."""
         with self.between_lock:
-            waiting = self.between.get(sid)
-            if waiting is None:
+            running = self.between.get(sid)
+            if running is None:
                 return fn()
             job = _Between(fn)
-            waiting.put(job)
+            running[1].put(job)
         if not job.done.wait(wait_s) and job.withdraw():
             return None
         job.done.wait()
@@ -167,12 +168,15 @@ class _Child:
             raise job.error
         return job.value
 
-    def _run_waiting(self, sid: int, last: bool = False) -> None:
+    def _run_waiting(self, sid: int, rid: int, last: bool = False) -> None:
         with self.between_lock:
-            waiting = self.between.get(sid)
+            running = self.between.get(sid)
+            if running is None or running[0] != rid:  # a later turn of the session took over (this one was left)
+                return
+            waiting = running[1]
             if last:
                 self.between.pop(sid, None)
-        while waiting is not None:
+        while True:
             try:
                 job = waiting.get_nowait()
             except queue.Empty:
@@ -181,25 +185,25 @@ class _Child:
 
     # turns
     def _turn(self, sid: int, rid: int, kind: str, prompt: str | None, image: Any) -> None:
-        cancel = threading.Event()
-        self.cancels[rid] = cancel
+        cancel = self.cancels.setdefault(rid, threading.Event())
         session = self.sessions.get(sid)
         error = None
-        with self.between_lock:
-            self.between[sid] = queue.SimpleQueue()
+        with self.between_lock:  # this turn serves the session's calls from now (a turn left early hands them on)
+            earlier = self.between.get(sid)
+            self.between[sid] = (rid, earlier[1] if earlier is not None else queue.SimpleQueue())
         try:
             if session is None:
                 raise EngineError("this comparison is no longer held by the engine; run Compare again")
             events = session.run(cancel) if kind == "run" else session.follow_up(prompt, cancel, image=image)
             for item in events:
                 self.send(("event", rid, item))
-                self._run_waiting(sid)
+                self._run_waiting(sid, rid)
         except BaseException as exc:  # noqa: BLE001 - handed to the run's consumer
             if not isinstance(exc, EngineError):
                 log.exception("a turn failed in the engine process")
             error = _portable(exc)
         finally:
-            self._run_waiting(sid, last=True)
+            self._run_waiting(sid, rid, last=True)
             self.cancels.pop(rid, None)
         record = session.record if session is not None else None
         self.send(("end", rid, error, record))
@@ -281,7 +285,9 @@ def child_main(conn, model: str, device: str, dtype: str, threads: int | None, l
                                loaded.param_count())
         conn.send(("ready", dataclasses.replace(loaded, model=outline)))
     except BaseException as exc:  # noqa: BLE001 - told to the parent, which raises it
-        conn.send(("failed", f"{exc.__class__.__name__}: {exc}"))
+        from ..models import ModelLoadError
+
+        conn.send(("failed", str(exc) if isinstance(exc, ModelLoadError) else f"{exc.__class__.__name__}: {exc}"))
         return
     _Child(conn, engine).serve()
     engine.worker.stop()
