@@ -14,6 +14,7 @@ from PIL import Image
 from prefixkv_core import Engine, EngineError, EngineProcess, EngineProcessError, GenerationSettings, load_model
 from prefixkv_core.models import ModelLoadError
 from prefixkv_core.report.events import KeptImageMap, MethodEvent, PrefillInfo
+from prefixkv_core.testing import wait_until
 
 METHODS = ["full", "snapkv", "h2o", "fastv"]
 PROMPT = "describe the picture in detail"
@@ -153,8 +154,11 @@ def test_memory_counts_both_processes(remote):
     assert remote.loaded.param_count() == load_model("tiny-llama").param_count()
 
 
-def test_a_dead_engine_process_fails_its_calls_and_runs_with_a_message(noise_image):
-    engine = EngineProcess("tiny-llama", threads=1)
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_dead_engine_process_fails_its_calls_and_runs_with_a_message(noise_image, restart):
+    """Its running turn and calls fail with a message, never hang; it is started again (the old sessions say they
+    are gone, new ones answer), or with restarts off stays down and says so."""
+    engine = EngineProcess("tiny-llama", threads=1, restart=restart)
     try:
         session = engine.new_session(noise_image, PROMPT, ["full"], 0.4, _settings(2000))
         events = session.run()
@@ -163,9 +167,19 @@ def test_a_dead_engine_process_fails_its_calls_and_runs_with_a_message(noise_ima
         with pytest.raises(EngineProcessError, match="engine process stopped"):
             for _ in events:
                 pass
-        with pytest.raises(EngineProcessError, match="engine process stopped"):
-            engine.new_session(noise_image, PROMPT, ["full"], 0.4)
-        assert not engine.alive
+        if not restart:
+            with pytest.raises(EngineProcessError, match="engine process stopped"):
+                engine.new_session(noise_image, PROMPT, ["full"], 0.4)
+            assert not engine.alive
+            return
+        wait_until(lambda: engine.alive and engine.generation == 1, timeout=120)
+        assert engine.restarts == 1
+        with pytest.raises(EngineProcessError, match="started again"):
+            list(session.follow_up("and then?"))
+        assert session.cache_bytes() == 0
+        fresh = engine.new_session(noise_image, PROMPT, ["full"], 0.4, _settings(3))
+        assert any(isinstance(e, MethodEvent) and e.kind == "done" for e in fresh.run())
+        assert fresh.results()["full"]["status"] == "done" and fresh.cache_bytes() > 0
     finally:
         engine.close()
 

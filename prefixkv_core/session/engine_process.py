@@ -15,9 +15,11 @@ priority). In a process of its own the model's thread competes for cores only, a
 `RemoteSession` answers what a `Session` answers that a client reads: its record (fed here from the streamed
 events, and made equal to the child's at the end of every turn), its visuals, `run`, `follow_up`, `cache_bytes`,
 `kept_image_map`, `results`, `release`. A stop (`cancel` set) reaches the child within one poll (50 ms), the child's
-engine stops within a token. Bad input raises EngineError here with the child's message; a failure of the child
-process ends every waiting call and run with EngineError too. `loaded` here holds the processor and the config, not
-the weights (`ModelOutline`), so limits, token counts and descriptions work as with the model in this process.
+engine stops within a token. Bad input raises EngineError here with the child's message. A child that dies (the
+system's out-of-memory killer, a crash in native code) ends every waiting call and run with EngineProcessError and is
+started again (at most MAX_RESTARTS times); the sessions it held are lost and say so. `loaded` here holds the
+processor and the config, not the weights (`ModelOutline`), so limits, token counts and descriptions work as with the
+model in this process.
 
 The child's memory counts in `memory_bytes()`: both processes' resident sizes.
 """
@@ -294,6 +296,38 @@ def child_main(conn, model: str, device: str, dtype: str, threads: int | None, l
 
 
 # -- this process -----------------------------------------------------------------------------------------------
+MAX_RESTARTS = 3  # a child that keeps dying is not started again after this many times
+
+
+def _launch(model: str, device: str, dtype: str, threads: int | None, loader: str | None, start_timeout_s: float):
+    """Start the child and wait for its model: (process, connection, the model's outline). Raises ModelLoadError
+    with the child's reason, or EngineProcessError if it stops or hangs while loading."""
+    # a fresh interpreter (no copy of this process's threads or locks), started as a module so that no script's
+    # main is imported again; the two talk over a socket pair
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    spec = json.dumps({"model": model, "device": device, "dtype": dtype, "threads": threads, "loader": loader})
+    command = [sys.executable, "-m", f"{__package__}.engine_child", str(theirs.fileno()), spec]
+    process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
+    theirs.close()
+    conn = Connection(ours.detach())
+    if not conn.poll(start_timeout_s):
+        process.kill()
+        raise EngineProcessError(f"the engine process did not load {model!r} within {start_timeout_s:.0f} s")
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        raise EngineProcessError(f"the engine process stopped while loading {model!r}") from None
+    if message[0] == "failed":
+        process.wait(10)
+        from ..models import ModelLoadError
+
+        raise ModelLoadError(message[1])
+    return process, conn, message[1]
+
+
 class _Run:
     """One turn streamed from the child: its events, then its end."""
 
@@ -308,40 +342,26 @@ class EngineProcess:
     `load_model` (a model built in code, e.g. random weights in a released shape for benchmarks)."""
 
     def __init__(self, model: str = "embedded", *, device: str = "auto", dtype: str = "auto",
-                 threads: int | None = None, loader: str | None = None, start_timeout_s: float = START_TIMEOUT_S):
-        # a fresh interpreter (no copy of this process's threads or locks), started as a module so that no script's
-        # main is imported again; the two talk over a socket pair
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        spec = json.dumps({"model": model, "device": device, "dtype": dtype, "threads": threads, "loader": loader})
-        command = [sys.executable, "-m", f"{__package__}.engine_child", str(theirs.fileno()), spec]
-        self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        if not self._conn.poll(start_timeout_s):
-            self.process.kill()
-            raise EngineProcessError(f"the engine process did not load {model!r} within {start_timeout_s:.0f} s")
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            raise EngineProcessError(f"the engine process stopped while loading {model!r}") from None
-        if message[0] == "failed":
-            self.process.wait(10)
-            from ..models import ModelLoadError
-
-            raise ModelLoadError(message[1])
-        self.loaded = message[1]
+                 threads: int | None = None, loader: str | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 restart: bool = True):
+        self._spec = (model, device, dtype, threads, loader, start_timeout_s)
+        self.restart = restart  # a child that dies is started again (its sessions are lost), up to MAX_RESTARTS
+        self.restarts = 0
+        self._closing = False
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._runs: dict[int, _Run] = {}
         self._state_lock = threading.Lock()
         self._dead: str | None = None
-        self._reader = threading.Thread(target=self._read, name="prefixkv-engine-reader", daemon=True)
-        self._reader.start()
+        self.generation = 0  # which child this is: a session belongs to the child that made it
+        self.process, self._conn, self.loaded = _launch(*self._spec)
+        self._start_reader()
         atexit.register(self.close)
+
+    def _start_reader(self) -> None:
+        threading.Thread(target=self._read, args=(self._conn, self.generation), name="prefixkv-engine-reader",
+                         daemon=True).start()
 
     # -- what an Engine answers ------------------------------------------------------------------------------
     @staticmethod
@@ -380,6 +400,7 @@ class EngineProcess:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (its sessions go with it)."""
+        self._closing = True
         if self.process.poll() is None:
             try:
                 with self._send_lock:
@@ -444,24 +465,25 @@ class EngineProcess:
         except EngineError:
             pass
 
-    def _forget(self, sid: int) -> None:
-        if self._dead is None and self.process.poll() is None:
+    def _forget(self, sid: int, generation: int) -> None:
+        if generation == self.generation and self._dead is None and self.process.poll() is None:
             try:
                 self._send(("call", 0, "forget", (sid,), {}))  # nobody waits for its reply
             except EngineError:
                 pass
 
-    def _read(self) -> None:
+    def _read(self, conn: Connection, generation: int) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 code = self.process.poll()
-                self._fail_all("the engine process stopped" + (f" (exit code {code})" if code else ""))
+                self._lost(generation, "the engine process stopped" + (f" (exit code {code})" if code else ""))
                 return
             except Exception as exc:  # noqa: BLE001 - a message this side cannot read: say so, go on
                 log.exception("a message from the engine process could not be read")
-                self._fail_all(f"the engine process sent what this side cannot read ({exc.__class__.__name__})")
+                self._lost(generation, f"the engine process sent what this side cannot read "
+                                       f"({exc.__class__.__name__})")
                 return
             kind = message[0]
             with self._state_lock:
@@ -474,6 +496,34 @@ class EngineProcess:
                     run = self._runs.get(message[1])
                     if run is not None:
                         run.items.put(message)
+
+    def _lost(self, generation: int, reason: str) -> None:
+        """The child stopped: every waiting call and run fails with `reason`; a new child is started unless this
+        engine is closing, restarts are off or used up (its sessions are gone with the old one)."""
+        if generation != self.generation:  # a child replaced already
+            return
+        self._fail_all(reason)
+        if self._closing:
+            return
+        if not self.restart or self.restarts >= MAX_RESTARTS:
+            return
+        log.warning("%s; starting it again (its comparisons are lost)", reason)
+        try:
+            process, conn, _ = _launch(*self._spec)
+        except Exception as exc:  # noqa: BLE001 - it stays down, and says why
+            log.error("the engine process could not be started again: %s", exc)
+            with self._state_lock:
+                self._dead = f"{reason}; starting it again failed ({exc})"
+            return
+        with self._state_lock:
+            if self._closing:
+                process.kill()
+                return
+            self.process, self._conn = process, conn
+            self.generation += 1
+            self.restarts += 1
+            self._dead = None
+        self._start_reader()
 
     def _fail_all(self, reason: str) -> None:
         with self._state_lock:
@@ -498,7 +548,8 @@ class RemoteSession:
         self.released = False
         self._turns = 0
         self._turn_lock = threading.Lock()
-        weakref.finalize(self, engine._forget, sid)  # the child lets go of the session with its stand-in
+        self.generation = engine.generation  # the child that holds it (a child started again holds none of these)
+        weakref.finalize(self, engine._forget, sid, self.generation)  # the child lets go of it with its stand-in
 
     @property
     def prefill(self):
@@ -513,23 +564,36 @@ class RemoteSession:
         return self._turn("follow_up", prompt, image, cancel)
 
     def cache_bytes(self) -> int:
-        if self.released:
+        if self.released or self._gone():
             return 0
         return int(self.engine._call("cache_bytes", (self.sid,), {}))
+
+    def _gone(self) -> bool:
+        """Its child stopped and another was started: nothing of this session is held any more."""
+        return self.generation != self.engine.generation
+
+    def _check_held(self) -> None:
+        if self._gone():
+            raise EngineProcessError("the engine process stopped and was started again; this comparison's caches "
+                                     "went with it: run Compare again")
 
     def results(self) -> dict[str, dict[str, Any]]:
         return self.record.to_dict()["methods"]
 
     def kept_image_map(self, method: str, layer: int):
+        self._check_held()
         return self.engine._call("kept_image_map", (self.sid, method, layer), {})
 
     def kept_image_maps(self, methods: list[str], layer: int) -> dict[str, Any] | None:
         """`Session.kept_image_maps` in one call; None while a running turn waits for the model (no sample now)."""
+        self._check_held()
         return self.engine._call("kept_image_maps", (self.sid, list(methods), layer), {})
 
     def release(self) -> None:
         """Drop every method's cache in the child (answers and figures stay readable here)."""
         self.released = True
+        if self._gone():
+            return
         try:
             self.engine._call("release", (self.sid,), {})
         except EngineError:  # gone already: nothing is held
@@ -537,6 +601,7 @@ class RemoteSession:
 
     def _turn(self, kind: str, prompt: str | None, image: Any, cancel: threading.Event | None) -> Iterator[Any]:
         with self._turn_lock:  # one turn of this conversation at a time, as in the child
+            self._check_held()
             rid, run = self.engine._start_run(self.sid, kind, prompt, image)
             record, began, stopped, ended = self.record, kind == "run", False, False
             record.active = True
