@@ -69,6 +69,7 @@ class ServerProbe:
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end) in perf_counter seconds
+        self.arrivals: list[float] = []  # wall-clock times at which a Compare request's handler began
         self._saved: list[tuple[object, str, object]] = []
         self._pool0: dict[str, int] = {}
 
@@ -89,7 +90,7 @@ class ServerProbe:
         from ui.rendering import Renderer
 
         probe = self
-        self.seconds, self.counts, self.spans = {}, {}, []
+        self.seconds, self.counts, self.spans, self.arrivals = {}, {}, [], []
         self.t0 = time.perf_counter()
         self._pool0, self._prefills0 = self._counters()
 
@@ -130,7 +131,17 @@ class ServerProbe:
                 return method
             return wrap
 
+        def arrival(original):
+            def compare(*args, **kwargs):  # a generator, as the handler is: it begins when gradio starts it
+                probe.arrivals.append(time.time())
+                yield from original(*args, **kwargs)
+            return compare
+
         from gradio.blocks import Blocks
+
+        from ui.turns import Turns
+
+        self._wrap(Turns, "compare", arrival)
 
         self._wrap(Blocks, "postprocess_data", timed_async("gradio: outputs to the page (postprocess)"))
         self._wrap(ModelWorker, "_put", timed_put)
@@ -171,7 +182,7 @@ class ServerProbe:
             self._remote_model_thread(busy0)
         return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
                 "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
-                "pool": {k: pool[k] - self._pool0.get(k, 0) for k in POOL_COUNTERS},
+                "pool": {k: pool[k] - self._pool0.get(k, 0) for k in POOL_COUNTERS}, "arrivals": list(self.arrivals),
                 "prefill_forwards": prefill_forwards(prefills, self._prefills0)}
 
 
@@ -199,6 +210,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
     client = Client(url, verbose=False, download_files=False, httpx_kwargs={"timeout": 600})
     if start is not None:
         start.wait()
+    sent_at = time.time()  # wall clock: the server's process reads the same one
     t0 = time.perf_counter()
     job = client.submit(handle_file(image), prompt, methods, budget, new_tokens, api_name="/compare")
     first: dict[str, float] = {}
@@ -215,7 +227,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
     final = job.result()
     last = time.perf_counter() - t0
     results = final[-1]
-    return {"image": Path(image).name, "first_token_s": min(first.values(), default=None),
+    return {"image": Path(image).name, "sent_at": sent_at, "first_token_s": min(first.values(), default=None),
             "method_first_token_s": first, "last_s": last,
             "updates": updates, "finished": bool(results.get("finished")),
             "texts": {m: r["text"] for m, r in results["methods"].items()},
@@ -512,6 +524,11 @@ def markdown(r: dict) -> str:
         lines.append(f"| {i + 1} | {a['image']} | {s(a['first_token_s'])} | {s(a['last_s'])} | "
                      f"{s(t and t['first_token_s'])} | {s(t and t['last_s'])} |")
     ratio = r["last_over_alone"]
+    sent = [t["sent_at"] for t in r["together"]["visitors"] if t]
+    arrivals = sorted(r["where_together"].get("arrivals", []))
+    if sent and arrivals:
+        lines += ["", "- the requests reached the app's handler (from the moment the visitors sent them, the image "
+                  "upload included): " + ", ".join(f"{a - min(sent):.2f} s" for a in arrivals)]
     lines += ["", f"- one after another: {r['one_after_another_s']:.2f} s; all at once: {r['together_wall_s']:.2f} s "
               f"({r['together_over_one_after_another']:.2f}x)",
               f"- the last visitor at once over one alone: {'–' if ratio is None else f'{ratio:.2f}x'}",
