@@ -1,12 +1,12 @@
-"""A real browser (Debian's chromium through Playwright) drives the app on a tiny model: upload an example
-image, run three methods, wait for every panel and chart, move the budget slider, export a figure, and
-trigger a bad-input message."""
+"""A real browser (Debian's chromium through Playwright) drives the app on a tiny model in a process of its own (as
+app.py serves it): upload an example image, run three methods, wait for every panel and chart, move the budget
+slider, export a figure, and trigger a bad-input message."""
 import os
 from pathlib import Path
 
 import pytest
 
-from prefixkv_core import Engine
+from prefixkv_core import EngineProcess
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [pytest.mark.browser,
@@ -18,8 +18,11 @@ METHODS = ["full", "h2o", "prefixkv"]
 
 
 @pytest.fixture(scope="module")
-def url(tiny_llama, serve_app):
-    return serve_app(Engine(tiny_llama), default_methods=METHODS, max_new_tokens_limit=16)
+def url(serve_app):
+    """The app as app.py serves it by default: the model in a process of its own."""
+    engine = EngineProcess("tiny-llama", threads=1)
+    yield serve_app(engine, default_methods=METHODS, max_new_tokens_limit=16)
+    engine.close()
 
 
 def test_browser_run_charts_slider_export_and_error(url, tmp_path):
