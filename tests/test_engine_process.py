@@ -203,3 +203,30 @@ def test_the_app_served_over_an_engine_process(remote, noise_image, serve_app, a
     list(session.run())
     assert results["finished"]
     assert {m: r["text"] for m, r in results["methods"].items()} == {m: r["text"] for m, r in session.results().items()}
+
+
+def test_the_clients_marks_on_earlier_turns_stay_and_gone_stand_ins_free_their_sessions(remote, noise_image):
+    """The record taken from the child at a turn's end keeps what the client wrote: the request's error and an
+    earlier turn it marked (the app marks a stopped or failed turn itself). A stand-in garbage-collected here lets
+    the child drop its session."""
+    import gc
+
+    held = remote.stats()["sessions"]
+    session = remote.new_session(noise_image, PROMPT, ["full", "h2o"], 0.4, _settings(3))
+    list(session.run())
+    assert remote.stats()["sessions"] == held + 1
+    session.record.tracks["h2o"].turns[0].status = "stopped"
+    session.record.error = "the client's own note"
+    list(session.follow_up("and then?"))
+    assert session.record.tracks["h2o"].turns[0].status == "stopped"
+    assert session.record.tracks["h2o"].turns[1].status == "done"
+    assert session.record.error == "the client's own note"
+    del session
+    gc.collect()
+    assert wait_until(lambda: remote.stats()["sessions"] == held, timeout=30)
+
+
+def test_a_ctrl_c_at_the_server_does_not_reach_the_engine_process(remote):
+    """The child has a session of its own: the terminal's signals go to the server, which then stops the child
+    (a child that died of the server's Ctrl-C would be started again while the server exits)."""
+    assert os.getsid(remote.process.pid) != os.getsid(0)

@@ -26,6 +26,7 @@ The child's memory counts in `memory_bytes()`: both processes' resident sizes.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import itertools
 import json
@@ -43,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from ..errors import EngineError
+from ..limits import return_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,12 @@ class _Child:
             value = self._dispatch(name, args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             self.send(("reply", cid, False, _portable(exc)))
-        else:
+            return
+        try:
             self.send(("reply", cid, True, value))
+        except Exception as exc:  # noqa: BLE001 - an answer that cannot be sent: the caller must not wait for it
+            log.exception("an answer of the engine process could not be sent")
+            self.send(("reply", cid, False, _portable(exc)))
 
     def _dispatch(self, name: str, args: tuple, kwargs: dict) -> Any:
         if name == "new_session":
@@ -132,7 +138,7 @@ class _Child:
         if name == "analyse":
             return self.engine.analyse(*args, **kwargs)
         if name == "stats":
-            return _engine_stats(self.engine)
+            return {**_engine_stats(self.engine), "sessions": len(self.sessions)}
         if name == "memory":
             from ..limits import process_memory_bytes
 
@@ -142,12 +148,17 @@ class _Child:
             session = self.sessions.pop(sid, None)
             if session is not None:
                 session.release()
+                return_free_memory()  # the memory ceiling reads this process's resident size
             return None
         session = self.sessions.get(sid)
         if session is None:
             raise EngineError("this comparison is no longer held by the engine; run Compare again")
-        if name in ("cache_bytes", "results", "release"):
+        if name in ("cache_bytes", "results"):
             return getattr(session, name)()
+        if name == "release":
+            session.release()
+            return_free_memory()  # as the app does after a release in one process
+            return None
         if name == "kept_image_map":
             return self._between_events(sid, lambda: session.kept_image_map(*rest))
         if name == "kept_image_maps":  # the overlay's sample: skipped (None) while the turn waits for the model
@@ -208,7 +219,11 @@ class _Child:
             self._run_waiting(sid, rid, last=True)
             self.cancels.pop(rid, None)
         record = session.record if session is not None else None
-        self.send(("end", rid, error, record))
+        try:
+            self.send(("end", rid, error, record))
+        except Exception as exc:  # noqa: BLE001 - the consumer must still learn that the turn ended
+            log.exception("the end of a turn could not be sent whole")
+            self.send(("end", rid, error or _portable(exc), None))
 
 
 class _Between:
@@ -310,7 +325,8 @@ def _launch(model: str, device: str, dtype: str, threads: int | None, loader: st
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     spec = json.dumps({"model": model, "device": device, "dtype": dtype, "threads": threads, "loader": loader})
     command = [sys.executable, "-m", f"{__package__}.engine_child", str(theirs.fileno()), spec]
-    process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
+    # its own session: a Ctrl-C meant for the server reaches the server only, which then stops the child itself
+    process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
     theirs.close()
     conn = Connection(ours.detach())
     if not conn.poll(start_timeout_s):
@@ -349,6 +365,7 @@ class EngineProcess:
         self.restarts = 0
         self._closing = False
         self._send_lock = threading.Lock()
+        self._forgotten: collections.deque[int] = collections.deque()  # sessions to let go of in the child
         self._ids = itertools.count(1)
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._runs: dict[int, _Run] = {}
@@ -380,7 +397,8 @@ class EngineProcess:
 
     def stats(self) -> dict[str, Any]:
         """The child engine's batching counters (steps, shared steps, prefill forwards by rows), its model thread's
-        busy seconds and jobs by priority, and the child's peak resident memory: for benchmarks."""
+        busy seconds and jobs by priority, the sessions it holds and the child's peak resident memory: for benchmarks
+        and tests."""
         return self._call("stats", (), {})
 
     def memory_bytes(self) -> int | None:
@@ -420,6 +438,8 @@ class EngineProcess:
             raise EngineProcessError(self._dead)
         try:
             with self._send_lock:
+                while self._forgotten:  # sessions whose stand-ins went: nobody waits for these replies
+                    self._conn.send(("call", 0, "forget", (self._forgotten.popleft(),), {}))
                 self._conn.send(message)
         except (OSError, ValueError) as exc:
             raise EngineProcessError(f"the engine process cannot be reached ({exc.__class__.__name__})") from None
@@ -466,11 +486,10 @@ class EngineProcess:
             pass
 
     def _forget(self, sid: int, generation: int) -> None:
-        if generation == self.generation and self._dead is None and self.process.poll() is None:
-            try:
-                self._send(("call", 0, "forget", (sid,), {}))  # nobody waits for its reply
-            except EngineError:
-                pass
+        """(A stand-in's finalizer: it may run on any thread, even one inside `_send`, so it takes no lock.) The
+        child lets go of the session with the next message sent."""
+        if generation == self.generation:
+            self._forgotten.append(sid)
 
     def _read(self, conn: Connection, generation: int) -> None:
         while True:
@@ -503,8 +522,16 @@ class EngineProcess:
         if generation != self.generation:  # a child replaced already
             return
         self._fail_all(reason)
-        if self._closing:
+        if self._closing or sys.is_finalizing():
             return
+        old = self.process
+        if old.poll() is None:  # it sent what this side cannot read, but runs: it must not hold the model on
+            old.kill()
+            old.wait(10)
+        try:
+            self._conn.close()
+        except OSError:
+            pass
         if not self.restart or self.restarts >= MAX_RESTARTS:
             return
         log.warning("%s; starting it again (its comparisons are lost)", reason)
@@ -520,6 +547,7 @@ class EngineProcess:
                 process.kill()
                 return
             self.process, self._conn = process, conn
+            self._forgotten.clear()  # the old child's sessions went with it
             self.generation += 1
             self.restarts += 1
             self._dead = None
@@ -592,6 +620,9 @@ class RemoteSession:
     def release(self) -> None:
         """Drop every method's cache in the child (answers and figures stay readable here)."""
         self.released = True
+        from .visuals import TurnVisuals
+
+        self.visuals = TurnVisuals([], self.visuals.prompt)  # the images go here too, as `Session.release` drops them
         if self._gone():
             return
         try:
@@ -635,11 +666,17 @@ class RemoteSession:
 
 
 def _take_state(record: Any, final: Any) -> None:
-    """Make this side's record the child's (the fields the client added, the model's facts, stay)."""
+    """Make this side's record the child's at the end of a turn. What the client wrote stays: the model's facts, the
+    error of the whole request, and the earlier turns (already final here, with the client's marks, such as a turn
+    it marked stopped or failed)."""
     with record.lock:
-        model = record.model
+        model, earlier = record.model, {m: list(t.turns) for m, t in record.tracks.items()}
         for name, value in vars(final).items():
-            if name not in ("lock", "model", "active"):
+            if name not in ("lock", "model", "active", "error"):
                 setattr(record, name, value)
         record.model = {**final.model, **model}
+        for method, track in record.tracks.items():
+            kept = earlier.get(method, [])
+            for i in range(min(len(track.turns) - 1, len(kept))):
+                track.turns[i] = kept[i]
 
