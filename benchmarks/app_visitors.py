@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
 from benchmarks.interactive import add_random_weights_arg, load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
+from prefixkv_core.limits import peak_memory_bytes  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker  # noqa: E402
 
@@ -71,7 +72,7 @@ class ServerProbe:
         self.spans: list[tuple[str, float, float]] = []  # (what, start, end) in perf_counter seconds
         self.arrivals: list[float] = []  # wall-clock times at which a Compare request's handler began
         self._saved: list[tuple[object, str, object]] = []
-        self._pool0: dict[str, int] = {}
+        self._before: dict = {}  # the counters when the probe started
 
     def add(self, key: str, seconds: float) -> None:
         end = time.perf_counter()
@@ -92,7 +93,7 @@ class ServerProbe:
         probe = self
         self.seconds, self.counts, self.spans, self.arrivals = {}, {}, [], []
         self.t0 = time.perf_counter()
-        self._pool0, self._prefills0 = self._counters()
+        self._before = self._counters()
 
         def timed_put(original):
             def put(worker, priority, job):
@@ -154,18 +155,21 @@ class ServerProbe:
             self._wrap(module, "return_free_memory", timed("memory handed back to the system (malloc_trim)"))
         return self
 
-    def _counters(self) -> tuple[dict[str, int], dict[int, int]]:
-        if self.remote:
-            stats = self.engine.stats()
-            self._busy = ({int(k): v for k, v in stats["model_busy_s"].items()},
-                          {int(k): v for k, v in stats["model_jobs"].items()})
-            return {k: stats[k] for k in POOL_COUNTERS}, dict(stats["prefill_forwards"])
-        pool = self.engine.pool
-        return {k: getattr(pool, k) for k in POOL_COUNTERS}, dict(self.engine.prefills.forwards)
+    def _counters(self) -> dict:
+        """The step pool's counters, the shared prefills by rows and, for an EngineProcess, its model thread's busy
+        seconds and jobs by priority (in this process the model thread's jobs are timed as they run instead)."""
+        if not self.remote:
+            pool = self.engine.pool
+            return {"pool": {k: getattr(pool, k) for k in POOL_COUNTERS},
+                    "prefills": dict(self.engine.prefills.forwards), "busy": None}
+        stats = self.engine.stats()
+        return {"pool": {k: stats[k] for k in POOL_COUNTERS}, "prefills": dict(stats["prefill_forwards"]),
+                "busy": ({int(k): v for k, v in stats["model_busy_s"].items()},
+                         {int(k): v for k, v in stats["model_jobs"].items()})}
 
-    def _remote_model_thread(self, before: tuple[dict, dict]) -> None:
+    def _remote_model_thread(self, before: tuple[dict, dict], after: tuple[dict, dict]) -> None:
         """The engine process's model thread, from its own counters (jobs run on its thread, by kind)."""
-        (busy0, jobs0), (busy1, jobs1) = before, self._busy
+        (busy0, jobs0), (busy1, jobs1) = before, after
         for priority, kind in ServerProbe.KINDS.items():
             if jobs1.get(priority, 0) > jobs0.get(priority, 0):
                 key = f"model thread: {kind}"
@@ -176,14 +180,14 @@ class ServerProbe:
         while self._saved:
             owner, name, original = self._saved.pop()
             setattr(owner, name, original)
-        busy0 = getattr(self, "_busy", None)
-        pool, prefills = self._counters()
-        if self.remote and busy0 is not None:
-            self._remote_model_thread(busy0)
+        before, after = self._before, self._counters()
+        if self.remote:
+            self._remote_model_thread(before["busy"], after["busy"])
         return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
                 "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
-                "pool": {k: pool[k] - self._pool0.get(k, 0) for k in POOL_COUNTERS}, "arrivals": list(self.arrivals),
-                "prefill_forwards": prefill_forwards(prefills, self._prefills0)}
+                "pool": {k: after["pool"][k] - before["pool"].get(k, 0) for k in POOL_COUNTERS},
+                "arrivals": list(self.arrivals),
+                "prefill_forwards": prefill_forwards(after["prefills"], before["prefills"])}
 
 
 def prefill_forwards(now: dict[int, int], before: dict[int, int]) -> dict[int, int]:
@@ -477,7 +481,7 @@ def variant_report(info: dict, variant: str, run: dict, expected: list[dict], bo
         "last_over_engine_at_once": middle["over_engine"],
         "last_over_hardware_bound": last / bound["bound_s"] if last else None,
         "where_alone": run["where_alone"], "where_together": middle["where"],
-        "peak_resident_bytes": peak_resident_bytes(),
+        "peak_resident_bytes": peak_memory_bytes(),  # the server's (model, caches, app; the visitors run elsewhere)
         "same_as_engine_alone": same(alone),
         "same_as_engine_together": all(same(rnd["together"]["visitors"]) for rnd in rounds),
     }
@@ -495,13 +499,6 @@ def comparison_text(reports: dict) -> str:
                      f"{statistics.median(whole):.2f}x ({whole[0]:.2f}-{whole[-1]:.2f}x) | "
                      f"{statistics.median(firsts):.2f} s |" if over and firsts else f"| {v} | – | – | – |")
     return "\n".join(lines)
-
-
-def peak_resident_bytes() -> int:
-    """The server process's peak resident memory so far (model, caches, app; the visitors run elsewhere)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def progress(message: str) -> None:

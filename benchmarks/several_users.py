@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import threading
@@ -47,7 +46,7 @@ from benchmarks.interactive import add_random_weights_arg, generation_inputs, lo
 from benchmarks.interactive import plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
 from prefixkv_core.decoding.runner import now  # noqa: E402
-from prefixkv_core.limits import process_memory_bytes  # noqa: E402
+from prefixkv_core.limits import peak_memory_bytes, process_memory_bytes  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.models import encode, format_prompt  # noqa: E402
 
@@ -205,7 +204,7 @@ def main(argv=None) -> int:
               "one_prefill_s": prefill_s, "prefills_over_one": args.users * prefill_s / alone_s,
               "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
               "hardware_bound_s": hardware_bound_s(args.users, prefill_s, alone_s, prefill_ceiling, ceiling),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_rss_bytes": peak_memory_bytes(),
               "prefill_forwards": [t["prefill_forwards"] for t in together],
               "runs": {"alone": alone, "together": together, "one_after_another": serial,
                        "together_prefills_alone": unshared}}

@@ -18,6 +18,7 @@ import binascii
 import io
 import math
 import os
+import sys
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +202,16 @@ def process_memory_bytes() -> int | None:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def peak_memory_bytes() -> int | None:
+    """This process's resident-memory high-water mark (None where it cannot be read)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
 def return_free_memory() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import gradio as gr
 
 from prefixkv_core import Engine, describe, resolve_methods
-from prefixkv_core.limits import MB, Limits, server_limits
+from prefixkv_core.limits import MB, Limits, process_memory_bytes, server_limits
 from prefixkv_core.models import EMBEDDED_SLUG
 from prefixkv_core.policies import role_label
 from prefixkv_core.report.leaderboard_store import LeaderboardStore
@@ -133,8 +133,7 @@ def build_app(engine_or_factory: Engine | Callable[[], Engine], *, methods: Any 
     described = [d for d in describe() if d["name"] in offered]
     specs = knob_specs(described, offered)
     examples_folder = Path(examples_dir) if examples_dir else ASSETS
-    memory = getattr(engine, "memory_bytes", None)
-    registry = SessionRegistry(limits, memory=memory) if memory is not None else SessionRegistry(limits)
+    registry = SessionRegistry(limits, memory=getattr(engine, "memory_bytes", process_memory_bytes))
     ctl = Controller(engine, offered, limit, specs, limits=limits, registry=registry,
                      exports=ExportStore(),
                      image_roots=lambda: [upload_folder(), str(examples_folder), str(MULTI_ASSETS), str(VIDEO_ASSETS)],

@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from ..errors import EngineError
-from ..limits import return_free_memory
+from ..limits import peak_memory_bytes, return_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -268,17 +268,7 @@ def _engine_stats(engine) -> dict[str, Any]:
     return {"steps": pool.steps, "shared_steps": pool.shared_steps, "formed": pool.formed,
             "waited_out": pool.waited_out, "largest_batch": pool.largest_batch,
             "prefill_forwards": dict(engine.prefills.forwards), "model_busy_s": dict(worker.busy_s),
-            "model_jobs": dict(worker.jobs_run), "peak_resident_bytes": _peak_resident_bytes()}
-
-
-def _peak_resident_bytes() -> int | None:
-    """This process's resident-memory high-water mark (Linux and macOS)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
+            "model_jobs": dict(worker.jobs_run), "peak_resident_bytes": peak_memory_bytes()}
 
 
 def child_main(conn, model: str, device: str, dtype: str, threads: int | None, loader: str | None = None) -> None:
@@ -344,13 +334,6 @@ def _launch(model: str, device: str, dtype: str, threads: int | None, loader: st
     return process, conn, message[1]
 
 
-class _Run:
-    """One turn streamed from the child: its events, then its end."""
-
-    def __init__(self):
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-
-
 class EngineProcess:
     """The engine of `model` (as `load_model` takes it) in a child process. Holds `loaded` (the model's description
     without its weights) and makes `RemoteSession`s. `threads`: the child's torch threads (default torch's).
@@ -368,7 +351,7 @@ class EngineProcess:
         self._forgotten: collections.deque[int] = collections.deque()  # sessions to let go of in the child
         self._ids = itertools.count(1)
         self._replies: dict[int, tuple[threading.Event, list]] = {}
-        self._runs: dict[int, _Run] = {}
+        self._runs: dict[int, queue.SimpleQueue] = {}  # run id -> the turn's events, then its end, as they come
         self._state_lock = threading.Lock()
         self._dead: str | None = None
         self.generation = 0  # which child this is: a session belongs to the child that made it
@@ -462,9 +445,9 @@ class EngineProcess:
             raise value
         return value
 
-    def _start_run(self, sid: int, kind: str, prompt: str | None, image: Any) -> tuple[int, _Run]:
+    def _start_run(self, sid: int, kind: str, prompt: str | None, image: Any) -> tuple[int, queue.SimpleQueue]:
         rid = next(self._ids)
-        run = _Run()
+        run = queue.SimpleQueue()
         with self._state_lock:
             self._runs[rid] = run
         try:
@@ -514,7 +497,7 @@ class EngineProcess:
                 elif kind in ("event", "end"):
                     run = self._runs.get(message[1])
                     if run is not None:
-                        run.items.put(message)
+                        run.put(message)
 
     def _lost(self, generation: int, reason: str) -> None:
         """The child stopped: every waiting call and run fails with `reason`; a new child is started unless this
@@ -562,7 +545,7 @@ class EngineProcess:
                     box.extend([False, EngineProcessError(reason)])
                 done.set()
             for rid, run in self._runs.items():
-                run.items.put(("end", rid, EngineProcessError(reason), None))
+                run.put(("end", rid, EngineProcessError(reason), None))
 
 
 class RemoteSession:
@@ -574,7 +557,6 @@ class RemoteSession:
         self.visuals = visuals
         self.record = record  # fed here from the streamed events; the child's at the end of every turn
         self.released = False
-        self._turns = 0
         self._turn_lock = threading.Lock()
         self.generation = engine.generation  # the child that holds it (a child started again holds none of these)
         weakref.finalize(self, engine._forget, sid, self.generation)  # the child lets go of it with its stand-in
@@ -642,7 +624,7 @@ class RemoteSession:
                         stopped = True
                         self.engine._cancel(rid)
                     try:
-                        message = run.items.get(timeout=POLL_S)
+                        message = run.get(timeout=POLL_S)
                     except queue.Empty:
                         continue
                     if message[0] == "end":
