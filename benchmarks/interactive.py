@@ -11,8 +11,8 @@ Measured side by side in one process, repeats interleaved (the machines are shar
    attention, no engine) decodes the same prompt at batch B (B = the number of methods) and at batch 1; the
    ceiling is the ratio of their tokens/s, and the runner's efficiency is the throughput ratio (1.) over it;
 4c. the user's wait for a first token, timed from the request: Full alone's; in the comparison, the last of the
-   methods that share the prefill (they stream first) and the last of those with a prefill of their own (each
-   prefilled between two steps of the others and joining the batch when ready), each over Full alone's; and the
+   methods that share the prefill (they stream first) and the last of those with a prefill of their own (then
+   prefilled one after another, each streaming when ready), each over Full alone's; and the
    whole comparison over Full alone's whole run;
 5. with --time-alone, what each method costs on its own: in the batched run its own policy time per token
    (the forward is shared and reported once), and decoded alone (the session's batched=False: each method
@@ -68,32 +68,35 @@ def timed_comparison(engine: Engine, image, prompt: str, methods: list[str], bud
                      pauses: Pauses | None = None) -> dict:
     """One comparison through the public API. Decode throughput is the runner's with the whole batch formed: from
     the end of the first step that every method took part in (a method with a prefill of its own joins the batch
-    once it is ready) to the last event, over the tokens decoded in that time; every method decodes exactly
+    once it is ready) to the end of the last one, over the tokens decoded in that time (the rows that joined late
+    then finish on their own, in a smaller batch, which the plain loop's ceiling at the whole batch's size does not
+    measure; the whole comparison's wall time includes them); every method decodes exactly
     `new_tokens` (end of text ignored) so the counts are comparable. Each method's first token is timed from the
     request, as a user waits for it. With `pauses`, every time leaves out the stretches the process was stopped."""
     device = engine.loaded.device
     settings = GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = now(device)
     session = engine.new_session(image, prompt, methods, budget, settings)
-    full_batch_start, tokens_since, skip, whole = None, 0, 0, False
+    full_batch_start, full_batch_end, tokens_since, skip, whole = None, None, 0, 0, False
     errors, first_token = {}, {}
     for ev in session.run():
         kind = getattr(ev, "kind", None)
         if kind == "start":  # the batch is whole once the last method started and a first step ran with it
-            full_batch_start, tokens_since, whole = None, 0, False
+            full_batch_start, full_batch_end, tokens_since, whole = None, None, 0, False
         elif kind in ("token", "done"):
             if ev.method not in first_token:
                 first_token[ev.method] = span(pauses, t0, now(device))
             elif not whole:  # the first step with every row: the window opens when its tokens come out
-                full_batch_start, skip, whole = now(device), ev.batch_size - 1, True
+                full_batch_start, skip, whole, rows = now(device), ev.batch_size - 1, True, ev.batch_size
             elif skip:  # the rest of that step's tokens, decoded before the window opened
                 skip -= 1
-            else:
-                tokens_since += 1
+            elif ev.batch_size == rows:  # the window closes with the last step of the whole batch: the rows that
+                tokens_since += 1        # joined late then finish in smaller batches, which the ceiling does not time
+                full_batch_end = now(device)
         if kind == "error":
             errors[ev.method] = ev.error
     t_end = now(device)
-    decode_s = span(pauses, full_batch_start, t_end)
+    decode_s = span(pauses, full_batch_start, full_batch_end or t_end)
     record = session.record.to_dict()
     return {"total_s": span(pauses, t0, t_end), "prefill_s": session.prefill.prefill_s, "decode_s": decode_s,
             "paused_s": 0.0 if pauses is None else pauses.within(t0, t_end),

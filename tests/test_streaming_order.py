@@ -1,5 +1,6 @@
-"""The methods that share the prefill stream first; a method with a prefill of its own joins the running batch
-once its prefill is done, with exactly the answer it gives decoded alone; Stop before it joined ends it cleanly."""
+"""The methods that share the prefill stream first; the methods with a prefill of their own are prefilled one after
+another, each streaming once its prefill is done, and join the batch with exactly the answer each gives decoded
+alone; Stop before one joined ends it cleanly."""
 from __future__ import annotations
 
 import threading
@@ -24,10 +25,15 @@ def test_own_prefills_join_after_the_shared_methods_started_and_answer_as_alone(
     for method in OWN_PREFILL:
         assert order.index((method, "start")) > first_shared_token, method  # it did not hold the others up
     joins = [order.index((m, "start")) for m in METHODS if m in OWN_PREFILL]
-    assert joins == sorted(joins)  # one at a time, in the methods' order
-    # between two joins the shared methods went on: a token of theirs comes between every two starts
-    for a, b in zip(joins, joins[1:]):
-        assert any(kind == "token" and m not in OWN_PREFILL for m, kind in order[a:b])
+    assert joins == sorted(joins)  # one after another, in the methods' order
+    # each streams its first token as soon as its prefill is done, before the next one prefills
+    for method, later in zip([m for m in METHODS if m in OWN_PREFILL], joins[1:]):
+        assert order.index((method, "token")) < later, method
+    # they prefill back to back: no step of the shared methods waits between two of them, and the batch is
+    # whole from the shared methods' second token on (each shared method's second token comes after every join)
+    for method in set(METHODS) - OWN_PREFILL:
+        tokens = [i for i, item in enumerate(order) if item == (method, "token")]
+        assert tokens[0] < joins[0] and tokens[1] > joins[-1], method
     results = session.results()
     alone = engine.new_session(noise_image, PROMPT, METHODS, 0.5, _settings(), batched=False)
     for _ in alone.run():
@@ -65,3 +71,19 @@ def test_stop_before_an_own_prefill_ran_ends_it_with_a_message_and_keeps_the_oth
     assert "done" in kinds["full"] and "done" in kinds["snapkv"]
     for method in OWN_PREFILL:
         assert kinds[method] == {"error"}, method
+
+
+def test_stop_between_two_own_prefills_ends_the_rest_and_keeps_the_joined(tiny_llama, noise_image):
+    """The own prefills run back to back, but a stop between two of them is heard: the rows already joined keep
+    their tokens, the ones not yet prefilled end with the message."""
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, PROMPT, METHODS, 0.5, _settings(8))
+    cancel = threading.Event()
+    for ev in session.run(cancel):
+        if isinstance(ev, MethodEvent) and ev.method == "fastv" and ev.kind == "token":
+            cancel.set()  # fastv joined; visionzip, downsample and dart still wait for their prefills
+    assert session.states["fastv"].cache is not None and session.states["fastv"].text
+    for method in ("visionzip", "downsample", "dart"):
+        assert session.states[method].cache is None, method
+        assert "stopped before its own prefill ran" in session.states[method].error
+    assert not engine.lock.locked()

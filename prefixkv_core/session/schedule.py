@@ -30,7 +30,7 @@ class Session(Protocol):
 
 class OwnPrefills:
     """The methods with a prefill of their own, waiting to join a running first turn (`RowStepper.decode`'s
-    `joining`): each is prefilled when the decode asks, between two steps of the others."""
+    `joining`): prefilled one after another when the decode asks, once the others' first tokens went out."""
 
     def __init__(self, session: Session, states: list[MethodState]):
         self.session = session
@@ -54,8 +54,8 @@ def _cancelled(cancel: threading.Event | None) -> bool:
 
 class OneBatch:
     """Every method is a row of one batched forward per step; a method's own time is its policy's. The methods that
-    share the prefill stream first; a method with a prefill of its own (prefill token reduction) is prefilled
-    between their steps, one at a time, and joins the batch when it is ready."""
+    share the prefill stream first; the methods with a prefill of their own (prefill token reduction) are then
+    prefilled one after another, each streaming its first token when ready, and every row decodes in one batch."""
 
     alone = False  # the events say the rows were decoded on their own
 

@@ -187,8 +187,10 @@ class RowStepper:
     def decode(self, states: list[MethodState], event: EventMaker, cancel: threading.Event | None,
                alone: bool = False, joining: Joining | None = None) -> Iterator[MethodEvent]:
         """Every active state decodes one token per step, all in one batch; one event per state per step.
-        `alone`: the events say the states were decoded on their own. `joining`: rows that join after a step, one
-        at a time, as each becomes ready (so the others stream meanwhile)."""
+        `alone`: the events say the states were decoded on their own. `joining`: rows with a prefill of their own,
+        prefilled one after another once the others' first tokens went out, each streaming its own first token as
+        soon as it is ready, then all decoded as one batch: a late row's first token waits for no step of the others,
+        and the batch is whole from its first step (fewer steps in smaller batches at the end)."""
         if alone or self.pool is None:
             yield from self._decode(list(states), event, cancel, alone, joining)
             return
@@ -214,14 +216,15 @@ class RowStepper:
                 return
             if not active and not waiting:
                 return
-            if active:
-                yield from self._step(active, event, alone)
-            if waiting:  # one more row joins, after this step's tokens went out
-                with self._away():
-                    joined = joining.next()
-                rows.append(joined)
-                yield from self._first_tokens([joined], event, alone, start=True)
+            if waiting:  # the rows with a prefill of their own, one after another, each streaming once it is ready
+                while joining.waiting and not (cancel is not None and cancel.is_set()):
+                    with self._away():
+                        joined = joining.next()
+                    rows.append(joined)
+                    yield from self._first_tokens([joined], event, alone, start=True)
                 self.form_batch([s for s in rows if not s.finished and s.error is None])
+                continue  # a stop while they prefilled is seen above; otherwise the whole batch steps
+            yield from self._step(active, event, alone)
 
     def _away(self):
         """While this turn prefills a joining row, the pool's other turns step without waiting for it."""
