@@ -3,7 +3,8 @@
 
 For each request (one comparison: an image, a prompt, the methods, a budget) it measures, on the client's side:
 - each visitor's time to the first streamed token (the first update in which any method has a token), to every
-  method's first token and to the last update;
+  method's first token, to the last token (the first update in which every method's answer is complete) and to
+  the last update (the charts of the finished run drawn);
 - every visitor alone (one after another: their sum is the "one after another" reference), then all of them sent
   at once (a barrier releases every client thread together), and the same requests through the engine at once
   with no app: `--repeats` rounds of the two, interleaved, each round's ratio reported (median and spread);
@@ -47,6 +48,7 @@ from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker  # noqa: E402
 
 POOL_COUNTERS = ("steps", "shared_steps", "waited_out", "formed")
+ENDED = ("done", "stopped", "error")  # a method's status once its answer is complete
 
 SCENES = ("scene-0.png", "scene-2.png", "scene-4.png", "chelsea.jpg", "coffee.jpg", "rocket.jpg", "astronaut.jpg",
           "retina.jpg")  # each visitor asks about another picture (shipped in assets/images)
@@ -94,6 +96,7 @@ class ServerProbe:
         self.seconds, self.counts, self.spans, self.arrivals = {}, {}, [], []
         self.t0 = time.perf_counter()
         self._before = self._counters()
+        self.cpu0 = self.cpu_first = self._cpu_seconds()
 
         def timed_put(original):
             def put(worker, priority, job):
@@ -134,6 +137,8 @@ class ServerProbe:
 
         def arrival(original):
             def compare(*args, **kwargs):  # a generator, as the handler is: it begins when gradio starts it
+                if not probe.arrivals:  # the CPU from here on is the requests' (each client's page config before)
+                    probe.cpu_first = probe._cpu_seconds()
                 probe.arrivals.append(time.time())
                 yield from original(*args, **kwargs)
             return compare
@@ -154,6 +159,19 @@ class ServerProbe:
         for module in (step_pool, sessions):  # each holds its own name for it
             self._wrap(module, "return_free_memory", timed("memory handed back to the system (malloc_trim)"))
         return self
+
+    def _cpu_seconds(self) -> tuple[float, float | None]:
+        """CPU seconds used so far (reported from the first request's handler on, so that each new client's fetch of
+        the page's config, a page load, is left out) by this process (every thread: the server, and with an in-process engine the
+        model too) and by the engine's own process (None without one, or where /proc cannot tell)."""
+        child = None
+        if self.remote:
+            try:
+                fields = Path(f"/proc/{self.engine.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                child = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, ValueError, IndexError, AttributeError):
+                child = None
+        return time.process_time(), child
 
     def _counters(self) -> dict:
         """The step pool's counters, the shared prefills by rows and, for an EngineProcess, its model thread's busy
@@ -181,12 +199,15 @@ class ServerProbe:
             owner, name, original = self._saved.pop()
             setattr(owner, name, original)
         before, after = self._before, self._counters()
+        (server0, child0), (server1, child1) = self.cpu_first, self._cpu_seconds()
         if self.remote:
             self._remote_model_thread(before["busy"], after["busy"])
         return {"seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}, "counts": dict(self.counts),
                 "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
                 "pool": {k: after["pool"][k] - before["pool"].get(k, 0) for k in POOL_COUNTERS},
-                "arrivals": list(self.arrivals),
+                "arrivals": list(self.arrivals), "wall_s": round(time.perf_counter() - self.t0, 3),
+                "cpu_s": {"server": round(server1 - server0, 3),
+                          "engine process": None if child0 is None or child1 is None else round(child1 - child0, 3)},
                 "prefill_forwards": prefill_forwards(after["prefills"], before["prefills"])}
 
 
@@ -218,6 +239,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
     t0 = time.perf_counter()
     job = client.submit(handle_file(image), prompt, methods, budget, new_tokens, api_name="/compare")
     first: dict[str, float] = {}
+    last_token = None  # the first update in which every method's answer is complete
     updates = 0
     for update in job:
         t = time.perf_counter() - t0
@@ -225,14 +247,18 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
         results = update[-1] if isinstance(update, (list, tuple)) and update else None
         if not isinstance(results, dict):
             continue
-        for m, r in (results.get("methods") or {}).items():
+        rows = (results.get("methods") or {}).items()
+        for m, r in rows:
             if r.get("tokens", 0) >= 1 and m not in first:
                 first[m] = t
+        if last_token is None and rows and all(r.get("status") in ENDED for _, r in rows):
+            last_token = t
     final = job.result()
     last = time.perf_counter() - t0
     results = final[-1]
     return {"image": Path(image).name, "sent_at": sent_at, "first_token_s": min(first.values(), default=None),
-            "method_first_token_s": first, "last_s": last,
+            "method_first_token_s": first, "last_token_s": last_token if last_token is not None else last,
+            "last_s": last,
             "updates": updates, "finished": bool(results.get("finished")),
             "texts": {m: r["text"] for m, r in results["methods"].items()},
             "errors": {m: r["error"] for m, r in results["methods"].items() if r.get("error")}}
@@ -465,6 +491,9 @@ def variant_report(info: dict, variant: str, run: dict, expected: list[dict], bo
         visitors = [v for v in rnd["together"]["visitors"] if v is not None]
         rnd["last_s"] = max((v["last_s"] for v in visitors), default=None)
         rnd["over_engine"] = rnd["last_s"] / rnd["engine_at_once"]["last_s"] if rnd["last_s"] else None
+        rnd["last_token_s"] = max((v["last_token_s"] for v in visitors), default=None)
+        rnd["token_over_engine"] = (rnd["last_token_s"] / rnd["engine_at_once"]["last_s"] if rnd["last_token_s"]
+                                    else None)
         rnd["over_one_after_another"] = rnd["together"]["wall_s"] / sum(alone_last)
     middle = sorted(rounds, key=lambda x: x["over_engine"] or 0)[len(rounds) // 2]  # the median round's details
     together, last = middle["together"], middle["last_s"]
@@ -479,6 +508,7 @@ def variant_report(info: dict, variant: str, run: dict, expected: list[dict], bo
         "together_over_one_after_another": together["wall_s"] / sum(alone_last),
         "engine_at_once": middle["engine_at_once"], "hardware_bound": bound,
         "last_over_engine_at_once": middle["over_engine"],
+        "last_token_over_engine_at_once": middle["token_over_engine"],
         "last_over_hardware_bound": last / bound["bound_s"] if last else None,
         "where_alone": run["where_alone"], "where_together": middle["where"],
         "peak_resident_bytes": peak_memory_bytes(),  # the server's (model, caches, app; the visitors run elsewhere)
@@ -489,15 +519,17 @@ def variant_report(info: dict, variant: str, run: dict, expected: list[dict], bo
 
 def comparison_text(reports: dict) -> str:
     """The apps side by side: per variant, the last visitor over the engine at once, median (spread) over rounds."""
-    lines = ["| app | the last visitor over the engine at once: median (lowest-highest) | all at once over one "
-             "after another | first token at once (median of visitors) |", "|---|---|---|---|"]
+    lines = ["| app | the last visitor's last token over the engine at once: median (lowest-highest) | its last update "
+             "| all at once over one after another | first token at once (median of visitors) |", "|---|---|---|---|---|"]
     for v, r in reports.items():
+        token = sorted(x["token_over_engine"] for x in r["rounds"] if x["token_over_engine"])
         over = sorted(x["over_engine"] for x in r["rounds"] if x["over_engine"])
         whole = sorted(x["over_one_after_another"] for x in r["rounds"])
         firsts = [t["first_token_s"] for t in r["together"]["visitors"] if t and t["first_token_s"]]
-        lines.append(f"| {v} | {statistics.median(over):.2f}x ({over[0]:.2f}-{over[-1]:.2f}x) | "
+        lines.append(f"| {v} | {statistics.median(token):.2f}x ({token[0]:.2f}-{token[-1]:.2f}x) | "
+                     f"{statistics.median(over):.2f}x ({over[0]:.2f}-{over[-1]:.2f}x) | "
                      f"{statistics.median(whole):.2f}x ({whole[0]:.2f}-{whole[-1]:.2f}x) | "
-                     f"{statistics.median(firsts):.2f} s |" if over and firsts else f"| {v} | – | – | – |")
+                     f"{statistics.median(firsts):.2f} s |" if over and firsts and token else f"| {v} | – | – | – | – |")
     return "\n".join(lines)
 
 
@@ -515,11 +547,12 @@ def markdown(r: dict) -> str:
     lines = [f"App through its API: {r['model']} ({r['dtype']}) on {r['machine']}; {', '.join(r['methods'])} at "
              f"r = {r['budget']}, {r['new_tokens']} new tokens, {r['clients']} visitor(s); redraw pace: "
              f"{r['pace']}; {r['torch_threads']} torch threads; {where}.", "",
-             "| visitor | image | alone: first token | alone: last | at once: first token | at once: last |",
-             "|---|---|---|---|---|---|"]
+             "| visitor | image | alone: first token | alone: last token | alone: last update | at once: first token "
+             "| at once: last token | at once: last update |",
+             "|---|---|---|---|---|---|---|---|"]
     for i, (a, t) in enumerate(zip(r["alone"], r["together"]["visitors"])):
-        lines.append(f"| {i + 1} | {a['image']} | {s(a['first_token_s'])} | {s(a['last_s'])} | "
-                     f"{s(t and t['first_token_s'])} | {s(t and t['last_s'])} |")
+        lines.append(f"| {i + 1} | {a['image']} | {s(a['first_token_s'])} | {s(a['last_token_s'])} | {s(a['last_s'])} | "
+                     f"{s(t and t['first_token_s'])} | {s(t and t['last_token_s'])} | {s(t and t['last_s'])} |")
     ratio = r["last_over_alone"]
     sent = [t["sent_at"] for t in r["together"]["visitors"] if t]
     arrivals = sorted(r["where_together"].get("arrivals", []))
@@ -537,16 +570,27 @@ def markdown(r: dict) -> str:
             return f"{statistics.median(values):.2f}x ({values[0]:.2f}-{values[-1]:.2f}x)" if values else "–"
 
         lines += [f"- over {len(r['rounds'])} rounds, the app at once and the engine at once interleaved, median "
-                  f"(lowest-highest): the last visitor's last update over the engine's last answer "
-                  f"{spread('over_engine')}; all at once over one after another {spread('over_one_after_another')} (the tables show the "
+                  f"(lowest-highest): the last visitor's last token over the engine's last answer "
+                  f"{spread('token_over_engine')}, its last update (the charts drawn) {spread('over_engine')}; all at once over one after another {spread('over_one_after_another')} (the tables show the "
                   "median round)"]
     eng, bound = r["engine_at_once"], r["hardware_bound"]
+    cpu = r["where_together"].get("cpu_s")
+    if cpu:
+        alone_cpu = r["where_alone"].get("cpu_s", {})
+        def cpu_text(c, n):
+            parts = [f"this process {c['server']:.2f} s"] + (
+                [f"the engine process {c['engine process']:.2f} s"] if c.get("engine process") is not None else [])
+            return ", ".join(parts) + f" ({c['server'] / n:.2f} s a visitor here)"
+        lines.append("- CPU seconds from the first request's handler on (each new client fetches the page's config "
+                     f"before, as a page load): at once: {cpu_text(cpu, r['clients'])}"
+                     + (f"; alone, one after another: {cpu_text(alone_cpu, r['clients'])}" if alone_cpu else ""))
     if r.get("peak_resident_bytes"):
         lines.append(f"- the server's peak resident memory: {r['peak_resident_bytes'] / 2**30:.2f} GiB")
     if r.get("engine_peak_resident_bytes"):
         lines.append(f"- the engine process's peak resident memory: {r['engine_peak_resident_bytes'] / 2**30:.2f} GiB")
     lines += [f"- the same requests through the engine at once, no app: last {eng['last_s']:.2f} s; the app's last "
-              f"visitor over it: {r['last_over_engine_at_once']:.2f}x",
+              f"visitor's last token over it: {r['last_token_over_engine_at_once']:.2f}x, its last update: "
+              f"{r['last_over_engine_at_once']:.2f}x",
               f"- the least possible wait here (prefills batched at {bound['prefill_ceiling']:.2f}x, one decode of every "
               f"row at {bound['ceiling']:.2f}x): {bound['bound_s']:.2f} s; the app's last visitor over it: "
               f"{r['last_over_hardware_bound']:.2f}x", "",

@@ -57,6 +57,26 @@ def test_one_image_is_drawn_and_captioned_exactly_as_before():
     assert visuals_caption("H2O", grid, 1, shown) == caption("H2O", grid, 1)
 
 
+def test_the_overlay_reuses_an_images_backdrop_and_never_anothers():
+    """Every method of a redraw is drawn over the same image: its resized, darkened views are made once and reused
+    while that image lives; another image (even one of the same size, at a reused id) is drawn from its own."""
+    from ui import overlay as overlay_module
+    from ui.overlay import overlay
+
+    layout = ImageLayout((GridView("image", 4, 4),), (64, 48))
+    kept = KeptImageMap(layout, np.linspace(0, 1, 16, dtype=np.float32))
+    red, blue = _picture((220, 30, 30)), _picture((30, 30, 220))
+    first = np.asarray(overlay(red, kept, "h2o"))
+    assert np.array_equal(np.asarray(overlay(red, kept, "h2o")), first)  # drawn again from the kept backdrop
+    assert sum(entry[0]() is red for entry in overlay_module._VIEWS.values()) == 1
+    other = np.asarray(overlay(blue, kept, "h2o"))
+    assert not np.array_equal(other, first) and other[..., 2].mean() > other[..., 0].mean()
+    del red
+    for _ in range(overlay_module._VIEWS_KEPT + 2):  # the backdrops kept are bounded
+        overlay(_picture((1, 2, 3)), kept, "")
+    assert len(overlay_module._VIEWS) <= overlay_module._VIEWS_KEPT
+
+
 def test_several_images_each_with_their_views_and_their_share():
     from ui.overlay_visuals import image_shares, visuals_caption, visuals_overlay
 

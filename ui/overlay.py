@@ -17,6 +17,9 @@ A plain [rows, cols] array is still drawn the old way, on the square the vision 
 """
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -70,9 +73,11 @@ MERGED_LIGHT = 0.45  # how lit a patch that lives on only inside a contextual to
 
 
 def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, int],
-                tile_rows=(), tile_cols=(), merged: np.ndarray | None = None) -> Image.Image:
+                tile_rows=(), tile_cols=(), merged: np.ndarray | None = None,
+                backdrop: tuple[np.ndarray, np.ndarray] | None = None) -> Image.Image:
     """Blend each cell of `share` ([rows, cols] in [0, 1]) over `box` (pixels) of `img`; grid and tile lines.
-    `merged` ([rows, cols]): cells kept only inside a contextual token, drawn half lit and hatched."""
+    `merged` ([rows, cols]): cells kept only inside a contextual token, drawn half lit and hatched. `backdrop`:
+    `img` as float pixels and the dark version of its `box` (`_backdrop`), when already computed."""
     share = np.clip(share, 0.0, 1.0)
     only_merged = None
     if merged is not None:
@@ -83,9 +88,10 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
     w, h = max(right - left, 1), max(bottom - top, 1)
     mask = Image.fromarray((share * 255).astype(np.uint8), mode="L").resize((w, h), Image.Resampling.NEAREST)
     s = np.asarray(mask, dtype=np.float32)[..., None] / 255.0
-    rgb = np.asarray(img, dtype=np.float32).copy()
+    pixels, dark = backdrop if backdrop is not None else _backdrop(img, (left, top, left + w, top + h))
+    rgb = pixels.astype(np.float32)  # a copy, whatever the backdrop's precision
     part = rgb[top:top + h, left:left + w]
-    rgb[top:top + h, left:left + w] = s * part + (1 - s) * _dark(part)
+    rgb[top:top + h, left:left + w] = s * part + (1 - s) * dark
     out = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(out, "RGBA")
     if min(w / cols, h / rows) >= 5:  # patch lines only where cells are big enough to see
@@ -109,23 +115,58 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
     return out
 
 
+def _backdrop(img: Image.Image, box: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`img` as float pixels, and the dark grey its `box` fades to where a patch was evicted."""
+    pixels = np.asarray(img, dtype=np.float32)
+    left, top, right, bottom = box
+    return pixels, _dark(pixels[top:bottom, left:right])
+
+
+# The last images' views as drawn under every method's patches: each redraw draws every method over the same image,
+# and resizing it and darkening what each view never saw is most of a panel's cost. Keyed by the image object's id
+# and checked against a weak reference to it (an id may be reused once its image is gone; images are not hashable).
+_VIEWS: "OrderedDict[tuple, tuple[weakref.ref, tuple[int, list]]]" = OrderedDict()
+_VIEWS_KEPT = 16  # about 1 MB each for a square image
+_VIEWS_LOCK = threading.Lock()  # several visitors' redraws run at once
+
+
+def _view_backdrops(image: Image.Image, views, side: int) -> tuple[int, list]:
+    """(panel width, per view: (its pixel box, the image with the rest darkened, `_backdrop` of it))."""
+    boxes = tuple(view.box for view in views)
+    key = (id(image), side, boxes)
+    with _VIEWS_LOCK:
+        entry = _VIEWS.get(key)
+        if entry is not None and entry[0]() is image:
+            _VIEWS.move_to_end(key)
+            return entry[1]
+    rgb_image = image.convert("RGB")
+    iw, ih = rgb_image.size
+    width = int(round(side * min(max(iw / max(ih, 1), 1 / MAX_PANEL_ASPECT), MAX_PANEL_ASPECT)))
+    rgb = np.asarray(rgb_image.resize((width, side), Image.Resampling.BICUBIC), dtype=np.float32)
+    dark = _dark(rgb)
+    out = []
+    for left, top, right, bottom in boxes:
+        box = (round(left * width), round(top * side), round(right * width), round(bottom * side))
+        outside = np.ones((side, width, 1), dtype=np.float32)
+        outside[box[1]:box[3], box[0]:box[2]] = 0.0  # the view never saw the rest: darken it
+        shown = Image.fromarray(np.clip(outside * dark + (1 - outside) * rgb, 0, 255).astype(np.uint8))
+        pixels, dark = _backdrop(shown, box)  # kept small: the pixels as they are, the dark grey at half precision
+        out.append((box, shown, (np.asarray(shown), dark.astype(np.float16))))
+    with _VIEWS_LOCK:
+        _VIEWS[key] = (weakref.ref(image), (width, out))
+        while len(_VIEWS) > _VIEWS_KEPT:
+            _VIEWS.popitem(last=False)
+    return width, out
+
+
 def _views_overlay(image: Image.Image, kept, method: str, side: int, labels: bool = True) -> Image.Image:
     """One panel per view of the image, side by side (see the module doc); `labels`: name each view in its
     corner."""
-    image = image.convert("RGB")
-    iw, ih = image.size
-    width = int(round(side * min(max(iw / max(ih, 1), 1 / MAX_PANEL_ASPECT), MAX_PANEL_ASPECT)))
-    base = image.resize((width, side), Image.Resampling.BICUBIC)
+    width, backdrops = _view_backdrops(image, kept.layout.views, side)
     panels = []
-    for i, view in enumerate(kept.layout.views):
-        left, top, right, bottom = view.box
-        box = (round(left * width), round(top * side), round(right * width), round(bottom * side))
-        rgb = np.asarray(base, dtype=np.float32)
-        outside = np.ones((side, width, 1), dtype=np.float32)
-        outside[box[1]:box[3], box[0]:box[2]] = 0.0  # the view never saw the rest: darken it
-        shown = Image.fromarray(np.clip(outside * _dark(rgb) + (1 - outside) * rgb, 0, 255).astype(np.uint8))
+    for i, (view, (box, shown, backdrop)) in enumerate(zip(kept.layout.views, backdrops)):
         merged = kept.view_merged(i) if hasattr(kept, "view_merged") else None
-        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols, merged)
+        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols, merged, backdrop)
         newline = kept.newline_share(i)
         if newline is not None:
             strip = Image.new("RGB", (NEWLINE_STRIP, side), (24, 24, 24))

@@ -1,6 +1,7 @@
 """One run of a comparison streamed to the page: the engine generator on a worker thread
-(`streaming.StreamWorker`), redrawn at a steady pace (panels often, charts at most once a second, the final
-state always), the overlay sampled between decoding steps, and how a run ends (done, stopped, refused, failed)."""
+(`streaming.StreamWorker`), redrawn at a steady pace (panels often, charts at most once a second, the complete
+answers as soon as they are, then the final state with every chart), the overlay sampled between decoding steps,
+and how a run ends (done, stopped, refused, failed)."""
 from __future__ import annotations
 
 import time
@@ -62,8 +63,8 @@ def let_go(comp: Comparison, reason: str | None) -> None:
 class _Pace:
     """When the next redraw comes and whether it brings the charts: panels every TEXT_EVERY_S and charts every
     CHART_EVERY_S at the least, spaced further when redraws cost more than their share of the server's time with
-    `streams()` runs streaming at once; the charts at once when the Lorenz chart gains something to draw (the
-    prefill's curves, then the run's own threshold)."""
+    `streams()` runs streaming at once; the Lorenz chart at once when it gains something to draw (the prefill's
+    curves, then the run's own threshold)."""
 
     def __init__(self, comp: Comparison, streams: Callable[[], int] = lambda: 1):
         self.comp = comp
@@ -80,11 +81,12 @@ class _Pace:
         return max(CHART_EVERY_S, max(1, self.streams()) * self.chart_cost / CHART_SHARE)
 
     def next(self) -> tuple[bool, bool]:
-        """(charts due, Lorenz chart new) for the redraw about to be made."""
+        """(charts due, Lorenz chart new) for the redraw about to be made. A new Lorenz chart is drawn alone: the
+        other charts keep their pace (a short answer's final redraw is then its only one with every chart)."""
         comp, now = self.comp, time.monotonic()
         has_prefill, has_threshold = comp.prefill is not None, comp.threshold() is not None
         new_lorenz = (has_prefill and not self.had_prefill) or (has_threshold and not self.had_threshold)
-        charts_due = now - self.last_chart >= self.chart_interval() or new_lorenz
+        charts_due = now - self.last_chart >= self.chart_interval()
         if charts_due:
             self.last_chart = now
         self.had_prefill, self.had_threshold = has_prefill, has_threshold
@@ -161,6 +163,8 @@ class RunStreamer:
             if batch.error:
                 failure = batch
             if batch.ended:
+                if batch.items and failure is None:  # the answers are complete: show them before the final charts
+                    yield self.renderer.render(comp, box, phase(comp), charts_=False, lorenz=False, overlay_=False)
                 break
             if not batch.items:
                 continue
