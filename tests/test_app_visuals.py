@@ -71,6 +71,11 @@ def test_the_overlay_reuses_an_images_backdrop_and_never_anothers():
     assert sum(entry[0]() is red for entry in overlay_module._VIEWS.values()) == 1
     other = np.asarray(overlay(blue, kept, "h2o"))
     assert not np.array_equal(other, first) and other[..., 2].mean() > other[..., 0].mean()
+    # an image with two views (a tile over its top left quarter, then a thumbnail), each with its own backdrop
+    two = ImageLayout((GridView("tile", 4, 4, box=(0.0, 0.0, 0.5, 0.5)), GridView("thumbnail", 4, 4)), (64, 48))
+    both = KeptImageMap(two, np.linspace(0, 1, 32, dtype=np.float32))
+    drawn = np.asarray(overlay(blue, both, "h2o"))
+    assert np.array_equal(np.asarray(overlay(blue, both, "h2o")), drawn) and drawn.shape[1] > 2 * drawn.shape[0]
     del red
     for _ in range(overlay_module._VIEWS_KEPT + 2):  # the backdrops kept are bounded
         overlay(_picture((1, 2, 3)), kept, "")

@@ -91,8 +91,8 @@ def test_turns_started_together_share_one_prefill_and_answer_as_alone(tiny_llama
         sizes.append(len(states)), real_advance(loaded, buffers, states, *rest))[1])
     together = _together(engine, [m() for m in make])
     assert engine.prefills.forwards[3] == 1  # the three shared one forward
-    # ... and the turns it served were prefilled at once, so their sharing rows decoded together from the first step
-    assert sizes[0] == 3 * (len(METHODS) - 1)
+    # ... and each turn's rows, its own prefill's included, decode from its first step, the three turns' in one batch
+    assert sizes[0] >= len(METHODS) and 3 * len(METHODS) in sizes
     for a, b in zip(alone, together):
         _same(a, b)
     assert engine.prefills.waiting_count() == 0

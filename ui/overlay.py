@@ -150,8 +150,8 @@ def _view_backdrops(image: Image.Image, views, side: int) -> tuple[int, list]:
         outside = np.ones((side, width, 1), dtype=np.float32)
         outside[box[1]:box[3], box[0]:box[2]] = 0.0  # the view never saw the rest: darken it
         shown = Image.fromarray(np.clip(outside * dark + (1 - outside) * rgb, 0, 255).astype(np.uint8))
-        pixels, dark = _backdrop(shown, box)  # kept small: the pixels as they are, the dark grey at half precision
-        out.append((box, shown, (np.asarray(shown), dark.astype(np.float16))))
+        _, faded = _backdrop(shown, box)  # kept small: the pixels as they are, the dark grey at half precision
+        out.append((box, shown, (np.asarray(shown), faded.astype(np.float16))))
     with _VIEWS_LOCK:
         _VIEWS[key] = (weakref.ref(image), (width, out))
         while len(_VIEWS) > _VIEWS_KEPT:
