@@ -163,9 +163,11 @@ class RunStreamer:
             if batch.error:
                 failure = batch
             if batch.ended:
-                if batch.items and failure is None:  # the answers are complete: show them before the final charts
-                    yield self.renderer.render(comp, box, phase(comp), charts_=False, lorenz=False, overlay_=False)
                 break
+            if batch.settled:  # the answers are complete: shown before the final overlay sample and the charts
+                if failure is None and not comp.cancel.is_set():
+                    yield self.renderer.render(comp, box, phase(comp), charts_=False, lorenz=False, overlay_=False)
+                continue
             if not batch.items:
                 continue
             charts_due, new_lorenz = pace.next()

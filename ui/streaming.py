@@ -26,6 +26,7 @@ class Batch:
     ended: bool = False
     error: str | None = None  # a user-facing message when the run failed as a whole
     engine_error: bool = False  # the failure was bad input (EngineError), not a crash
+    settled: bool = False  # the engine's events are all in; only the final snapshot and the end are to come
 
 
 class StreamWorker:
@@ -84,18 +85,19 @@ class StreamWorker:
                     gen.close()
                 except Exception:
                     log.exception("closing the engine generator failed")
+            self.queue.put(("settled", None))  # the answers can be shown before the final snapshot is taken
             self._snap()
             self.queue.put(("end", None))
 
     def batches(self, interval: float | Callable[[], float] = 0.2) -> Iterator[Batch]:
         """Everything queued so far, at most every `interval` seconds (a number, or a function asked before each
-        batch: the pace may change with the load); sooner only for the first event and the end. The last batch
-        has ended=True."""
+        batch: the pace may change with the load); sooner only for the first event, once the engine's events are
+        all in (settled=True: the final snapshot is still to come) and the end. The last batch has ended=True."""
         first = True
         while True:
             self.last_pull = time.monotonic()
             deadline = self.last_pull + (interval() if callable(interval) else interval)
-            items, ended, error, engine_error = [], False, None, False
+            items, ended, error, engine_error, settled = [], False, None, False, False
             while True:
                 timeout = deadline - time.monotonic()
                 try:
@@ -110,11 +112,14 @@ class StreamWorker:
                 elif kind == "end":
                     ended = True
                     break
+                elif kind == "settled":
+                    settled = True
+                    break
                 else:
                     error, engine_error = payload, kind == "engine_error"
             if items:
                 first = False
-            yield Batch(items, ended, error, engine_error)
+            yield Batch(items, ended, error, engine_error, settled)
             if ended:
                 return
 
