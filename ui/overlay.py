@@ -77,7 +77,7 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
                 backdrop: tuple[np.ndarray, np.ndarray] | None = None) -> Image.Image:
     """Blend each cell of `share` ([rows, cols] in [0, 1]) over `box` (pixels) of `img`; grid and tile lines.
     `merged` ([rows, cols]): cells kept only inside a contextual token, drawn half lit and hatched. `backdrop`:
-    `img` as float pixels and the dark version of its `box` (`_backdrop`), when already computed."""
+    `img`'s pixels and the dark version of its `box` (`_backdrop`; any numeric type), when already computed."""
     share = np.clip(share, 0.0, 1.0)
     only_merged = None
     if merged is not None:
@@ -126,7 +126,7 @@ def _backdrop(img: Image.Image, box: tuple[int, int, int, int]) -> tuple[np.ndar
 # and resizing it and darkening what each view never saw is most of a panel's cost. Keyed by the image object's id
 # and checked against a weak reference to it (an id may be reused once its image is gone; images are not hashable).
 _VIEWS: "OrderedDict[tuple, tuple[weakref.ref, tuple[int, list]]]" = OrderedDict()
-_VIEWS_KEPT = 16  # about 1 MB each for a square image
+_VIEWS_KEPT = 16  # 1-2 MB each for a square image of one view
 _VIEWS_LOCK = threading.Lock()  # several visitors' redraws run at once
 
 
