@@ -45,10 +45,10 @@ from benchmarks.interactive import add_random_weights_arg, load_benchmark_model,
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
 from prefixkv_core.limits import peak_memory_bytes  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
+from prefixkv_core.report.record import ENDED_STATUSES  # noqa: E402
 from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker  # noqa: E402
 
 POOL_COUNTERS = ("steps", "shared_steps", "waited_out", "formed")
-ENDED = ("done", "stopped", "error")  # a method's status once its answer is complete
 
 SCENES = ("scene-0.png", "scene-2.png", "scene-4.png", "chelsea.jpg", "coffee.jpg", "rocket.jpg", "astronaut.jpg",
           "retina.jpg")  # each visitor asks about another picture (shipped in assets/images)
@@ -96,7 +96,7 @@ class ServerProbe:
         self.seconds, self.counts, self.spans, self.arrivals = {}, {}, [], []
         self.t0 = time.perf_counter()
         self._before = self._counters()
-        self.cpu0 = self.cpu_first = self._cpu_seconds()
+        self.cpu_first = self._cpu_seconds()  # taken again when the first request's handler begins
 
         def timed_put(original):
             def put(worker, priority, job):
@@ -161,9 +161,10 @@ class ServerProbe:
         return self
 
     def _cpu_seconds(self) -> tuple[float, float | None]:
-        """CPU seconds used so far (reported from the first request's handler on, so that each new client's fetch of
-        the page's config, a page load, is left out) by this process (every thread: the server, and with an in-process engine the
-        model too) and by the engine's own process (None without one, or where /proc cannot tell)."""
+        """CPU seconds used so far by this process (every thread: the server, and with an in-process engine the model
+        too) and by the engine's own process (None without one, or where /proc cannot tell). `stop` reports them from
+        the first request's handler on, so that each new client's fetch of the page's config (a page load) is left
+        out."""
         child = None
         if self.remote:
             try:
@@ -251,7 +252,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
         for m, r in rows:
             if r.get("tokens", 0) >= 1 and m not in first:
                 first[m] = t
-        if last_token is None and rows and all(r.get("status") in ENDED for _, r in rows):
+        if last_token is None and rows and all(r.get("status") in ENDED_STATUSES for _, r in rows):
             last_token = t
     final = job.result()
     last = time.perf_counter() - t0

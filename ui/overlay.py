@@ -74,10 +74,10 @@ MERGED_LIGHT = 0.45  # how lit a patch that lives on only inside a contextual to
 
 def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, int],
                 tile_rows=(), tile_cols=(), merged: np.ndarray | None = None,
-                backdrop: tuple[np.ndarray, np.ndarray] | None = None) -> Image.Image:
+                faded: np.ndarray | None = None) -> Image.Image:
     """Blend each cell of `share` ([rows, cols] in [0, 1]) over `box` (pixels) of `img`; grid and tile lines.
-    `merged` ([rows, cols]): cells kept only inside a contextual token, drawn half lit and hatched. `backdrop`:
-    `img`'s pixels and the dark version of its `box` (`_backdrop`; any numeric type), when already computed."""
+    `merged` ([rows, cols]): cells kept only inside a contextual token, drawn half lit and hatched. `faded`:
+    the dark version of `img`'s `box` (`_faded`, any float type), when already computed."""
     share = np.clip(share, 0.0, 1.0)
     only_merged = None
     if merged is not None:
@@ -88,9 +88,9 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
     w, h = max(right - left, 1), max(bottom - top, 1)
     mask = Image.fromarray((share * 255).astype(np.uint8), mode="L").resize((w, h), Image.Resampling.NEAREST)
     s = np.asarray(mask, dtype=np.float32)[..., None] / 255.0
-    pixels, dark = backdrop if backdrop is not None else _backdrop(img, (left, top, left + w, top + h))
-    rgb = pixels.astype(np.float32)  # a copy, whatever the backdrop's precision
+    rgb = np.array(img, dtype=np.float32)  # a copy of its own: the box is written in place
     part = rgb[top:top + h, left:left + w]
+    dark = faded if faded is not None else _dark(part)
     rgb[top:top + h, left:left + w] = s * part + (1 - s) * dark
     out = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(out, "RGBA")
@@ -115,23 +115,22 @@ def _blend_grid(img: Image.Image, share: np.ndarray, box: tuple[int, int, int, i
     return out
 
 
-def _backdrop(img: Image.Image, box: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """`img` as float pixels, and the dark grey its `box` fades to where a patch was evicted."""
-    pixels = np.asarray(img, dtype=np.float32)
+def _faded(img: Image.Image, box: tuple[int, int, int, int]) -> np.ndarray:
+    """The dark grey `img`'s `box` fades to where a patch was evicted, at half precision (kept per image)."""
     left, top, right, bottom = box
-    return pixels, _dark(pixels[top:bottom, left:right])
+    return _dark(np.asarray(img, dtype=np.float32)[top:bottom, left:right]).astype(np.float16)
 
 
 # The last images' views as drawn under every method's patches: each redraw draws every method over the same image,
 # and resizing it and darkening what each view never saw is most of a panel's cost. Keyed by the image object's id
 # and checked against a weak reference to it (an id may be reused once its image is gone; images are not hashable).
 _VIEWS: "OrderedDict[tuple, tuple[weakref.ref, tuple[int, list]]]" = OrderedDict()
-_VIEWS_KEPT = 16  # 1-2 MB each for a square image of one view
+_VIEWS_KEPT = 16  # about 1 MB each for a square image of one view
 _VIEWS_LOCK = threading.Lock()  # several visitors' redraws run at once
 
 
 def _view_backdrops(image: Image.Image, views, side: int) -> tuple[int, list]:
-    """(panel width, per view: (its pixel box, the image with the rest darkened, `_backdrop` of it))."""
+    """(panel width, per view: (its pixel box, the image with the rest darkened, `_faded` of that box))."""
     boxes = tuple(view.box for view in views)
     key = (id(image), side, boxes)
     with _VIEWS_LOCK:
@@ -150,8 +149,7 @@ def _view_backdrops(image: Image.Image, views, side: int) -> tuple[int, list]:
         outside = np.ones((side, width, 1), dtype=np.float32)
         outside[box[1]:box[3], box[0]:box[2]] = 0.0  # the view never saw the rest: darken it
         shown = Image.fromarray(np.clip(outside * dark + (1 - outside) * rgb, 0, 255).astype(np.uint8))
-        _, faded = _backdrop(shown, box)  # kept small: the pixels as they are, the dark grey at half precision
-        out.append((box, shown, (np.asarray(shown), faded.astype(np.float16))))
+        out.append((box, shown, _faded(shown, box)))
     with _VIEWS_LOCK:
         _VIEWS[key] = (weakref.ref(image), (width, out))
         while len(_VIEWS) > _VIEWS_KEPT:
@@ -164,9 +162,9 @@ def _views_overlay(image: Image.Image, kept, method: str, side: int, labels: boo
     corner."""
     width, backdrops = _view_backdrops(image, kept.layout.views, side)
     panels = []
-    for i, (view, (box, shown, backdrop)) in enumerate(zip(kept.layout.views, backdrops)):
+    for i, (view, (box, shown, faded)) in enumerate(zip(kept.layout.views, backdrops)):
         merged = kept.view_merged(i) if hasattr(kept, "view_merged") else None
-        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols, merged, backdrop)
+        panel = _blend_grid(shown, kept.view_share(i), box, view.tile_rows, view.tile_cols, merged, faded)
         newline = kept.newline_share(i)
         if newline is not None:
             strip = Image.new("RGB", (NEWLINE_STRIP, side), (24, 24, 24))

@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
+from prefixkv_core.report.record import ENDED_STATUSES
+
 from .overlay_sampler import OverlaySampler
 from .rendering import Renderer
 from .runstate import Comparison, OverlayMaps, SessionBox
@@ -31,13 +33,13 @@ TEXT_SHARE = 0.05
 def phase(comp: Comparison) -> str:
     """What the status line says while a run goes on."""
     cur = [t.turn for t in comp.tracks.values() if t.turn is not None]
-    done = sum(t.status in ("done", "stopped", "error") for t in cur)
+    done = sum(t.status in ENDED_STATUSES for t in cur)
     if comp.prefill is None:
         return "Prefill: encoding the image and prompt once for every method…"
     if done < len(cur) or not comp.alone:
         return f"Generating: {done} of {len(cur)} methods finished"
     runs = [t.alone for t in cur if t.status == "done"]
-    timed = sum(r is not None and r.status in ("done", "stopped", "error") for r in runs)
+    timed = sum(r is not None and r.status in ENDED_STATUSES for r in runs)
     return f"Timing each method alone: {timed} of {len(runs)} measured"
 
 

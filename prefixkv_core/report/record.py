@@ -34,6 +34,7 @@ def mean_kept_ratio(kept_per_layer: list[int], full_len: int | None) -> float | 
 
 STATUS_OF_KIND = {"start": "streaming", "token": "streaming", "done": "done", "cancelled": "stopped",
                   "error": "error"}
+ENDED_STATUSES = ("done", "stopped", "error")  # a turn's status once its answer is complete
 
 
 @dataclass
@@ -252,7 +253,7 @@ class ComparisonRecord:
 
     @property
     def finished(self) -> bool:
-        return all(t.turn is None or t.turn.status in ("done", "stopped", "error") for t in self.tracks.values())
+        return all(t.turn is None or t.turn.status in ENDED_STATUSES for t in self.tracks.values())
 
     def rouge(self, method: str, turn: int = -1) -> float | None:
         """ROUGE-L F1 of this method's answer against the reference's (Full) for one turn, once both are done."""
