@@ -18,7 +18,10 @@ For each request (one comparison: an image, a prompt, the methods, a budget) it 
 
 `--engine-process on` serves the app as app.py does by default: the model in a process of its own (`EngineProcess`)
 and this server process at a lower priority (`--server-nice`); `both` launches the two apps and alternates their
-rounds (the server's priority is then lowered for both). The engine-at-once reference runs in this process.
+rounds (the server's priority is then lowered for both). `floor` serves the app beside a bare Gradio app on the
+same engine process (`BareApp`: one streaming endpoint that sends each method's text on every event and nothing
+else) and alternates their rounds: how much of the app's wait is any Gradio app's, and how much its own. The
+engine-at-once reference runs in this process.
 
 A warm-up request runs first (kernels, the first HTTP connection). `--json` writes every number.
 """
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 from benchmarks.common import REPO_ROOT, run_info  # noqa: E402
 from benchmarks.interactive import add_random_weights_arg, load_benchmark_model, plain_decode_tokens_per_s  # noqa: E402
 from prefixkv_core import Engine, GenerationSettings, resolve_methods  # noqa: E402
-from prefixkv_core.limits import peak_memory_bytes  # noqa: E402
+from prefixkv_core.limits import Limits, peak_memory_bytes  # noqa: E402
 from prefixkv_core.method_args import add_model_args  # noqa: E402
 from prefixkv_core.report.record import ENDED_STATUSES  # noqa: E402
 from prefixkv_core.session.model_worker import CHORE, PREFILL, STEP, ModelWorker  # noqa: E402
@@ -148,6 +151,11 @@ class ServerProbe:
         from ui.turns import Turns
 
         self._wrap(Turns, "compare", arrival)
+        self._wrap(BareApp, "compare", arrival)
+        from gradio.profiling import PROFILING_ENABLED, collector
+
+        if PROFILING_ENABLED:
+            collector.clear()
 
         self._wrap(Blocks, "postprocess_data", timed_async("gradio: outputs to the page (postprocess)"))
         self._wrap(ModelWorker, "_put", timed_put)
@@ -207,9 +215,44 @@ class ServerProbe:
                 "spans": [(k, round(a - self.t0, 4), round(b - self.t0, 4)) for k, a, b in self.spans],
                 "pool": {k: after["pool"][k] - before["pool"].get(k, 0) for k in POOL_COUNTERS},
                 "arrivals": list(self.arrivals), "wall_s": round(time.perf_counter() - self.t0, 3),
+                "gradio_phases": gradio_phases(),
                 "cpu_s": {"server": round(server1 - server0, 3),
                           "engine process": None if child0 is None or child1 is None else round(child1 - child0, 3)},
                 "prefill_forwards": prefill_forwards(after["prefills"], before["prefills"])}
+
+
+GRADIO_PHASES = ("queue_wait", "preprocess", "fn_call", "postprocess", "streaming_diff", "total")
+
+
+def gradio_phases() -> dict | None:
+    """gradio's own traces of the requests since the probe started (None unless GRADIO_PROFILING is on): per
+    request of the comparison, each phase's milliseconds summed over the request's updates; the uploads' times."""
+    from gradio.profiling import PROFILING_ENABLED, collector
+
+    if not PROFILING_ENABLED:
+        return None
+    traces = collector.get_all()
+    runs = [t for t in traces if t["fn_name"] == "compare"]
+    return {"requests": [{k: round(t[f"{k}_ms"], 1) for k in GRADIO_PHASES} | {"updates": t["n_iterations"]}
+                         for t in runs],
+            # the traces' dicts leave the upload's time out; the summary has it
+            "uploads": collector.get_summary().get("upload")}
+
+
+def gradio_phases_text(phases: dict | None) -> list[str]:
+    if not phases or not phases["requests"]:
+        return []
+    rows = phases["requests"]
+    lines = ["", "gradio's own traces of the visitors at once (GRADIO_PROFILING; ms, summed over each request's "
+             "updates):", "", "| request | " + " | ".join(k.replace("_", " ") for k in GRADIO_PHASES) + " | updates |",
+             "|---|" + "---|" * (len(GRADIO_PHASES) + 1)]
+    for i, row in enumerate(rows):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{row[k]:.0f}" for k in GRADIO_PHASES) + f" | {row['updates']} |")
+    uploads = phases.get("uploads")
+    if uploads:
+        lines += ["", f"- the image uploads: {uploads['count']}, median {uploads['p50']:.0f} ms (up to "
+                  f"{uploads['max']:.0f} ms)"]
+    return lines
 
 
 def prefill_forwards(now: dict[int, int], before: dict[int, int]) -> dict[int, int]:
@@ -226,6 +269,58 @@ def launch(engine, max_new_tokens: int):
     from ui.app_builder import serve_locally
 
     return serve_locally(engine, max_new_tokens_limit=max(max_new_tokens, 1))
+
+
+class BareApp:
+    """The floor: a Gradio app with one streaming endpoint that runs the same session on the same engine and sends
+    every method's text, token count and status on every event. No charts, no overlay, no per-visitor state, one
+    output: what serving this engine through any Gradio app costs (HTTP, the upload, the queue, the stream), against
+    which the app's own work is measured."""
+
+    def __init__(self, engine, concurrency: int):
+        self.engine = engine
+        self.concurrency = concurrency
+
+    def compare(self, image, prompt, methods, budget, max_new_tokens):
+        session = self.engine.new_session(self.engine.load_image(image), prompt, list(methods), float(budget),
+                                          GenerationSettings(max_new_tokens=int(max_new_tokens)))
+        for _ in session.run():
+            yield self.answers(session.record, finished=False)
+        yield self.answers(session.record, finished=True)
+
+    @staticmethod
+    def answers(record, finished: bool) -> dict:
+        rows = {}
+        for m, track in record.tracks.items():
+            turn = track.turn
+            rows[m] = {"text": turn.answer if turn else "", "status": turn.status if turn else "waiting",
+                       "tokens": track.last.step if track.last is not None else 0,
+                       "error": turn.error if turn else None}
+        return {"methods": rows, "finished": finished}
+
+    def launch(self) -> tuple[object, str]:
+        import socket
+
+        import gradio as gr
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with gr.Blocks(analytics_enabled=False) as demo:
+            image = gr.Image(type="filepath")
+            prompt = gr.Textbox()
+            methods = gr.Dropdown(resolve_methods("all"), multiselect=True)
+            budget = gr.Number()
+            new_tokens = gr.Number(precision=0)
+            out = gr.JSON()
+            def compare(image, prompt, methods, budget, max_new_tokens):  # looked up per request: the probe wraps it
+                yield from self.compare(image, prompt, methods, budget, max_new_tokens)
+
+            gr.Button().click(compare, [image, prompt, methods, budget, new_tokens], [out], api_name="compare",
+                              concurrency_limit=self.concurrency)
+        demo.queue()
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        return demo, f"http://127.0.0.1:{port}/"
 
 
 def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, new_tokens: int,
@@ -245,7 +340,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
     for update in job:
         t = time.perf_counter() - t0
         updates += 1
-        results = update[-1] if isinstance(update, (list, tuple)) and update else None
+        results = update[-1] if isinstance(update, (list, tuple)) and update else update  # the bare app: one output
         if not isinstance(results, dict):
             continue
         rows = (results.get("methods") or {}).items()
@@ -256,7 +351,7 @@ def visit(url: str, image: str, prompt: str, methods: list[str], budget: float, 
             last_token = t
     final = job.result()
     last = time.perf_counter() - t0
-    results = final[-1]
+    results = final if isinstance(final, dict) else final[-1]
     return {"image": Path(image).name, "sent_at": sent_at, "first_token_s": min(first.values(), default=None),
             "method_first_token_s": first, "last_token_s": last_token if last_token is not None else last,
             "last_s": last,
@@ -378,17 +473,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fixed-pace", action="store_true",
                     help="redraw every stream at the fixed pace (panels every 0.25 s, charts every second) instead "
                          "of spacing redraws by their cost and the number of streams: the app before that change")
-    ap.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
+    ap.add_argument("--engine-process", choices=("off", "on", "both", "floor"), default="off",
                     help="on: the app's model in a process of its own, as app.py runs it by default; both: the two "
-                         "apps, their rounds alternated (default off: the model in this process)")
+                         "apps, their rounds alternated; floor: the app and a bare Gradio app on the same engine "
+                         "process, their rounds alternated (default off: the model in this process)")
     ap.add_argument("--server-nice", type=int, default=10,
                     help="with --engine-process on or both: lower this server process's priority by this much, as "
                          "app.py does (default 10)")
+    ap.add_argument("--gradio-profiling", action="store_true",
+                    help="turn on gradio's own request traces (GRADIO_PROFILING) and report their phases for the "
+                         "visitors at once: the wait in gradio's queue, preprocess, the function's calls, "
+                         "postprocess, the upload")
     ap.add_argument("--json", default=None, help="write every number here")
     return ap
 
 
-VARIANTS = {"off": ["in-process"], "on": ["engine process"], "both": ["in-process", "engine process"]}
+VARIANTS = {"off": ["in-process"], "on": ["engine process"], "both": ["in-process", "engine process"],
+            "floor": ["engine process", "bare app"]}
 
 
 def start_engine_process(args):
@@ -407,6 +508,10 @@ def main(argv=None) -> int:
         raise SystemExit("--clients and --new-tokens must be at least 1")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.gradio_profiling:  # read once, when gradio is first imported (by the apps' launch, below)
+        if "gradio" in sys.modules:
+            raise SystemExit("--gradio-profiling: gradio was imported before the flag could turn its traces on")
+        os.environ["GRADIO_PROFILING"] = "1"
     methods = resolve_methods(args.methods)
     images = [str(REPO_ROOT / "assets" / "images" / SCENES[i % len(SCENES)]) for i in range(args.clients)]
 
@@ -421,12 +526,13 @@ def main(argv=None) -> int:
     engine = Engine(loaded)  # the app's engine in this process, and the engine-at-once reference
     variants = VARIANTS[args.engine_process]
     remote = None
-    if "engine process" in variants:
+    if "engine process" in variants or "bare app" in variants:
         remote = start_engine_process(args)
         progress(f"the engine's own process is up (pid {remote.process.pid})")
         if args.server_nice:
             os.nice(args.server_nice)  # this process; the engine's was started before
-    served = {v: launch(engine if v == "in-process" else remote, args.new_tokens) for v in variants}
+    served = {v: BareApp(remote, Limits().max_batch_users).launch() if v == "bare app"
+              else launch(engine if v == "in-process" else remote, args.new_tokens) for v in variants}
     progress("app up at " + ", ".join(f"{url} ({v})" for v, (_, url) in served.items()))
     clients = Visitors()  # the visitors' side in a process of its own, as browsers are
     runs = {v: {"alone": None, "where_alone": None, "rounds": []} for v in variants}
@@ -466,8 +572,9 @@ def main(argv=None) -> int:
             "pace": ("fixed" if args.fixed_pace else "by cost and load"), "repeats": args.repeats,
             "prompt": args.prompt, "server_nice": args.server_nice if remote is not None else 0}
     reports = {v: variant_report(info, v, run, expected, bound) for v, run in runs.items()}
-    if "engine process" in reports:
-        reports["engine process"]["engine_peak_resident_bytes"] = engine_peak
+    for v in ("engine process", "bare app"):
+        if v in reports:
+            reports[v]["engine_peak_resident_bytes"] = engine_peak
     for v, report in reports.items():
         if len(reports) > 1:
             print(f"\n### {v}\n")
@@ -543,8 +650,10 @@ def markdown(r: dict) -> str:
     def s(v):
         return "–" if v is None else f"{v:.2f} s"
 
-    where = ("the model in a process of its own, the server at nice " + str(r["server_nice"])
-             if r.get("variant") == "engine process" else "the model in the server's process")
+    where = ("the model in the server's process" if r.get("variant") == "in-process" else
+             "the model in a process of its own, the server at nice " + str(r["server_nice"])
+             + (" (a bare Gradio app: one endpoint streaming the answers, nothing else)"
+                if r.get("variant") == "bare app" else ""))
     lines = [f"App through its API: {r['model']} ({r['dtype']}) on {r['machine']}; {', '.join(r['methods'])} at "
              f"r = {r['budget']}, {r['new_tokens']} new tokens, {r['clients']} visitor(s); redraw pace: "
              f"{r['pace']}; {r['torch_threads']} torch threads; {where}.", "",
@@ -606,6 +715,7 @@ def markdown(r: dict) -> str:
     lines.append(f"| shared prefills: forwards of k visitors' prompts (forwards of k) | "
                  f"{forwards_text(r['where_alone'].get('prefill_forwards', {}))} | "
                  f"{forwards_text(r['where_together'].get('prefill_forwards', {}))} |")
+    lines += gradio_phases_text(r["where_together"].get("gradio_phases"))
     if r["together"]["errors"]:
         lines.append(f"- errors: {r['together']['errors']}")
     return "\n".join(lines)

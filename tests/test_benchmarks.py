@@ -468,3 +468,25 @@ def test_long_context_reports_each_methods_kv_share_of_a_native_video(tmp_path, 
     assert all(0 < result["methods"][m]["kv_share"] < 1 for m in ("h2o", "snapkv", "fastv"))
     assert result["comparison_over_full"] == pytest.approx(
         result["comparison_s"][0] / result["full_alone_s"][0])
+
+
+def test_the_bare_app_streams_the_engines_answers(tiny_llama, noise_image, tmp_path, one_torch_thread):
+    """app_visitors' floor (`--engine-process floor`): the bare Gradio app streams every method's answer of the
+    engine's session, and a visitor reads its stream as it reads the app's (first token, last token, the texts)."""
+    from benchmarks.app_visitors import BareApp, engine_alone, visit
+    from prefixkv_core import Engine
+
+    engine = Engine(tiny_llama)
+    image = tmp_path / "noise.png"
+    noise_image.save(image)
+    demo, url = BareApp(engine, concurrency=2).launch()
+    try:
+        seen = visit(url, str(image), "Describe the image.", ["full", "snapkv"], 0.5, 4)
+    finally:
+        demo.close()
+    expected = engine_alone(engine, str(image), "Describe the image.", ["full", "snapkv"], 0.5, 4)["texts"]
+    assert seen["finished"] and not seen["errors"]
+    assert seen["texts"] == expected and all(expected.values())
+    assert set(seen["method_first_token_s"]) == {"full", "snapkv"}
+    assert 0 < seen["first_token_s"] <= seen["last_token_s"] <= seen["last_s"]
+    assert seen["updates"] >= 2  # streamed, not only the result

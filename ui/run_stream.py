@@ -130,11 +130,13 @@ class RunStreamer:
         t0 = time.perf_counter()
         worker = StreamWorker(factory, comp.cancel, snapshot=lambda: self.overlay.snapshot(comp, box),
                               snapshot_every=OVERLAY_EVERY_S)
-        yield self.renderer.render(comp, box, phase(comp), overlay_=first_turn,
-                                   lorenz=first_turn)  # placeholders (built once) and the panels: cheap
+        # the engine starts before the first redraw is sent: gradio resumes this generator only once it has turned
+        # that redraw into what it sends, which under load took longer than the prefill's own start
         worker.start()
         superseded, failure = False, None
         try:
+            yield self.renderer.render(comp, box, phase(comp), overlay_=first_turn,
+                                       lorenz=first_turn)  # placeholders (built once) and the panels: cheap
             superseded, failure = yield from self._redraws(worker, box, comp, generation)
         finally:
             comp.active = False
