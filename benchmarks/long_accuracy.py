@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import defaultdict
@@ -225,6 +226,14 @@ def markdown(summary: dict, tasks: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def leaderboard_folder(root: Path, task: str, model: str, query_agnostic: bool) -> Path:
+    """Where a run's rows of one task go: root/<task>/<model>-query-agnostic (or -query-aware), the layout of the
+    single-image headline's rows (`scene_qa/embedded-query-agnostic`), so a later run of the same setting replaces
+    them. A hub id or a local directory is named by its last part."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rstrip("/\\").replace("\\", "/").split("/")[-1]) or "model"
+    return root / task / f"{name}-{'query-agnostic' if query_agnostic else 'query-aware'}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -254,8 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("--control-seeds", type=int, default=1, metavar="N",
                     help="ask the controls that draw at random with N seeds (chance as their spread)")
     ap.add_argument("--leaderboard", default=None, metavar="DIR",
-                    help="also write each task's rows in the leaderboard's layout under DIR/<task>/ (the app's "
-                         "Leaderboard tab reads benchmarks/leaderboard/)")
+                    help="also write each task's rows in the leaderboard's layout under DIR/<task>/<model>-<query "
+                         "mode>/, as the single-image headline's rows are kept (the app's Leaderboard tab reads "
+                         "benchmarks/leaderboard/)")
     ap.add_argument("--out", default=None, metavar="STEM",
                     help="write the headline per task (STEM.md) and its figures (STEM-<task>.html/.png)")
     args = ap.parse_args(argv)
@@ -294,7 +304,9 @@ def main(argv=None) -> int:
         from . import accuracy_leaderboard
 
         for task in tasks:
-            accuracy_leaderboard.write(Path(args.leaderboard) / task, task_summary(records, task), model=args.model,
+            accuracy_leaderboard.write(leaderboard_folder(Path(args.leaderboard), task, args.model,
+                                                          args.query_agnostic), task_summary(records, task),
+                                       model=args.model,
                                        budget_mode="published", query_agnostic=args.query_agnostic,
                                        device=args.device, dtype=args.dtype, task=task,
                                        script="benchmarks.long_accuracy")

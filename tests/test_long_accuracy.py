@@ -44,6 +44,9 @@ def test_headline_records_and_tables(tmp_path, monkeypatch):
 
     store = load_leaderboard(tmp_path / "lb")
     assert not store.problems and store.values("task") == ["scene_multi", "scene_video"]
+    # each task's rows in <task>/<model>-<query mode>, where a rerun of the same setting replaces them
+    assert sorted(str(f.relative_to(tmp_path / "lb")) for f in (tmp_path / "lb").rglob("leaderboard.csv")) == [
+        "scene_multi/tiny-llama-query-agnostic/leaderboard.csv", "scene_video/tiny-llama-query-agnostic/leaderboard.csv"]
     h2o = next(p for p in store.select(task="scene_video") if p.method == "h2o" and p.budget == 0.3)
     assert h2o.kv_share == pytest.approx(summary["h2o@0.3"]["kv_share"], abs=1e-4)
     assert h2o.query_mode == "query_agnostic" and "long_accuracy" in h2o.command
@@ -81,3 +84,13 @@ def test_two_shards_joined_ask_what_one_run_asks(tmp_path, monkeypatch):
     key = lambda r: (r["task"], r["seed"], r["method"], r["budget"], r["output"])  # noqa: E731
     assert sorted(map(key, json.loads(again.read_text())["records"])) == \
         sorted(map(key, json.loads(whole.read_text())["records"]))
+
+
+@pytest.mark.parametrize("model, expected", [("embedded", "embedded-query-agnostic"),
+                                             ("llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
+                                              "llava-onevision-qwen2-0.5b-ov-hf-query-agnostic"),
+                                             ("/models/my model/", "my-model-query-agnostic")])
+def test_leaderboard_folder_names_the_model_and_mode(tmp_path, model, expected):
+    assert la.leaderboard_folder(tmp_path, "scene_video", model, True) == tmp_path / "scene_video" / expected
+    aware = la.leaderboard_folder(tmp_path, "scene_video", model, False)
+    assert aware.name == expected.replace("query-agnostic", "query-aware")
