@@ -326,6 +326,32 @@ def test_run_streamer_draws_a_run_with_a_fake_renderer_and_registry():
     assert streamer.not_started(box) == ["■ Stopped before it started."] and not box.pending
 
 
+def test_the_engine_starts_before_the_first_redraw_is_sent():
+    """gradio resumes a handler only once it has sent what the handler yielded, so the run's worker must be going
+    by the time the first redraw (the placeholders) is handed over, not after it was sent."""
+    import threading
+
+    from ui.overlay_sampler import OverlaySampler
+    from ui.run_stream import RunStreamer
+    from ui.runstate import SessionBox
+
+    started, release = threading.Event(), threading.Event()
+
+    def events(cancel):
+        started.set()
+        release.wait(5)
+        return iter(())
+
+    streamer = RunStreamer(_FakeRenderer(), _FakeRegistry(), OverlaySampler(num_layers=2))
+    box, comp = SessionBox(), _plain_comparison()
+    box.owner = "tab"
+    stream = streamer.stream(box, comp, events, first_turn=True)
+    next(stream)  # the first redraw, not yet sent: the generator waits here until gradio asks again
+    assert started.wait(5)
+    release.set()
+    assert list(stream)[-1][0].startswith("✓ Done")
+
+
 def test_redraws_are_spaced_by_what_they_cost_and_how_many_runs_stream():
     """Every stream keeps its redraws within a share of the server's time, all streams together: alone and cheap,
     the usual pace; costly, or beside other streams, further apart (the final state is drawn regardless)."""
