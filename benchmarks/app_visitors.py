@@ -299,13 +299,11 @@ class BareApp:
         return {"methods": rows, "finished": finished}
 
     def launch(self) -> tuple[object, str]:
-        import socket
-
         import gradio as gr
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from ui.app_builder import free_loopback_port
+
+        port = free_loopback_port()
         with gr.Blocks(analytics_enabled=False) as demo:
             image = gr.Image(type="filepath")
             prompt = gr.Textbox()
@@ -313,6 +311,7 @@ class BareApp:
             budget = gr.Number()
             new_tokens = gr.Number(precision=0)
             out = gr.JSON()
+
             def compare(image, prompt, methods, budget, max_new_tokens):  # looked up per request: the probe wraps it
                 yield from self.compare(image, prompt, methods, budget, max_new_tokens)
 

@@ -383,14 +383,19 @@ def hand_the_interpreter_back_sooner() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
-def serve_locally(engine: Engine, **build: Any) -> tuple[gr.Blocks, str]:
-    """`build_app(engine, **build)` launched on a free loopback port without blocking (the tests, the benchmarks
-    that drive the app and the screenshot script run it so); returns (the app, its URL). Close it with .close()."""
+def free_loopback_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now (the system's choice)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def serve_locally(engine: Engine, **build: Any) -> tuple[gr.Blocks, str]:
+    """`build_app(engine, **build)` launched on a free loopback port without blocking (the tests, the benchmarks
+    that drive the app and the screenshot script run it so); returns (the app, its URL). Close it with .close()."""
+    port = free_loopback_port()
     demo = build_app(engine, **build)
     hand_the_interpreter_back_sooner()
     demo.launch(**launch_kwargs("127.0.0.1", port, limits=demo.limits, prevent_thread_lock=True, quiet=True))
