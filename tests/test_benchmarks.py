@@ -490,3 +490,27 @@ def test_the_bare_app_streams_the_engines_answers(tiny_llama, noise_image, tmp_p
     assert set(seen["method_first_token_s"]) == {"full", "snapkv"}
     assert 0 < seen["first_token_s"] <= seen["last_token_s"] <= seen["last_s"]
     assert seen["updates"] >= 2  # streamed, not only the result
+
+
+def test_layer_allocation_reads_each_methods_entries_per_layer(tmp_path, capsys):
+    """benchmarks/layer_allocation.py on a tiny model: every layer's entries once the prompt was compressed, per
+    method; H2O holds the same count in every layer, PrefixKV moves entries between layers and keeps about r of
+    the prompt over all of them."""
+    from benchmarks import layer_allocation
+
+    out = tmp_path / "alloc.json"
+    assert layer_allocation.main(["--model", "tiny-llama", "--device", "cpu", "--tasks", "scene_qa,scene_multi",
+                                  "--samples", "1", "--methods", "prefixkv,h2o", "--budgets", "0.3",
+                                  "--frames", "2", "--query-agnostic", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| scene_qa | prefixkv | 0.3 |" in printed and "| scene_multi | h2o | 0.3 |" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["task"] for r in rows} == {"scene_qa", "scene_multi"}
+    assert len(rows) == 2 * (1 + 4)  # two methods; one scene, one sample of each of scene_multi's four subtasks
+    for row in rows:
+        per_layer, n = row["per_layer"], row["prompt_len"]
+        assert len(per_layer) == 4 and all(0 < c < n for c in per_layer)  # tiny-llama: 4 layers
+        assert row["min_share"] == min(per_layer) / n and row["max_share"] == max(per_layer) / n
+        if row["method"] == "h2o":
+            assert len(set(per_layer)) == 1 and row["at_floor"] == 0 and row["under_quarter"] == 0
+        assert sum(per_layer) / len(per_layer) == pytest.approx(0.3 * n, abs=2)
