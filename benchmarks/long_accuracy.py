@@ -308,7 +308,7 @@ def main(argv=None) -> int:
                                                           args.query_agnostic), task_summary(records, task),
                                        model=args.model,
                                        budget_mode="published", query_agnostic=args.query_agnostic,
-                                       device=args.device, dtype=args.dtype, task=task,
+                                       **accuracy_leaderboard.ran_on(loaded), task=task, qtypes=TASKS[task],
                                        script="benchmarks.long_accuracy")
     print(md)
     if args.json:

@@ -373,10 +373,13 @@ def loyalty(res: dict, reference: str) -> dict[str, dict]:
                    if r["method"] == reference and not r.get("draw")}
     ref_descriptions = {d["seed"]: d["output"] for d in res["descriptions"] if d["method"] == reference}
     same: dict = defaultdict(list)
+    by_type: dict = defaultdict(lambda: defaultdict(list))
     for r in res["records"]:
         if r["method"] != reference and not r.get("draw") and (r["seed"], r["question"]) in ref_answers:
-            same[f"{r['method']}@{r['budget']:g}"].append(normalise(r["output"]) == ref_answers[r["seed"],
-                                                                                                r["question"]])
+            agrees = normalise(r["output"]) == ref_answers[r["seed"], r["question"]]
+            same[f"{r['method']}@{r['budget']:g}"].append(agrees)
+            if r.get("qtype"):
+                by_type[f"{r['method']}@{r['budget']:g}"][r["qtype"]].append(agrees)
     rouge: dict = defaultdict(list)
     for d in res["descriptions"]:
         if d["method"] != reference and d["seed"] in ref_descriptions:
@@ -384,6 +387,8 @@ def loyalty(res: dict, reference: str) -> dict[str, dict]:
     out: dict = defaultdict(dict)
     for k, v in same.items():
         out[k]["agrees_with_full"] = {"n": len(v), "accuracy": sum(v) / len(v)}
+        out[k]["agrees_with_full_by_type"] = {q: {"n": len(a), "accuracy": sum(a) / len(a)}
+                                              for q, a in by_type[k].items()}
     for k, v in rouge.items():
         out[k]["describe_rouge_l_vs_full"] = {"n": len(v), "accuracy": sum(v) / len(v)}
     return out
@@ -601,7 +606,7 @@ def main(argv=None) -> int:
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     if args.leaderboard:
         accuracy_leaderboard.write(Path(args.leaderboard), summary, model=args.model, budget_mode=budget_mode,
-                                   query_agnostic=args.query_agnostic, device=args.device, dtype=args.dtype)
+                                   query_agnostic=args.query_agnostic, **accuracy_leaderboard.ran_on(loaded))
     md = markdown(summary)
     if len(budgets) > 1 or budgets != [1.0]:
         control = args.control if args.control in methods else None

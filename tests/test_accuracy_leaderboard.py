@@ -39,3 +39,34 @@ def test_rows_read_back_at_their_measured_share(tmp_path, query_agnostic):
     assert points["random"].samples == 50 and points["random"].accuracy == pytest.approx(20.0)
     assert snap.commit == "abc1234" and "vision_accuracy" in snap.command
     assert snap.produced_with.startswith("embedded")
+
+
+def test_each_subtask_is_a_column_of_both_scores(tmp_path):
+    """A long-cache task's own subtasks (not the single-image question types) become the columns, of the accuracy
+    and of the agreement with Full alike; Full agrees with itself in every column."""
+    by_sub = {"needle": {"correct": 1, "n": 4, "accuracy": 0.25}, "count": {"correct": 3, "n": 4, "accuracy": 0.75}}
+    summary = {
+        "full@1": {"all": {"correct": 7, "n": 8, "accuracy": 0.875}, "needle": by_sub["count"], "count": by_sub["count"]},
+        "h2o@0.1": {"all": {"correct": 4, "n": 8, "accuracy": 0.5}, **by_sub, "kv_share": 0.1,
+                    "agrees_with_full": {"n": 8, "accuracy": 0.5},
+                    "agrees_with_full_by_type": {"needle": {"n": 4, "accuracy": 0.0}, "count": {"n": 4, "accuracy": 1.0}}},
+    }
+    folder = tmp_path / "scene_multi" / "run"
+    al.write(folder, summary, model="embedded", budget_mode="published", query_agnostic=True, task="scene_multi",
+             qtypes=["needle", "count"], command="python -m benchmarks.long_accuracy", commit="abc1234")
+    assert (folder / "leaderboard.csv").read_text().splitlines()[0].endswith("score,scene_multi_needle,scene_multi_count")
+    assert (folder / "leaderboard-agreement.csv").read_text().splitlines()[0].endswith(
+        "score,scene_multi_needle,scene_multi_count")
+    points = {p.method: p for p in load_leaderboard(tmp_path).points}
+    h2o, full = points["h2o"], points["full"]
+    assert h2o.task_accuracy == {"scene_multi_needle": 25.0, "scene_multi_count": 75.0} and h2o.accuracy == 50.0
+    assert h2o.task_agreement == {"scene_multi_needle": 0.0, "scene_multi_count": 100.0} and h2o.agreement == 50.0
+    assert full.task_agreement == {"scene_multi_needle": 100.0, "scene_multi_count": 100.0}
+
+
+def test_the_device_and_dtype_recorded_are_those_the_model_ran_on():
+    import torch
+    from types import SimpleNamespace
+
+    ran = al.ran_on(SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16))
+    assert ran == {"device": "cpu", "dtype": "bfloat16"}

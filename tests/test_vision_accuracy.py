@@ -186,7 +186,8 @@ def test_controls_drawn_with_several_seeds_and_rows_at_their_real_memory(tmp_pat
 
 def test_loyalty_counts_agreement_with_full_right_or_wrong():
     def rec(method, question, output, budget=0.5, draw=0):
-        return {"seed": 1, "question": question, "method": method, "budget": budget, "output": output, "draw": draw}
+        return {"seed": 1, "question": question, "method": method, "budget": budget, "output": output, "draw": draw,
+                "qtype": "count" if question == "q2" else "colour"}
 
     res = {"records": [rec("full", "q1", "Red."), rec("full", "q2", "three"), rec("full", "q3", "circle"),
                        rec("h2o", "q1", "red"), rec("h2o", "q2", "two"), rec("h2o", "q3", "circle"),
@@ -197,6 +198,8 @@ def test_loyalty_counts_agreement_with_full_right_or_wrong():
     out = va.loyalty(res, "full")
     assert out["h2o@0.5"]["agrees_with_full"] == {"n": 3, "accuracy": 2 / 3}  # "two" differs, right or wrong
     assert out["random@0.5"]["agrees_with_full"] == {"n": 1, "accuracy": 0.0}  # its first draw only
+    assert out["h2o@0.5"]["agrees_with_full_by_type"] == {"colour": {"n": 2, "accuracy": 1.0},
+                                                          "count": {"n": 1, "accuracy": 0.0}}
     assert out["h2o@0.5"]["describe_rouge_l_vs_full"]["accuracy"] == pytest.approx(1.0)
     assert out["random@0.5"]["describe_rouge_l_vs_full"]["accuracy"] == pytest.approx(0.0)
     assert "full@1" not in out
