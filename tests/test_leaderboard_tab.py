@@ -88,7 +88,7 @@ def test_show_filters_the_shipped_rows(ctl):
                                                                   budget_mode="published") if p.method == "snapkv")
     assert list(snapkv.x) == pytest.approx(held)  # at the share it measured, not at r
     default = ctl.show_leaderboard()  # every filter left out: the defaults
-    assert len(default[1]) == 38 and "query-aware" in default[0].layout.title.text
+    assert len(default[1]) == 102 and "query-aware" in default[0].layout.title.text
     fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_aware", "equal_memory", "accuracy")
     assert rows == [] and "No stored results" in note and "query-aware, published" in note
     # the equal-memory sitting: the same rows, every budgeted one at the r it holds at every step
@@ -111,7 +111,7 @@ def test_unknown_filter_values_are_refused_with_the_list(ctl, values, message):
         ctl.show_leaderboard(*values)
     tasks = ", ".join(ctl.leaderboard.store.values("task"))  # the shipped tasks, scene_qa among them
     assert "scene_qa" in tasks and message.format(tasks=tasks) in err.value.message
-    assert len(ctl.show_leaderboard()[1]) == 38  # and the next request is served
+    assert len(ctl.show_leaderboard()[1]) == 102  # and the next request is served
 
 
 def test_export_writes_csv_json_and_the_figure_or_says_why_not(ctl, monkeypatch):
@@ -124,7 +124,7 @@ def test_export_writes_csv_json_and_the_figure_or_says_why_not(ctl, monkeypatch)
     assert [p.suffix for p in files] == [".csv", ".json", ".md"]
     assert "No Chromium or Chrome found" in message
     rows = list(csv.DictReader(io.StringIO(files[0].read_text())))
-    assert len(rows) == 38 and {r["query_mode"] for r in rows} == {"query_aware"}
+    assert len(rows) == 102 and {r["query_mode"] for r in rows} == {"query_aware"}
     assert json.loads(files[1].read_text())["query_mode"] == "query_aware"
     assert "synthetic scenes only" in files[2].read_text()
     with pytest.raises(gr.Error, match="figure_formats must be a list"):
@@ -165,8 +165,9 @@ def test_the_leaderboard_endpoints_through_gradio_client(tiny_llama, serve_app, 
         assert names == ["task", "model", "query_mode", "budget_mode", "metric"]
         figure, table, note = client.predict("scene_qa", "embedded", "query_aware", "published", "accuracy",
                                              api_name="/leaderboard")
-        assert len(table["data"]) == 38 and "synthetic scenes only" in note
-        assert "4116c7b" in json.dumps(figure)  # the hover carries the commit
+        assert len(table["data"]) == 102 and "synthetic scenes only" in note
+        shipped = Path(__file__).resolve().parents[1] / "benchmarks/leaderboard/scene_qa/embedded-query-aware"
+        assert json.loads((shipped / "results.json").read_text())["commit"] in json.dumps(figure)  # in the hover
         for hostile, field in [("../../../etc/passwd", "task"), ("x" * 5000, "task")]:
             with pytest.raises(Exception, match=f"{field} must be one of: .*scene_qa"):
                 client.predict(hostile, "embedded", "query_aware", "published", "accuracy", api_name="/leaderboard")
