@@ -12,7 +12,7 @@ import pytest
 
 from prefixkv_core import Engine
 from prefixkv_core.policies import method_colours
-from prefixkv_core.report.leaderboard_store import LeaderboardPoint, LeaderboardStore, load_leaderboard
+from prefixkv_core.report.leaderboard_store import DEFAULT_ROOT, LeaderboardPoint, LeaderboardStore, load_leaderboard
 from ui.leaderboard_chart import X_TITLE, leaderboard_figure
 
 
@@ -166,7 +166,7 @@ def test_the_leaderboard_endpoints_through_gradio_client(tiny_llama, serve_app, 
         figure, table, note = client.predict("scene_qa", "embedded", "query_aware", "published", "accuracy",
                                              api_name="/leaderboard")
         assert len(table["data"]) == 102 and "synthetic scenes only" in note
-        shipped = Path(__file__).resolve().parents[1] / "benchmarks/leaderboard/scene_qa/embedded-query-aware"
+        shipped = DEFAULT_ROOT / "scene_qa" / "embedded-query-aware"
         assert json.loads((shipped / "results.json").read_text())["commit"] in json.dumps(figure)  # in the hover
         for hostile, field in [("../../../etc/passwd", "task"), ("x" * 5000, "task")]:
             with pytest.raises(Exception, match=f"{field} must be one of: .*scene_qa"):
