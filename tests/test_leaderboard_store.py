@@ -54,7 +54,7 @@ def test_every_shipped_csv_row_is_one_point_with_both_scores(shipped):
 
 def test_shipped_points_say_how_they_were_produced(shipped):
     payload = json.loads((SHIPPED / "embedded-query-aware" / "results.json").read_text())
-    points = {(p.method, p.kept_share): p for p in shipped.select(query_mode="query_aware")}
+    points = {(p.method, p.kept_share): p for p in shipped.select(query_mode="query_aware", budget_mode="published")}
     snap = points[("snapkv", 0.3)]
     assert snap.command == payload["command"] and snap.commit == payload["commit"]
     assert snap.produced_with.startswith("embedded") and "cpu" in snap.produced_with
@@ -62,7 +62,7 @@ def test_shipped_points_say_how_they_were_produced(shipped):
     assert snap.kv_share == pytest.approx(round(payload["kv_share"]["snapkv@0.3"], 4))
     full = points[("full", 1.0)]  # the headline reports Full at r = 1
     assert full.compression_ratio == 0.0 and full.budget == 1.0 and full.accuracy > 95.0
-    zipvl = next(p for p in shipped.select(query_mode="query_aware") if p.method == "zipvl")
+    zipvl = next(p for p in shipped.select(query_mode="query_aware", budget_mode="published") if p.method == "zipvl")
     assert zipvl.budget is None  # budget-free: its ratio is the measured KV share
     assert zipvl.kept_share == pytest.approx(zipvl.kv_share, abs=1e-4)
 
@@ -132,7 +132,7 @@ def test_broken_folders_are_skipped_and_named(tmp_path):
 
 
 def test_points_download_as_csv_and_json(shipped):
-    points = shipped.select(query_mode="query_aware")
+    points = shipped.select(query_mode="query_aware", budget_mode="published")
     rows = list(csv.DictReader(io.StringIO(points_csv(points))))
     assert tuple(rows[0]) == EXPORT_COLUMNS and len(rows) == len(points)
     commit = json.loads((SHIPPED / "embedded-query-aware" / "results.json").read_text())["commit"]

@@ -89,14 +89,15 @@ def test_show_filters_the_shipped_rows(ctl):
     assert list(snapkv.x) == pytest.approx(held)  # at the share it measured, not at r
     default = ctl.show_leaderboard()  # every filter left out: the defaults
     assert len(default[1]) == 102 and "query-aware" in default[0].layout.title.text
-    fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_aware", "equal_memory", "accuracy")
-    assert rows == [] and "No stored results" in note and "query-aware, published" in note
-    # the equal-memory sitting: the same rows, every budgeted one at the r it holds at every step
-    fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", "query_agnostic", "equal_memory", "accuracy")
-    assert len(rows) == 102 and len(fig.data) == 22
-    assert {r[-2] for r in rows} == {"scene_qa/embedded-query-agnostic-equal-memory"}
-    snapkv = next(t for t in fig.data if t.name == "SnapKV")
-    assert list(snapkv.x) == pytest.approx([0.05, 0.1, 0.2, 0.3, 0.5], abs=0.005)
+    fig, rows, note = ctl.show_leaderboard("scene_multi", "embedded", "query_aware", "published", "accuracy")
+    assert rows == [] and "No stored results" in note and "query-agnostic, published" in note  # what there is
+    # the equal-memory sittings: the same rows, every budgeted one at the r it holds at every step
+    for mode in ("query_agnostic", "query_aware"):
+        fig, rows, note = ctl.show_leaderboard("scene_qa", "embedded", mode, "equal_memory", "accuracy")
+        assert len(rows) == 102 and len(fig.data) == 22
+        assert {r[-2] for r in rows} == {f"scene_qa/embedded-{mode.replace('_', '-')}-equal-memory"}
+        snapkv = next(t for t in fig.data if t.name == "SnapKV")
+        assert list(snapkv.x) == pytest.approx([0.05, 0.1, 0.2, 0.3, 0.5], abs=0.005)
 
 
 @pytest.mark.parametrize("values,message", [
@@ -130,7 +131,7 @@ def test_export_writes_csv_json_and_the_figure_or_says_why_not(ctl, monkeypatch)
     with pytest.raises(gr.Error, match="figure_formats must be a list"):
         ctl.export_leaderboard(None, None, None, None, None, ["../x.png"])
     with pytest.raises(gr.Error, match="nothing to download"):
-        ctl.export_leaderboard(None, None, None, "equal_memory", None, [])
+        ctl.export_leaderboard("scene_multi", None, "query_aware", None, None, [])
 
 
 def test_export_renders_the_paper_figure_with_chromium(ctl):
