@@ -7,7 +7,7 @@
 Every flag also reads an environment variable (PREFIXKV_MODEL, PREFIXKV_DEVICE, PREFIXKV_DTYPE,
 PREFIXKV_HOST, PORT, PREFIXKV_METHODS, PREFIXKV_MAX_NEW_TOKENS_LIMIT, and the limits: PREFIXKV_MAX_PROMPT_CHARS,
 PREFIXKV_MAX_PROMPT_TOKENS, PREFIXKV_MAX_RUN_TOKENS, PREFIXKV_MAX_IMAGE_MB, PREFIXKV_MAX_IMAGE_MEGAPIXELS,
-PREFIXKV_MAX_VIDEO_MB, PREFIXKV_MAX_VIDEO_MEGAPIXELS, PREFIXKV_MAX_SESSIONS, PREFIXKV_SESSION_IDLE_MINUTES, PREFIXKV_CACHE_LIMIT_MB, PREFIXKV_MEMORY_LIMIT_MB,
+PREFIXKV_MAX_VIDEO_MB, PREFIXKV_MAX_VIDEO_MEGAPIXELS, PREFIXKV_MAX_VIDEO_DECODE_SECONDS, PREFIXKV_MAX_SESSIONS, PREFIXKV_SESSION_IDLE_MINUTES, PREFIXKV_CACHE_LIMIT_MB, PREFIXKV_MEMORY_LIMIT_MB,
 PREFIXKV_QUEUE_SIZE, PREFIXKV_ENGINE_PROCESS, PREFIXKV_SERVER_NICE), which is how the Docker image / a Hugging Face
 Space sets them. No share link is ever opened.
 
@@ -94,7 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-video-megapixels", type=_positive(float),
                    default=_env("PREFIXKV_MAX_VIDEO_MEGAPIXELS", "100"),
                    help="a video's sampled frames together, frames x width x height, read from its header before "
-                        "decoding (default 100)")
+                        "decoding and checked again as they decode (default 100)")
+    g.add_argument("--max-video-decode-seconds", type=_positive(float),
+                   default=_env("PREFIXKV_MAX_VIDEO_DECODE_SECONDS", "20"),
+                   help="the decoder's time for one video; the frames it must go through are also bounded before "
+                        "it starts (default 20)")
     g.add_argument("--max-sessions", type=_positive(int), default=_env("PREFIXKV_MAX_SESSIONS", "6"),
                    help="conversations that keep their KV caches for follow-ups; least recently used dropped "
                         "first (default 6)")
@@ -125,7 +129,8 @@ def build_limits(args: argparse.Namespace, loaded):
     return Limits(max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
                   max_run_tokens=args.max_run_tokens, max_image_bytes=int(args.max_image_mb * MB),
                   max_image_pixels=int(args.max_image_megapixels * 1e6), max_video_bytes=int(args.max_video_mb * MB),
-                  max_video_pixels=int(args.max_video_megapixels * 1e6), max_sessions=args.max_sessions,
+                  max_video_pixels=int(args.max_video_megapixels * 1e6),
+                  max_video_decode_s=args.max_video_decode_seconds, max_sessions=args.max_sessions,
                   idle_s=args.session_idle_minutes * 60, max_batch_users=args.max_batch_users,
                   cache_limit_bytes=ceiling(args.cache_limit_mb, lambda: default_cache_limit(loaded)),
                   memory_limit_bytes=ceiling(args.memory_limit_mb, default_memory_limit))

@@ -45,9 +45,9 @@ class LimitError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Every bound a server applies. The first five and the two video fields bound one request; the five
-    between them bound what all conversations together may hold (the app's session registry enforces them) and
-    how many decode at once."""
+    """Every bound a server applies. The first five and the video fields bound one request; the five between
+    them bound what all conversations together may hold (the app's session registry enforces them) and how many
+    decode at once."""
 
     max_prompt_chars: int = 2000
     max_prompt_tokens: int = 1024  # the user's text of one turn, without the chat template or the image
@@ -61,15 +61,22 @@ class Limits:
     max_batch_users: int = 4  # conversations whose turns run at once, decoded in one batch; more wait in the queue
     max_video_bytes: int = 64 * MB  # a video file (uploads only), checked before it is opened
     max_video_pixels: int = 100_000_000  # the sampled frames together (frames × width × height), before decoding
+    max_frame_pixels: int = 4096 * 4096  # every decoded frame of a video, not only the size its header states
+    max_video_decode_pixels: int = 4_000_000_000  # frames decoded to reach the sampled ones (about 2,000 at 1080p)
+    max_video_decode_s: float = 20.0  # the decoder's time for one video
 
     def __post_init__(self):
         for name in ("max_prompt_chars", "max_prompt_tokens", "max_run_tokens", "max_image_bytes",
-                     "max_image_pixels", "max_sessions", "max_batch_users", "max_video_bytes", "max_video_pixels"):
+                     "max_image_pixels", "max_sessions", "max_batch_users", "max_video_bytes", "max_video_pixels",
+                     "max_frame_pixels", "max_video_decode_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive whole number, got {value!r}")
-        if not (isinstance(self.idle_s, (int, float)) and math.isfinite(self.idle_s) and self.idle_s > 0):
-            raise ValueError(f"idle_s must be a positive number of seconds, got {self.idle_s!r}")
+        for name in ("idle_s", "max_video_decode_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         for name in ("cache_limit_bytes", "memory_limit_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -301,22 +308,74 @@ def _too_big(size: int, max_bytes: int) -> LimitError:
 
 
 def decode_image_bytes(data: bytes, *, max_pixels: int) -> Image.Image:
-    """Bytes of a PNG/JPEG/WebP/BMP/GIF -> RGB image (EXIF rotation applied). The pixel count is checked
-    from the header, before anything is decoded. Raises LimitError."""
+    """Bytes of a PNG/JPEG/WebP/BMP/GIF -> RGB image (EXIF rotation applied, high bit depths scaled to 8 bits). The
+    pixel count is checked from the header, before anything is decoded. Raises LimitError."""
     try:
         im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         w, h = im.size
         if w * h > max_pixels:
-            raise LimitError(f"the image is {w}×{h} pixels ({w * h / 1e6:.1f} megapixels); "
-                             f"the limit is {max_pixels / 1e6:g} megapixels")
+            raise _too_many_pixels(w, h, max_pixels)
         im.load()
         im = ImageOps.exif_transpose(im) or im
-        return im.convert("RGB")
+        return as_rgb(im)
     except LimitError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError,
-            TypeError, IndexError, KeyError, ZeroDivisionError):
+    except Image.DecompressionBombError:  # Pillow's own guard, far above ours: say which limit it is over
+        size = _header_size(data)
+        raise (_too_many_pixels(*size, max_pixels) if size else LimitError(
+            f"the image is over {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels; the limit is "
+            f"{max_pixels / 1e6:g} megapixels")) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, TypeError, IndexError, KeyError,
+            ZeroDivisionError):
         raise LimitError(IMAGE_REFUSED) from None
+
+
+def _too_many_pixels(w: int, h: int, max_pixels: int) -> LimitError:
+    return LimitError(f"the image is {w}×{h} pixels ({w * h / 1e6:.1f} megapixels); "
+                      f"the limit is {max_pixels / 1e6:g} megapixels")
+
+
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) as the header states them, read by the decoder's own header parser without Pillow's
+    decompression-bomb check (which refuses to say the size); None when no allowed format reads it."""
+    for fmt in IMAGE_FORMATS:
+        factory, accept = Image.OPEN[fmt]
+        if accept is not None and not accept(data[:16]):
+            continue
+        try:
+            return tuple(factory(io.BytesIO(data), "").size)
+        except Exception:  # noqa: BLE001 - not this format after all
+            continue
+    return None
+
+
+HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """An image in 8-bit RGB. Pillow's own conversion clips 16-bit and 32-bit greyscale to 255 (a 16-bit PNG turns
+    white), so those are scaled: 16-bit samples by 1/257, integer images whose values fit 8 or 16 bits as such, any
+    other range (and floating point outside 0-1) stretched over 0-255."""
+    if image.mode not in HIGH_DEPTH_MODES:
+        return image.convert("RGB")
+    import numpy as np
+
+    values = np.asarray(image).astype(np.float64)
+    if image.mode.startswith("I;16"):
+        values = values / 257.0
+    else:
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if image.mode == "F" and low >= 0.0 and high <= 1.0:
+            values = values * 255.0
+        elif image.mode == "I" and low >= 0 and high <= 255:
+            pass
+        elif image.mode == "I" and low >= 0 and high <= 65535:
+            values = values / 257.0
+        else:
+            values = (values - low) * (255.0 / (high - low)) if high > low else np.zeros_like(values)
+    grey = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
+    grey.info = dict(image.info)
+    return grey.convert("RGB")
 
 
 def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> Image.Image:

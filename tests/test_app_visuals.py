@@ -292,9 +292,9 @@ def test_bad_visuals_are_refused_and_the_last_comparison_stays(tiny_llama, noise
     cases = [(dict(images=[noise_image, str(text)]), "image 3 of 3: not a readable image"),
              (dict(video=str(corrupt)), "video: not a readable video"),
              (dict(video=str(big)), r"video: the video is 0.2 MB; the limit is 0.190735 MB"),
-             (dict(images=[noise_image] * 8), r"this run would reach \d+ tokens \(prompt, 144 of them for 9 images, "
-                                              r"\+ 3 new tokens\); the limit is 120: at most \d of them fit"),
-             (dict(video=str(CLIP), frames=7), r"for 1 image and 7 frames.* at most \d of them fit"),
+             (dict(images=[noise_image] * 8), r"9 images take 144 tokens; with the text and 3 new tokens that is \d+, "
+                                              r"over this run's limit of 120: at most \d of them fit"),
+             (dict(video=str(CLIP), frames=7), r"1 image and 7 frames take .* at most \d of them fit"),
              (dict(video=str(CLIP), frames=0), "frames must be a whole number from 1 to 64, got 0"),
              (dict(video=str(CLIP), frames=99), "frames must be a whole number from 1 to 64, got 99"),
              (dict(images="abc"), "images must be a list of images")]

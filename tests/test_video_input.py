@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -50,12 +51,114 @@ def test_container_without_a_frame_count(tmp_path):
     assert frame_numbers(clip) == np.linspace(0, 16, 5, dtype=int).tolist()
 
 
-def test_a_wrong_count_in_the_header_is_resampled(tmp_path, monkeypatch):
-    path = clip_file(tmp_path, 20)
-    probe = video_input._probe
-    monkeypatch.setattr(video_input, "_probe", lambda fh, refuse: (30, probe(fh, refuse)[1]))
+def test_the_count_comes_from_the_packets_not_the_header(tmp_path):
+    """A stream cut short (a damaged upload) holds fewer frames than written: they are counted from the packets that
+    are there, and the sample spreads over those."""
+    path = clip_file(tmp_path, 40, name="clip.mkv")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.mkv"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    clip = load_video(cut, frames=4)
+    assert 4 < clip.total_frames < 40
+    got = frame_numbers(clip)  # in presentation order, from the part that is there (B-frames: not quite a prefix)
+    assert len(got) == 4 and got[0] == 0 and got == sorted(set(got)) and got[-1] < 40
+    assert clip.decoded_frames <= clip.total_frames
+
+
+def numbered_frames(n, size=(64, 48)):
+    """Frame i carries i in base 16, a digit a channel in steps of 16, so up to 4096 frames survive lossy coding."""
+    return [Image.new("RGB", size, (16 * (i // 256), 16 * (i // 16 % 16), 16 * (i % 16))) for i in range(n)]
+
+
+def numbers_of(clip):
+    out = []
+    for f in clip.frames:
+        r, g, b = np.asarray(f).reshape(-1, 3).mean(axis=0)
+        out.append(256 * round(r / 16) + 16 * round(g / 16) + round(b / 16))
+    return out
+
+
+def write_gop_clip(path, n, keyint, fps=30):
+    """H.264 with a keyframe every `keyint` frames (and B-frames, x264's default)."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"g": str(keyint), "keyint_min": str(keyint),
+                                                                    "sc_threshold": "0", "crf": "10"})
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for image in numbered_frames(n):
+            container.mux(stream.encode(av.VideoFrame.from_image(image)))
+        container.mux(stream.encode())
+    return path
+
+
+@pytest.mark.skipif("libx264" not in av.codecs_available, reason="needs the bundled libx264")
+def test_sampled_frames_are_reached_by_seeking(tmp_path):
+    """The decoder goes through the group of pictures before each sampled frame, not the whole stream."""
+    path = write_gop_clip(tmp_path / "long.mp4", 1200, keyint=30)
     clip = load_video(path, frames=4)
-    assert clip.total_frames == 20 and frame_numbers(clip) == [0, 6, 12, 19]
+    assert numbers_of(clip) == np.linspace(0, 1199, 4, dtype=int).tolist() and clip.total_frames == 1200
+    assert clip.decoded_frames <= 4 * 30 + 8
+    one = load_video(path, frames=1)
+    assert numbers_of(one) == [0] and one.decoded_frames <= 4
+    many = load_video(path, frames=64)  # neighbouring samples in one group: decoded once, never past the last one
+    assert numbers_of(many) == np.linspace(0, 1199, 64, dtype=int).tolist()
+    assert many.decoded_frames <= 64 * 30 and many.describe()["decoded_frames"] == many.decoded_frames
+
+
+@pytest.mark.skipif("libx264" not in av.codecs_available, reason="needs the bundled libx264")
+def test_a_stream_with_few_keyframes_is_refused_before_decoding(tmp_path, monkeypatch):
+    path = write_gop_clip(tmp_path / "one-key.mp4", 600, keyint=1000)
+    bounds = video_input.DecodeBounds(decode_pixels=100 * 64 * 48)
+    decoded = []
+    monkeypatch.setattr(video_input, "_decode", lambda *a: decoded.append(a))
+    with pytest.raises(EngineError, match=r"reaching 4 sampled frames means decoding 59\d frames of this video "
+                                          r"\(0\.0 gigapixels; its keyframes are far apart\); the limit is"):
+        load_video(path, frames=4, bounds=bounds)
+    assert decoded == []
+    monkeypatch.undo()
+    assert numbers_of(load_video(path, frames=1, bounds=bounds)) == [0]  # its first frame costs one decode
+    with pytest.raises(EngineError, match=r"decoding the video took more than 1e-09 s and was stopped"):
+        load_video(path, frames=4, bounds=video_input.DecodeBounds(decode_s=1e-9))
+
+
+def write_jpeg_avi(path, sizes, fps=8):
+    """An MJPEG AVI whose header states the first frame's size; each later frame is a JPEG of its own size, muxed
+    as it is (a decoder takes each frame's size from the frame)."""
+    import io
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mjpeg", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = sizes[0][0], sizes[0][1], "yuvj420p"
+        for k, size in enumerate(sizes):
+            buf = io.BytesIO()
+            Image.new("RGB", size, (STEP * k,) * 3).save(buf, "JPEG", quality=50)
+            packet = av.Packet(buf.getvalue())
+            packet.stream, packet.pts, packet.dts = stream, k, k
+            packet.time_base = Fraction(1, fps)
+            container.mux(packet)
+    return path
+
+
+def test_every_decoded_frame_is_held_to_the_limits(tmp_path):
+    """A header that states small frames does not let larger ones through: each frame is measured as it decodes,
+    the sampled ones together too; frames within the limits are brought to one size."""
+    path = write_jpeg_avi(tmp_path / "grows.avi", [(64, 48)] + [(640, 480)] * 7)
+    with pytest.raises(EngineError, match=r"a frame of the video is 640×480 pixels \(its header says 64×48\); "
+                                          r"the limit is 0\.1 megapixels a frame"):
+        load_video(path, frames=4, bounds=video_input.DecodeBounds(frame_pixels=100_000))
+    with pytest.raises(EngineError, match=r"the 4 sampled frames hold more than 0\.5 megapixels \(frames of "
+                                          r"640×480 pixels, larger than the video's header says\)"):
+        load_video(path, frames=4, bounds=video_input.DecodeBounds(clip_pixels=500_000))
+    clip = load_video(path, frames=4)
+    assert clip.size == (64, 48) and all(f.size == (64, 48) for f in clip.frames)
+    assert frame_numbers(clip) == [0, 2, 4, 7]
+
+
+def test_streams_longer_than_the_limit_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(video_input, "MAX_STREAM_FRAMES", 10)
+    with pytest.raises(EngineError, match="the video has 20 frames; the limit is 10: send a shorter clip"):
+        load_video(clip_file(tmp_path, 20), frames=2)  # from the header
+    with pytest.raises(EngineError, match="the video has more than 10 frames; the limit is 10"):
+        load_video(clip_file(tmp_path, 20, name="clip.mkv"), frames=2)  # no count stated: read that far only
 
 
 def test_avi_frames_are_stamped_by_index(tmp_path):

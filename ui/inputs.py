@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import gradio as gr
 from PIL import Image
 
-from prefixkv_core.limits import (IMAGE_REFUSED, LimitError, Limits, decode_data_url, is_inside,
+from prefixkv_core.limits import (IMAGE_REFUSED, LimitError, Limits, as_rgb, decode_data_url, is_inside,
                                   read_image_file)
 from prefixkv_core.policies import Budget, PolicyError
 
@@ -30,7 +30,6 @@ MAX_PROMPT_CHARS = DEFAULT_LIMITS.max_prompt_chars
 MAX_DISPLAY_SIDE = 2048  # larger uploads are downscaled before anything else sees them
 MAX_SEED = 2**32 - 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
-MAX_LISTED_FILES = 64  # file objects looked at in one list (a gallery holds at most this many images)
 
 
 # -- refusals ------------------------------------------------------------------------------------------------
@@ -123,7 +122,7 @@ def image_from_payload(payload: Any, limits: Limits, roots: Iterable[str]) -> Im
 def downscale(image: Image.Image | None, side: int = MAX_DISPLAY_SIDE) -> Image.Image | None:
     if image is None:
         return None
-    image = image.convert("RGB")
+    image = as_rgb(image)
     if max(image.size) > side:
         image = image.copy()
         image.thumbnail((side, side))
@@ -227,33 +226,32 @@ def guard_input(component, field: str):
     return component
 
 
-def _names_remote_file(value: Any, depth: int = 0) -> bool:
+def _file_objects(value: Any) -> Iterable[dict]:
+    """Every dict with a string `path` in a payload, at any depth and in every item of every list, as Gradio's own
+    walk finds them (the request body's size limit bounds the walk; a stack, not recursion, so nesting cannot
+    exhaust it)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("path"), str):
+                yield item
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _names_remote_file(value: Any) -> bool:
     """A file object whose path is a URL (gradio downloads those into its cache)."""
-    if depth > 3:
-        return False
-    if isinstance(value, dict):
-        path = value.get("path")
-        if isinstance(path, str) and path.strip().lower().startswith(("http://", "https://")):
-            return True
-        return any(_names_remote_file(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_names_remote_file(v, depth + 1) for v in value[:MAX_LISTED_FILES])
-    return False
+    return any(obj["path"].strip().lower().startswith(("http://", "https://")) for obj in _file_objects(value))
 
 
-def _marked_paths(value: Any, depth: int = 0) -> Iterable[str]:
+def _marked_paths(value: Any) -> Iterable[str]:
     """The paths of the file objects in a payload that carry Gradio's marker (those gradio itself reads)."""
-    if depth > 3:
-        return
-    if isinstance(value, dict):
-        meta, path = value.get("meta"), value.get("path")
-        if isinstance(meta, dict) and meta.get("_type") == "gradio.FileData" and isinstance(path, str):
-            yield path
-        for v in value.values():
-            yield from _marked_paths(v, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for v in value[:MAX_LISTED_FILES]:
-            yield from _marked_paths(v, depth + 1)
+    for obj in _file_objects(value):
+        meta = obj.get("meta")
+        if isinstance(meta, dict) and meta.get("_type") == "gradio.FileData":
+            yield obj["path"]
 
 
 def _not_uploaded(value: Any) -> bool:
@@ -269,6 +267,15 @@ def _refusal(block_fn, inputs: list[Any], bad: Callable[[Any, Any], bool]) -> st
         if bad(block, value):
             return getattr(block, "refusal", None) or f"image: {IMAGE_REFUSED}"
     return None
+
+
+def _check_list_lengths(block_fn, inputs: list[Any]) -> None:
+    """A list input holding more items than its component takes (`max_items`, with the sentence `too_many` makes)
+    is refused before Gradio walks its items."""
+    for block, value in zip(block_fn.inputs, inputs or []):
+        limit = getattr(block, "max_items", None)
+        if limit is not None and isinstance(value, (list, tuple)) and len(value) > limit:
+            raise refuse(block.too_many(len(value)))
 
 
 def _unmarked_file(block, value: Any) -> bool:
@@ -312,12 +319,14 @@ def guard_requests(blocks) -> None:
             refusal = _refusal(block_fn, inputs, lambda block, value: bad(value))
             if refusal:
                 raise refuse(refusal)
+        _check_list_lengths(block_fn, inputs)
         try:
             return await preprocess_data(block_fn, inputs, state, explicit_call)
         except gr.Error:
             raise
-        except InvalidPathError:
-            raise refuse(f"image: {IMAGE_REFUSED}") from None
+        except InvalidPathError:  # a path this walk did not see: named after the input that holds one
+            raise refuse(_refusal(block_fn, inputs, lambda block, value: any(True for _ in _marked_paths(value)))
+                         or f"image: {IMAGE_REFUSED}") from None
         except Exception as exc:  # noqa: BLE001 - a value gradio could not even parse
             title, refusal = str(getattr(exc, "title", "")), _refusal(block_fn, inputs, _unmarked_file)
             if title == "FileData" and refusal:

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from prefixkv_core import EngineError, GenerationSettings
-from prefixkv_core.limits import LimitError, Limits, check_followup, estimate_run_bytes, kv_bytes_per_token
+from prefixkv_core.limits import (LimitError, Limits, check_followup, estimate_run_bytes, kv_bytes_per_token,
+                                  run_token_limit)
 
 from .catalog import model_facts
 from .inputs import (KnobSpec, check_budget_mode, check_query_agnostic, check_request, check_sampling,
@@ -100,7 +101,8 @@ class Turns:
         session = self.engine.new_session(visuals.engine_images(), prompt, methods, budget, settings, knobs,
                                           budget_mode=budget_mode, query_agnostic=query_agnostic,
                                           time_alone=time_alone, video=visuals.clip,
-                                          frames=len(visuals.frames) if visuals.clip is not None else None)
+                                          frames=len(visuals.frames) if visuals.clip is not None else None,
+                                          token_limit=run_token_limit(limits, loaded))
         tokens = check_first_turn(limits, loaded, prompt, session.visuals, max_new)
         if box.run is not None and box.run.active:
             box.run.cancel.set()  # its caches are dropped next: the engine must let go of them first

@@ -23,7 +23,8 @@ from PIL import Image
 from prefixkv_core.errors import EngineError
 from prefixkv_core.limits import IMAGE_REFUSED, MB, LimitError, Limits, is_inside
 from prefixkv_core.session.image_input import MAX_VISUALS
-from prefixkv_core.session.video_input import DEMUXERS, VIDEO_REFUSED, VideoClip, check_frames, load_video
+from prefixkv_core.session.video_input import (DEMUXERS, VIDEO_REFUSED, DecodeBounds, VideoClip, check_frames,
+                                               load_video)
 
 from .inputs import DEFAULT_LIMITS, MAX_DISPLAY_SIDE, downscale, image_from_payload, refuse, upload_folder
 
@@ -55,7 +56,7 @@ def checked_gallery(limits: Limits = DEFAULT_LIMITS, roots: Callable[[], Iterabl
         if not items:
             return None
         if len(items) > MAX_VISUALS:
-            raise refuse(f"images: {len(items)} images; the limit is {MAX_VISUALS}")
+            raise refuse(too_many(len(items)))
         side, folders, images = side_for(len(items)), list(allowed()), []
         for k, item in enumerate(items, 1):
             where = f"images: image {k} of {len(items)}" if len(items) > 1 else "images"
@@ -67,8 +68,12 @@ def checked_gallery(limits: Limits = DEFAULT_LIMITS, roots: Callable[[], Iterabl
                 raise refuse(f"{where}: {exc}") from None
         return images
 
+    def too_many(count: int) -> str:
+        return f"images: {count} images; the limit is {MAX_VISUALS}"
+
     component.preprocess = preprocess
     component.refusal = f"images: {IMAGE_REFUSED}"
+    component.max_items, component.too_many = MAX_VISUALS, too_many  # checked before Gradio walks the list
     return component
 
 
@@ -141,8 +146,9 @@ def checked_video(limits: Limits = DEFAULT_LIMITS, roots: Callable[[], Iterable[
 
 def load_checked_video(video: Any, frames: Any, limits: Limits, roots: Iterable[str]) -> VideoClip:
     """A VideoUpload (or a path, checked now) sampled to `frames` frames: the frames' pixels together are checked
-    against the limit from the header, then decoded by the engine's reader (which checks the file again) and
-    downscaled to FRAME_SIDE. Raises EngineError."""
+    against the limit from the header, then decoded by the engine's reader (which checks the file again, every
+    decoded frame against the per-frame and total limits, and the decoder's work) and downscaled to FRAME_SIDE.
+    Raises EngineError."""
     frames = check_frames(frames)
     roots = list(roots)
     if not isinstance(video, VideoUpload):
@@ -152,9 +158,16 @@ def load_checked_video(video: Any, frames: Any, limits: Limits, roots: Iterable[
         fit = max(1, limits.max_video_pixels // (w * h))
         raise EngineError(f"{frames} frames of {w}×{h} pixels are {frames * w * h / 1e6:.0f} megapixels; the limit "
                           f"is {limits.max_video_pixels / 1e6:g}: ask for at most {fit} frames or send a smaller video")
-    clip = load_video(video.path, frames, allowed_roots=roots, max_bytes=limits.max_video_bytes)
+    clip = load_video(video.path, frames, allowed_roots=roots, max_bytes=limits.max_video_bytes,
+                      bounds=video_bounds(limits))
     small = tuple(_smaller(f) for f in clip.frames)
     return replace(clip, frames=small, size=small[0].size)
+
+
+def video_bounds(limits: Limits) -> DecodeBounds:
+    """What decoding one client's video may cost, from the server's limits."""
+    return DecodeBounds(frame_pixels=limits.max_frame_pixels, clip_pixels=limits.max_video_pixels,
+                        decode_pixels=limits.max_video_decode_pixels, decode_s=limits.max_video_decode_s)
 
 
 def _smaller(frame: Image.Image) -> Image.Image:

@@ -9,16 +9,15 @@ from typing import Any, Iterable
 from PIL import Image
 
 from prefixkv_core import EngineError
-from prefixkv_core.limits import LimitError, Limits, check_prompt, check_text, image_tokens, prompt_tokens, \
-    run_token_limit
+from prefixkv_core.limits import LimitError, Limits, check_prompt, check_text, run_token_limit
 from prefixkv_core.session.image_input import MAX_VISUALS
 from prefixkv_core.session.video_input import DEFAULT_FRAMES, VideoClip, check_frames
+from prefixkv_core.session.visuals import check_fits
 
 from .inputs import downscale
 from .runstate import ShownVisuals
 from .visual_inputs import load_checked_video, side_for
 
-VIDEO_MARKER = "<video>"
 ONE_IMAGE_SIDE = 1024  # the display copy of a lone image (the overlay draws it at 336 pixels high)
 IMAGE_SIDE = 512  # of each of several images
 FRAME_SIDE = 256  # of each video frame (drawn small, in a strip)
@@ -75,53 +74,17 @@ def check_first_turn(limits: Limits, loaded, prompt: str, visuals, max_new_token
     """The first turn within the limits, every image and frame counted at its size; returns the tokens the run may
     reach. `visuals`: the engine session's `TurnVisuals` (the prompt as placed, what is encoded as images, and a
     video's frames where the family reads video natively). One image (or none) is checked as before
-    (`check_prompt`). Raises LimitError."""
+    (`check_prompt`); several are counted as the engine counted them when it held them to the same limit
+    (`new_session(token_limit=...)`), so this check never gives other advice. Raises LimitError."""
     if visuals.count <= 1:
         pictures = list(visuals.images) + list(getattr(visuals, "frames", None) or [])
         return check_prompt(limits, loaded, prompt, with_image=bool(pictures), max_new_tokens=max_new_tokens,
                             image_size=pictures[0].size if pictures else None)
     check_text(limits, loaded, prompt)
-    per_visual = [image_tokens(loaded, im.size) for im in visuals.images]
-    text_prompt = visuals.prompt
-    native = list(getattr(visuals, "frames", None) or [])
-    around = 0  # the text a native video's span adds around its tokens (Qwen3-VL's timestamps)
-    if native:  # read on the family's own video path: its marker holds the pooled frames' tokens
-        from prefixkv_core.models.video import video_text_tokens
-
-        text_prompt = text_prompt.replace(VIDEO_MARKER, "")
-        per_visual += _native_frame_tokens(loaded, len(native), native[0].size)
-        around = video_text_tokens(loaded.model.config, len(native), getattr(loaded, "processor", None),
-                                   getattr(visuals, "video_times", None), getattr(visuals, "video_fps", None))
-    total = prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + around + int(max_new_tokens)
-    text, total = total, total + sum(per_visual)
-    limit = run_token_limit(limits, loaded)
-    if total <= limit:
-        return total
-    used, fit = text, 0
-    for n in per_visual:
-        used += n
-        if used > limit:
-            break
-        fit += 1
-    raise LimitError(f"this run would reach {total} tokens (prompt, {sum(per_visual)} of them for "
-                     f"{describe(visuals.n_images, visuals.count - visuals.n_images)}, + {int(max_new_tokens)} new "
-                     f"tokens); the limit is {limit}: at most {fit} of them fit: send fewer images, fewer frames or "
-                     "smaller images, or lower max new tokens")
-
-
-def _native_frame_tokens(loaded, n_frames: int, frame_size=None) -> list[int]:
-    """Per frame, the tokens of a video read natively (OneVision's pooled grids and closing newline, Qwen's merged
-    grid per temporal group), spread evenly."""
-    from prefixkv_core.models.video import video_token_count
-
-    total = video_token_count(loaded.model.config, n_frames, frame_size, getattr(loaded, "processor", None))
-    return [total // n_frames + (1 if k < total % n_frames else 0) for k in range(n_frames)]
-
-
-def describe(n_images: int, n_frames: int) -> str:
-    """'3 images and 8 frames', '2 images', '8 frames'."""
-    parts = [f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((n_images, "image"), (n_frames, "frame")) if n]
-    return " and ".join(parts) or "no image"
+    try:
+        return check_fits(loaded, visuals, max_new_tokens, run_token_limit(limits, loaded))
+    except EngineError as exc:
+        raise LimitError(str(exc)) from None
 
 
 def shown(session, clip: VideoClip | None) -> ShownVisuals | None:

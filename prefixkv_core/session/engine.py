@@ -90,7 +90,7 @@ class Engine:
                     knobs: dict[str, dict[str, Any]] | None = None, *, chat_template: bool = True,
                     budget_mode: str = "published", query_agnostic: bool = False, time_alone: bool = False,
                     batched: bool = True, video: Any = None, frames: int | None = None,
-                    draws: int = 1) -> "Session":
+                    draws: int = 1, token_limit: int | None = None) -> "Session":
         """`image`: None, one image (PIL or path) or a list of them, in order. `video`: a video file (or a
         `VideoClip`, or a list of frames), sampled uniformly to `frames` frames (default 8) that the model reads
         on its own video path (LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else as images after the images.
@@ -118,7 +118,11 @@ class Engine:
 
         `draws=N` runs each control that draws at random (Random, Random drop) N times, as rows "random",
         "random~1" … "random~N-1" (with the same knobs): row k is the draw a comparison with seed `seed + k` makes
-        for this request, so chance comes as a spread over N draws from one prefill instead of N comparisons."""
+        for this request, so chance comes as a spread over N draws from one prefill instead of N comparisons.
+
+        `token_limit`: the most tokens the first turn may reach (prompt, every image and frame, and the new tokens),
+        the model's context at most (its default); several images or frames over it are refused before anything is
+        encoded, with how many of them fit (a server passes its own run limit, so the advice is the tightest)."""
         if isinstance(prompt, (list, tuple)):
             raise EngineError("the engine runs batch size 1: pass one prompt, not a list")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -143,8 +147,11 @@ class Engine:
         generation = generation or GenerationSettings()
         generation.validate()
         knobs = knobs or {}
+        if token_limit is not None and (isinstance(token_limit, bool) or not isinstance(token_limit, int)
+                                        or token_limit < 1):
+            raise EngineError(f"token_limit must be a positive whole number or None, got {token_limit!r}")
         visuals = gather_visuals(self.loaded, prompt, load_images(image), video, frames,
-                                 max_new_tokens=generation.max_new_tokens)
+                                 max_new_tokens=generation.max_new_tokens, token_limit=token_limit)
         # what a policy may need before it runs (e.g. offline PrefixKV's calibrated ratios, Random's seed and the
         # request it draws for)
         context = ResolveContext(self.loaded.slug, self.loaded.name, self.loaded.num_layers, budget,

@@ -16,7 +16,8 @@ MAX_VISUALS = 64  # images and video frames in one turn (the context is the real
 
 def load_image(image: Any, *, allowed_roots: Any = None, max_bytes: int | None = None,
                max_pixels: int | None = None) -> Image.Image | None:
-    """None, a PIL image, or a path -> RGB PIL image (downscaled if huge). Raises EngineError.
+    """None, a PIL image, or a path -> 8-bit RGB PIL image (downscaled if huge; 16-bit greyscale scaled, not
+    clipped). Raises EngineError.
 
     Who may name a path decides how it is opened. A local user (the CLI, a script) may open any file
     they can read, and errors say what went wrong. A server passes `allowed_roots`, the folders its
@@ -40,7 +41,7 @@ def load_image(image: Any, *, allowed_roots: Any = None, max_bytes: int | None =
     if max_pixels is not None and image.size[0] * image.size[1] > max_pixels:
         raise EngineError(f"the image is {image.size[0]}×{image.size[1]} pixels; the limit is "
                           f"{max_pixels / 1e6:g} megapixels")
-    image = image.convert("RGB")
+    image = limits.as_rgb(image)
     if max(image.size) > MAX_IMAGE_SIDE:
         image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
     return image

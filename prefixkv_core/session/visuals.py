@@ -127,41 +127,51 @@ def _place(prompt: str, n_images: int, n_frames: int, native: bool) -> str:
     return prompt if native else prompt.replace(VIDEO_MARKER, IMAGE_TOKEN * n_frames)
 
 
-def _check_fits(loaded, visuals: TurnVisuals, max_new_tokens: int) -> None:
-    """EngineError, before any encoding, when the images and frames would not fit the model's context, naming
-    how many of them would."""
-    if getattr(loaded, "processor", None) is None or visuals.count < 2:
-        return  # one image: the encoded prompt is checked as it is (the message names its tokens)
+def turn_tokens(loaded, visuals: TurnVisuals, max_new_tokens: int) -> tuple[int, list[int]]:
+    """A first turn's tokens with several visuals: (the text's, the template and the new tokens included; each image's
+    and frame's, at its size, a native video's spread evenly over its frames)."""
     config = loaded.model.config
     per_visual = [limits.image_tokens(loaded, im.size) for im in visuals.images]
     text_prompt = visuals.prompt.replace(VIDEO_MARKER, "") if visuals.native_video else visuals.prompt
-    text = limits.prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + max_new_tokens
+    text = limits.prompt_tokens(loaded, text_prompt, len(visuals.images), image_sizes=[]) + int(max_new_tokens)
     if visuals.native_video:  # the video's tokens, spread evenly over its frames (the text around them: the text's)
         n_frames = len(visuals.frames)
         total = video_token_count(config, n_frames, visuals.frames[0].size, loaded.processor)
         text += video_text_tokens(config, n_frames, loaded.processor, visuals.video_times, visuals.video_fps)
         per_visual += [total // n_frames + (1 if k < total % n_frames else 0) for k in range(n_frames)]
+    return text, per_visual
+
+
+def check_fits(loaded, visuals: TurnVisuals, max_new_tokens: int, token_limit: int | None = None) -> int | None:
+    """The tokens a first turn with several visuals reaches; EngineError, before any encoding, when they pass
+    `token_limit` (at most the model's context, its default), naming how many of the visuals would fit under it.
+    None for one image or none (the encoded prompt is checked as it is: the message names its tokens)."""
+    if getattr(loaded, "processor", None) is None or visuals.count < 2:
+        return None
+    limit = int(loaded.max_context) if token_limit is None else min(int(token_limit), int(loaded.max_context))
+    text, per_visual = turn_tokens(loaded, visuals, max_new_tokens)
     total = text + sum(per_visual)
-    if total <= loaded.max_context:
-        return
+    if total <= limit:
+        return total
     fit, used = 0, text
     for tokens in per_visual:
         used += tokens
-        if used > loaded.max_context:
+        if used > limit:
             break
         fit += 1
-    n_frames = visuals.count - visuals.n_images
-    what = f"{visuals.n_images} images and {n_frames} frames" if visuals.n_images and n_frames else \
-        f"{n_frames} frames" if n_frames else f"{visuals.n_images} images"
+    over = f"the model's context of {limit}" if limit == int(loaded.max_context) else f"this run's limit of {limit}"
+    counts = ((visuals.n_images, "image"), (visuals.count - visuals.n_images, "frame"))
+    what = " and ".join(f"{n} {word}{'s' if n != 1 else ''}" for n, word in counts if n)
     raise EngineError(f"{what} take {total - text} tokens; with the text and {max_new_tokens} new tokens that is "
-                      f"{total}, over the model's context of {loaded.max_context}: at most {fit} of them fit "
-                      "(send fewer images, fewer frames or smaller images)")
+                      f"{total}, over {over}: at most {fit} of them fit (send fewer images, fewer frames or smaller "
+                      "images, or lower max new tokens)")
 
 
 def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, frames: int | None, *,
-                   max_new_tokens: int, first_turn: bool = True) -> TurnVisuals:
+                   max_new_tokens: int, first_turn: bool = True, token_limit: int | None = None) -> TurnVisuals:
     """The turn's images (already loaded) and the video sampled to `frames` (default 8), checked (a first turn's
-    against the context too; a follow-up's is checked with the conversation once encoded)."""
+    against `token_limit`, the model's context at most; a follow-up's is checked with the conversation once
+    encoded)."""
     clip = None
     if video is not None:
         from .video_input import DEFAULT_FRAMES, load_video
@@ -190,5 +200,5 @@ def gather_visuals(loaded, prompt: str, images: list[Image.Image], video: Any, f
         visuals = TurnVisuals(images[:frames_at] + frame_list + images[frames_at:], placed, len(images), clip,
                               frames_at=frames_at)
     if first_turn:
-        _check_fits(loaded, visuals, max_new_tokens)
+        check_fits(loaded, visuals, max_new_tokens, token_limit)
     return visuals
