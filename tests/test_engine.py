@@ -406,3 +406,39 @@ def test_cli_compare_writes_contract(tmp_path, noise_image):
     with contextlib.redirect_stderr(io.StringIO()) as err:
         code = main(["compare", "--model", str(model_dir), "--prompt", "x", "--budget", "2"])
     assert code == 2 and "(0, 1]" in err.getvalue()
+
+
+def test_nested_and_overlapping_tracked_attention_blocks_keep_the_outer_choice(tiny_llama):
+    """An inner block's exit leaves the outer block on our attention (it used to put the model back on sdpa and
+    drop the registration); overlapping blocks from two threads restore the model's own only when the last ends."""
+    import threading
+
+    from transformers import AttentionInterface
+
+    from prefixkv_core.kv.attention import is_registered
+
+    model = tiny_llama.model
+    text = model.config.get_text_config()
+    before = text._attn_implementation
+    with tracked_attention_enabled(model):
+        with tracked_attention_enabled(model):
+            assert text._attn_implementation == ATTN_NAME
+        assert text._attn_implementation == ATTN_NAME and is_registered()
+        assert ATTN_NAME in AttentionInterface._global_mapping
+    assert text._attn_implementation == before and not is_registered()
+
+    entered, release = threading.Event(), threading.Event()
+
+    def other_turn():
+        with tracked_attention_enabled(model):
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other_turn)
+    with tracked_attention_enabled(model):
+        thread.start()
+        assert entered.wait(10)
+    assert text._attn_implementation == ATTN_NAME and is_registered()  # the other turn still runs
+    release.set()
+    thread.join(10)
+    assert text._attn_implementation == before and not is_registered()

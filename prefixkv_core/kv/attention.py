@@ -14,6 +14,7 @@ unknown keyword arguments down to the attention function, so nothing global hold
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -381,17 +382,45 @@ def _no_mask(*args, **kwargs):
     return None
 
 
+# Blocks of tracked attention may nest and overlap (a benchmark inside a turn, turns of several sessions on
+# their own threads): per model, the implementations before its outermost block and how many blocks are open;
+# the registration itself stays while any block of any model is open.
+_OPEN_BLOCKS: dict[int, tuple[int, dict[str, str]]] = {}
+_OPEN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def tracked_attention_enabled(model):
-    """Register our attention for the text model only; restore everything on exit."""
-    previous = _current_implementations(model)
-    AttentionInterface.register(ATTN_NAME, tracked_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    """Our attention for the text model only while the block runs. Blocks nest and overlap: the model's own
+    implementations come back when its last open block exits, and the registration goes with the last block of
+    any model."""
+    with _OPEN_LOCK:
+        depth, before = _OPEN_BLOCKS.get(id(model), (0, None))
+        if not _OPEN_BLOCKS:
+            AttentionInterface.register(ATTN_NAME, tracked_attention)
+            AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+        if depth == 0:
+            before = _current_implementations(model)
+            try:
+                model.set_attn_implementation({"text_config": ATTN_NAME, "vision_config": before["vision_config"]})
+            except Exception:
+                _unregister_if_idle()
+                raise
+        _OPEN_BLOCKS[id(model)] = (depth + 1, before)
     try:
-        model.set_attn_implementation({"text_config": ATTN_NAME, "vision_config": previous["vision_config"]})
         yield model
     finally:
-        model.set_attn_implementation(previous)
+        with _OPEN_LOCK:
+            depth, before = _OPEN_BLOCKS.pop(id(model))
+            if depth > 1:
+                _OPEN_BLOCKS[id(model)] = (depth - 1, before)
+            else:
+                model.set_attn_implementation(before)
+                _unregister_if_idle()
+
+
+def _unregister_if_idle() -> None:
+    if not _OPEN_BLOCKS:
         AttentionInterface._global_mapping.pop(ATTN_NAME, None)
         AttentionMaskInterface._global_mapping.pop(ATTN_NAME, None)
 
@@ -401,8 +430,6 @@ def _current_implementations(model) -> dict[str, str]:
     text = cfg.get_text_config()._attn_implementation or "sdpa"
     vision_cfg = getattr(cfg, "vision_config", None)
     vision = (vision_cfg._attn_implementation if vision_cfg is not None else None) or "sdpa"
-    if text == ATTN_NAME:  # nested use: keep the outer block's choice when we exit
-        text = "sdpa"
     return {"text_config": text, "vision_config": vision}
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any
 
 import torch
@@ -65,9 +64,6 @@ class Engine:
         # first-turn prefills of conversations that start together share a forward (not where positions are 3-D)
         self.prefills = PrefillPool(lambda: self.loaded.model, loaded.num_layers, loaded.device,
                                     batchable=not uses_mrope(loaded.model.config))
-        self._users = 0  # turns running now, which need our attention function on the model
-        self._users_lock = threading.Lock()
-        self._attention: Any = None  # the attention function's context while any turn runs
         tok = loaded.processor.tokenizer
         eos = set()
         for source in (getattr(loaded.model.generation_config, "eos_token_id", None), tok.eos_token_id):
@@ -186,20 +182,9 @@ class Engine:
     @contextlib.contextmanager
     def model_in_use(self):
         """Our attention function registered on the model while any turn runs (turns of several sessions overlap:
-        the first to start registers it, the last to end restores the model's own)."""
-        with self._users_lock:
-            if self._users == 0:
-                self._attention = tracked_attention_enabled(self.loaded.model)
-                self._attention.__enter__()
-            self._users += 1
-        try:
+        `tracked_attention_enabled` counts its open blocks, so the last to end restores the model's own)."""
+        with tracked_attention_enabled(self.loaded.model):
             yield self.loaded.model
-        finally:
-            with self._users_lock:
-                self._users -= 1
-                if self._users == 0:
-                    attention, self._attention = self._attention, None
-                    attention.__exit__(None, None, None)
 
     # -- model calls ---------------------------------------------------------------------------------------
     def forward(self, cache: TrackedCache, ids: torch.Tensor, start: int, probe: AttentionProbe,
