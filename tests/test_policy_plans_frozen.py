@@ -143,6 +143,18 @@ def record() -> dict:
     return {case: {f"{b:.2f}": trace(method, knobs, b) for b in BUDGETS} for case, (method, knobs) in CASES.items()}
 
 
+def _same(mine, theirs) -> bool:
+    """Indices, counts and flags exactly; weights as recorded, to 6 decimals, within one unit of the last (a weight
+    on a rounding boundary moves by one unit when another CPU sums in another order)."""
+    if isinstance(mine, float) or isinstance(theirs, float):
+        return isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) and abs(mine - theirs) <= 1.5e-6
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return mine.keys() == theirs.keys() and all(_same(mine[k], theirs[k]) for k in mine)
+    if isinstance(mine, list) and isinstance(theirs, list):
+        return len(mine) == len(theirs) and all(_same(a, b) for a, b in zip(mine, theirs))
+    return mine == theirs
+
+
 @pytest.fixture(scope="module")
 def frozen() -> dict:
     return json.loads(RECORD.read_text())
@@ -166,7 +178,7 @@ def test_defaults_plan_what_they_planned(frozen, case, budget):
     want = frozen[case][f"{budget:.2f}"]
     assert got["lengths"] == want["lengths"], (case, got["lengths"], want["lengths"])
     for step, (mine, theirs) in enumerate(zip(got["plans"], want["plans"])):
-        assert mine == theirs, f"{case} at r = {budget}: step {step} plans differ"
+        assert _same(mine, theirs), f"{case} at r = {budget}: step {step} plans differ"
     # every recorded fact keeps its value (a setting that departs from the paper may add a fact saying so)
     assert {k: got["facts"].get(k) for k in want["facts"]} == want["facts"]
     if not knobs:
