@@ -647,7 +647,7 @@ class TrackedCache(DynamicCache):
                 if mine.segments:
                     raise RuntimeError("a cache holding quantised entries cannot be split into rows")
                 theirs.lazy_initialization(mine.keys, mine.values)
-                for name in ("keys", "values", "positions", "is_image", "scores"):
+                for name in ENTRY_FIELDS:
                     setattr(theirs, name, getattr(mine, name)[r:r + 1].clone())
                 theirs.has_empty_slots = mine.has_empty_slots
             if self.rope_deltas is not None:

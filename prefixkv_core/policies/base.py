@@ -397,12 +397,15 @@ def plans_by_equal_count(cache: TrackedCache, targets: list[int], keep) -> list[
     return plans
 
 
+FIXED_POINT_DISTANCE = 25  # Elastic Cache's fixed point: this many entries before the end of the compressed prompt
+
+
 def fixed_point_decode(view: DecodeView, targets: list[int], anchors: list[int]) -> list[LayerPlan | None]:
     """Elastic Cache's fixed-point elimination, used by Elastic and PrefixKV while decoding.
 
     Layer l may hold `targets[l]` entries. When it holds more, the entries at the fixed index
-    fp = K_l - 25 (K_l = entries kept after the prompt; K_l // 2 if that is < 1) are deleted, so the
-    entries before fp stay frozen and the cache from fp on behaves as a FIFO of recent tokens.
+    fp = K_l - FIXED_POINT_DISTANCE (K_l = entries kept after the prompt; K_l // 2 if that is < 1) are deleted,
+    so the entries before fp stay frozen and the cache from fp on behaves as a FIFO of recent tokens.
     """
     plans: list[LayerPlan | None] = []
     for layer, target, k in zip(view.cache.layers, targets, anchors):
@@ -410,7 +413,7 @@ def fixed_point_decode(view: DecodeView, targets: list[int], anchors: list[int])
         if excess <= 0:
             plans.append(None)
             continue
-        fp = k - 25
+        fp = k - FIXED_POINT_DISTANCE
         if fp < 1:
             fp = k // 2
         fp = max(1, min(fp, layer.length - excess - 1))  # never the sink, never the newest entry
