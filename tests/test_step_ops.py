@@ -1,0 +1,57 @@
+"""The operators and host round trips of a decode step, per method, on the tiny random model
+(`benchmarks/step_ops.py`): counted, so deterministic, and held to the shipped record
+(`benchmarks/data/step_ops_tiny.json`). A change that makes a step launch more fails here without a GPU;
+one that makes it launch fewer should rewrite the record:
+
+    python benchmarks/step_ops.py --random-weights tiny --batch 1 4 --write benchmarks/data/step_ops_tiny.json
+"""
+import json
+
+import pytest
+import torch
+
+from benchmarks import step_ops
+
+
+@pytest.fixture(scope="module")
+def record():
+    return json.loads(step_ops.RECORD.read_text())
+
+
+@pytest.fixture(scope="module")
+def counted(record, one_torch_thread):
+    sm = step_ops.build_random_model(record["model"], torch.device("cpu"), torch.float32, seed=0)
+    return step_ops.measure(sm, record["budget"], record["batches"], record["prompt_len"], record["warmup"],
+                            record["steps"])
+
+
+def test_every_method_is_counted_and_none_launches_more_than_its_record(record, counted):
+    assert set(counted) == set(record["rows"]), "a method was added or removed: rewrite the record"
+    for name, row in counted.items():
+        for batch, got in row.items():
+            assert "error" not in got, (name, batch, got)
+            want = record["rows"][name][batch]
+            assert got["operators"] <= want["operators"], f"{name} at batch {batch}: {got['operators']} operators a " \
+                                                          f"step, {want['operators']} before"
+            assert got["round_trips"] <= want["round_trips"], f"{name} at batch {batch}: {got['round_trips']} host " \
+                                                              f"round trips a step, {want['round_trips']} before"
+
+
+def test_the_counts_see_what_a_step_does(counted):
+    """The floor is transformers' own step; a method that evicts every step launches more than one that does not;
+    a method with a cache per prompt pays for its rows (what the record holds is measured, not assumed)."""
+    stock, full = counted[step_ops.STOCK]["1"], counted["full"]["1"]
+    assert 0 < stock["operators"] < full["operators"] and stock["round_trips"] == 0
+    assert counted["h2o"]["1"]["operators"] > full["operators"]
+    assert counted["prefixkv"]["4"]["operators"] > counted["prefixkv"]["1"]["operators"]
+    assert counted["prefixkv-offline"]["4"]["operators"] == counted["prefixkv-offline"]["1"]["operators"]
+
+
+def test_a_host_read_and_an_extra_operator_are_counted():
+    ops, reads = step_ops._Operators(), step_ops._HostReads()
+    x = torch.arange(6.0)
+    with reads, ops:
+        y = x + 1
+        y.sum().item()
+        torch.nonzero(y > 2)
+    assert ops.operators >= 4 and ops.data_shaped == 1 and reads.reads == 1
