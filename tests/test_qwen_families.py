@@ -212,7 +212,8 @@ def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
     is_image = ids == lm.image_token_id
-    policy = make_policy(method, 0.8, **({"layer": layer} if layer is not None else {}))
+    # the budget as a share of the image tokens: half of them are kept, so their 3-D positions are tested too
+    policy = make_policy(method, 0.5, budget_of="image", **({"layer": layer} if layer is not None else {}))
     with tracked_attention_enabled(lm.model):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)
@@ -220,7 +221,9 @@ def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
         drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
         assert layer is None or drop.layer == layer
         kept = own.cache.layers[-1].positions[0, 0]
-        assert len(kept) < n
+        image_at = set(is_image[0].nonzero().flatten().tolist())
+        kept_image = image_at & set(kept.tolist())
+        assert 0 < len(kept_image) < len(image_at), (len(kept_image), len(image_at))
         logits, reference = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
         torch.testing.assert_close(own.logits, logits, atol=1e-4, rtol=1e-4)
         token = torch.tensor([[7]])
@@ -376,3 +379,19 @@ def test_app_compares_and_follows_up(lm, picture):
     final = dict(zip(ctl.output_keys, outs[-1]))
     assert final["results"]["prompts"] == ["Describe the picture.", "And the colours?"]
     assert len(ctl.set_overlay_layer(1, box)) == 3
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_a_compressed_method_decodes_at_the_true_length(lm, picture, method):
+    """A session's compressed method feeds each new token at its true position (the prompt's length plus the tokens
+    before it), not at the number of entries its cache holds: its answer is the runner's at the true positions."""
+    from prefixkv_core.testing import greedy_through_the_runner
+
+    session = Engine(lm).new_session(picture, PROMPT, [method], 0.3, GenerationSettings(max_new_tokens=6))
+    list(session.run())
+    got = session.states[method].turn_ids
+    state = session.states[method]
+    assert state.cache.layers[0].length < state.true_len  # the cache holds fewer entries than positions were seen
+    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
+    want = greedy_through_the_runner(lm, make_policy(method, 0.3), inputs, 0.3, len(got))
+    assert got == want

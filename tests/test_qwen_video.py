@@ -178,9 +178,12 @@ def test_full_equals_the_models_own_generate(lm):
 def test_positions_are_the_models_rope_index_over_the_video(lm):
     """The video's tokens get (t, h, w) positions, one temporal step per group (Qwen2.5-VL: spaced by the
     seconds a group spans; Qwen3-VL: each group a grid of its own after its timestamp's text), and the next text
-    follows the grid."""
-    inputs = encoded(lm, 4, fps=2.0)
+    follows the grid. At 1 fps a group of two frames spans two seconds (at 2 fps its one second is also the
+    rope index's default, so a lost `second_per_grid_ts` would not show)."""
+    inputs = encoded(lm, 4, fps=1.0)
     ids = inputs["input_ids"]
+    if lm.family == "qwen2.5-vl":
+        assert inputs["second_per_grid_ts"].tolist() == [2.0]
     positions, _ = hooks(lm.family).rope_index(lm.model, ids, M.vision_inputs(inputs))
     video = (ids[0] == lm.video_token_id).nonzero().flatten()
     temporal = positions[0, 0, video]
@@ -197,7 +200,9 @@ def test_positions_are_the_models_rope_index_over_the_video(lm):
         rows = positions[1, 0, video[per_group:]] - positions[1, 0, video[per_group]]
         torch.testing.assert_close(rows, positions[1, 0, video[:per_group]] - positions[1, 0, video[0]])
     else:
-        assert step == (int(lm.model.config.vision_config.tokens_per_second) if lm.family == "qwen2.5-vl" else 1)
+        seconds_a_group = 2.0  # temporal_patch_size frames at 1 fps
+        assert step == (int(lm.model.config.vision_config.tokens_per_second * seconds_a_group)
+                        if lm.family == "qwen2.5-vl" else 1)
 
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache"])
