@@ -115,7 +115,8 @@ def test_eviction_equals_masking_with_several_images(lm, method):
     ids = inputs["input_ids"]
     is_image = ids == lm.image_token_id
     budget = 0.3
-    policy = make_policy(method, budget)
+    # a token drop's budget as a share of the image tokens, so it keeps some of every image and drops the rest
+    policy = make_policy(method, budget, **({"budget_of": "image"} if method in ("fastv", "dart") else {}))
     with tracked_attention_enabled(lm.model):
         shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
                                     lm.device, lm.image_token_id)
@@ -137,6 +138,7 @@ def test_eviction_equals_masking_with_several_images(lm, method):
             image_at = np.flatnonzero(is_image[0].numpy())
             touched = {int(np.searchsorted(starts, np.flatnonzero(image_at == p)[0], side="right")) for p in dropped}
             assert len(touched) >= 2  # the drop reached more than one image
+            assert set(kept.tolist()) & set(image_at.tolist())  # and kept some image tokens, whose positions count
             logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
             torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
         evicted = engine.forward(compressed, token, n, AttentionProbe())
@@ -414,7 +416,7 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
     inputs = M.encode(lm, pictures(1), text, video=frames)
     ids = inputs["input_ids"]
     is_image = lm.visual_mask(ids)
-    policy = make_policy(method, 0.3)
+    policy = make_policy(method, 0.3, **({"budget_of": "image"} if method in ("fastv", "dart") else {}))
     shared, compressed, n = prefill_and_compress(lm, policy, inputs, 0.3)
     uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):
@@ -423,6 +425,10 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
             kept = compressed.layers[-1].positions[0, 0]
             video_dropped = set(np.flatnonzero((ids[0] == lm.video_token_id).numpy()).tolist()) - set(kept.tolist())
             assert video_dropped  # the drop reached the video's tokens
+            visual_kept = set(np.flatnonzero(is_image[0].numpy()).tolist()) & set(kept.tolist())
+            video_kept = set(np.flatnonzero((ids[0] == lm.video_token_id).numpy()).tolist()) & visual_kept
+            assert visual_kept and (video_kept or method == "dart")  # kept tokens whose positions count (DART
+            # drops the static clip's tokens as duplicates of its pivots)
             logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
             torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
         engine = Engine(lm)
