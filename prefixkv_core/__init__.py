@@ -1,4 +1,7 @@
-"""prefixkv_core: KV-cache compression for LLaVA-family models, side by side.
+"""prefixkv_core: KV-cache compression methods for vision-language models, side by side.
+
+The families it runs: LLaVA-1.5, LLaVA-Interleave, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+and InternVL (`prefixkv_core.models.families`).
 
 The engine never imports gradio. Typical use:
 

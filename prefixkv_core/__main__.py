@@ -123,7 +123,9 @@ def _cli_value(value: Any) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m prefixkv_core",
-                                     description="KV-cache compression for LLaVA-family models, side by side.")
+                                     description="KV-cache compression methods for vision-language models "
+                                                 "(LLaVA-1.5, LLaVA-Interleave, LLaVA-NeXT, LLaVA-OneVision, "
+                                                 "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL), side by side.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compare", help="run several methods on images (or a video) and a prompt; print and/or "

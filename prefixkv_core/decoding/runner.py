@@ -19,10 +19,12 @@ Decoding on a CPU, or a large model at small batch on a GPU, is bound by reading
 in one pass cost little more than one. A single row takes the plain path (no padding, no copies).
 
 The prefills live here too: `prefill` is the one shared by the methods that compress its cache, `own_prefill`
-that of a method changing the prefill itself (a prefill token reduction: FastV's masked later layers,
-VisionZip's shorter prompt); its row then decodes in the same batch at its own true positions. In a comparison
-both read one pass of the vision tower (`vision_tower.TurnImage`), fed as input embeddings. So do the policy
-calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks run methods the same way.
+that of a method changing the prefill itself (a prefill token reduction: FastV and DART cut their dropped image
+tokens from the sequence at layer K, so the later layers never compute them nor cache their entries
+(`token_drop`); VisionZip feeds a shorter prompt); its row then decodes in the same batch at its own true
+positions. In a comparison both read one pass of the vision tower (`vision_tower.TurnImage`), fed as input
+embeddings. So do the policy calls (`compress_prefill`, `compress_decode`), so the engine and the benchmarks run
+methods the same way.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Load a model of a supported family (LLaVA, Qwen-VL) and its processor, and describe it (`LoadedModel`).
+"""Load a model of a supported family (LLaVA, Qwen-VL, InternVL) and its processor, and describe it
+(`LoadedModel`).
 
 Four kinds of model spec for `load_model`:
 
@@ -9,16 +10,20 @@ Four kinds of model spec for `load_model`:
   otherwise it is randomly initialised with a fixed seed (the model then cannot see images). The
   assembled model is saved once under a cache directory and loaded from there afterwards.
 * ``"tiny-llama"`` / ``"tiny-qwen2"``: randomly initialised LLaVA models built in code for tests
-  (``tiny``); ``"tiny-<family>"``: a tiny random model of one LLaVA family, saved and
-  loaded like a checkpoint.
+  (``tiny``); ``"tiny-<family>"``: a tiny random model of one supported family (tiny-llava-1.5,
+  tiny-llava-interleave, tiny-llava-next, tiny-llava-onevision, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-qwen3-vl,
+  tiny-internvl), saved and loaded like a checkpoint.
 * a local directory or a hub id of a supported family (``families``, the registry of the family modules under
   ``family/``): LLaVA-1.5 and LLaVA-Interleave (``llava``), LLaVA-NeXT (``llava_next``, anyres), LLaVA-OneVision
   (``llava_onevision``, anyres), Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``) and Qwen3-VL (``qwen3_vl``),
-  the last three with a dynamic resolution and 3-D M-RoPE positions. Hub ids work offline when they are in the
-  Hugging Face cache.
+  these three with a dynamic resolution and 3-D M-RoPE positions, and InternVL (``internvl``: InternVL2.5 and
+  InternVL3 in transformers' format, tiled). Hub ids work offline when they are in the Hugging Face cache.
 
-`build_random_model(kind)` gives a model with random weights and the exact shapes of LLaVA-1.5-7B/13B, the
-embedded model or the tiny test model (no processor; for speed and memory measurements).
+`build_random_model(kind)` gives a model with random weights and the exact shapes of `kind`, for speed and memory
+measurements: LLaVA-1.5-7B/13B, the embedded model or the tiny test model (no processor: prompts are token ids);
+the released example checkpoint of LLaVA-1.5, LLaVA-Interleave, LLaVA-NeXT or LLaVA-OneVision, or its tiny model
+(``"tiny-llava-..."``); Qwen2.5-VL-3B-Instruct (``"qwen2.5-vl-3b"``) or InternVL3-1B (``"internvl3-1b"``); each of
+these with its family's processor on a small stand-in tokenizer.
 
 Modules: ``device`` (device/dtype strings), ``chat`` (prompt text, chat templates, ``encode``), ``configs``
 (the shapes of the models built in code, the families' released and tiny configs), ``families`` (the

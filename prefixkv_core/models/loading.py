@@ -1,4 +1,6 @@
-"""`load_model(spec)`: the embedded model, a tiny test model, a local directory or a hub id.
+"""`load_model(spec)`: the embedded model, a tiny test model, a local directory or a hub id of a supported family:
+LLaVA-1.5, LLaVA-Interleave, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or InternVL
+(`families.FAMILY_INFO`).
 
 Only public transformers APIs are used; everything here targets transformers 5.x.
 """
@@ -61,7 +63,7 @@ def _load_pretrained(
         raise ModelLoadError(
             f"cannot load a model config from {name!r}: {e}. Accepted: 'embedded', "
             f"{', '.join('tiny-' + v for v in TINY_VARIANTS)}, a local directory or a hub id "
-            f"(offline: it must already be in the Hugging Face cache) of a supported LLaVA family: "
+            f"(offline: it must already be in the Hugging Face cache) of a supported family: "
             f"{supported_text()}"
         ) from e
     mt = getattr(config, "model_type", None)
@@ -102,7 +104,8 @@ def load_processor(src: str, config, **kw):
 def load_model(
     spec: str = "embedded", device: str = "auto", dtype: str = "auto", cache_dir: str | None = None
 ) -> LoadedModel:
-    """Load a LLaVA model + processor.
+    """Load a vision-language model of a supported family (LLaVA-1.5, LLaVA-Interleave, LLaVA-NeXT,
+    LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL) and its processor.
 
     spec: "embedded" | "embedded-base" (the embedded model as training starts from it: no trained vision, no
           adapter) | "tiny-llama" | "tiny-qwen2" | "tiny-<family>" (tiny-llava-1.5, tiny-llava-interleave,

@@ -14,10 +14,13 @@ from .processor import family_processor
 
 def build_random_model(kind: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                        seed: int = 0) -> LoadedModel:
-    """A randomly initialised LLaVA with the shapes of `kind` (see `configs.RANDOM_KINDS`), created directly
+    """A randomly initialised model with the shapes of `kind` (see `configs.RANDOM_KINDS`), created directly
     on `device` in `dtype` (no CPU copy, no float32 detour: a 7B model is built on the GPU in bf16 in seconds).
-    LLaVA-1.5-7B/13B, the embedded and the tiny shapes have no processor: prompts for them are token ids. A
-    family kind (`configs.RANDOM_FAMILIES`) has one, so it also runs image prompts through the engine."""
+    The kinds: LLaVA-1.5-7B/13B, the embedded and the tiny shapes (no processor: prompts for them are token ids);
+    a LLaVA family's example checkpoint or its tiny model (`configs.RANDOM_FAMILIES`: LLaVA-1.5, LLaVA-Interleave,
+    LLaVA-NeXT, LLaVA-OneVision); and the released shapes the Qwen-VL and InternVL modules build
+    (`configs.RANDOM_MROPE`: Qwen2.5-VL-3B-Instruct, InternVL3-1B). Those last two groups come with the family's
+    processor on a small stand-in tokenizer, so they also run image prompts through the engine."""
     if kind in RANDOM_FAMILIES:
         return _random_family(kind, torch.device(device), dtype, seed)
     if kind in RANDOM_MROPE:
@@ -71,7 +74,7 @@ def _random_family(kind: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def _random_mrope(kind: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
-    """A released Qwen-VL shape with random weights and a processor (its family module builds both)."""
+    """A released Qwen-VL or InternVL shape with random weights and a processor (its family module builds both)."""
     from .families import hooks
 
     family = RANDOM_MROPE[kind]

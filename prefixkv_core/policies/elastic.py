@@ -1,7 +1,8 @@
 """Elastic Cache: keep the most important tokens as anchors and merge every other token into its nearest
 anchor; while decoding, delete at a fixed point so the older part stays frozen and the rest is a FIFO.
 
-Preset: uniform allocation, column-sum scoring (optionally normalised), plus its own merge and decode."""
+Every layer keeps the same count (`allocation.uniform`), ranked by the prefill's column sums (optionally
+normalised); the merge into the nearest anchor and the fixed-point decoding are its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

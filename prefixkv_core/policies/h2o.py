@@ -1,6 +1,8 @@
 """H2O (Heavy-Hitter Oracle): keep the tokens with the largest accumulated attention, plus a recent window.
 
-Preset: uniform allocation, accumulated column sums (prefill + every decoding query), a recent window."""
+Every layer keeps the same count (`allocation.uniform`), ranked by the accumulated column sums (the prefill's plus
+every decoding query's attention, `scoring.accumulated`), the sink, the last prompt token and a recent window
+always among them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """Local (StreamingLLM): keep the attention-sink token(s) and the most recent tokens.
 
-Preset: uniform allocation, recency scoring, the first `sinks` positions always kept."""
+Every layer keeps the same count (`allocation.uniform`), the newest entries (`scoring.recency`) and the first
+`sinks` positions."""
 from __future__ import annotations
 
 from dataclasses import dataclass

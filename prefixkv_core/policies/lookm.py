@@ -1,8 +1,9 @@
 """LOOK-M: text-prior selection (a recent window, then text ranked before image tokens) per KV head, then each
 evicted token is merged into the kept token whose key is most similar.
 
-Preset: its own allocation (r/2 heavy hitters + r/2 recent), column sums per KV head with text first, plus
-its merge. `text_prior = keep_all` keeps every text token on top of the budget instead of ranking it."""
+The budget splits in half: r/2 recent tokens and r/2 heavy hitters, ranked per KV head by the prefill's column
+sums with every text token before the image tokens; then the merge. `text_prior = keep_all` keeps every text token
+on top of the budget instead of ranking it."""
 from __future__ import annotations
 
 import functools

@@ -2,8 +2,9 @@
 smallest prefix of its importance-sorted tokens that retains p of its attention. Layers whose importance
 is concentrated keep few tokens; layers whose importance is spread keep many.
 
-Preset: Lorenz-bisection allocation (online) or calibrated per-layer ratios (offline), column-sum scoring
-(the paper; `scorer` picks another), Elastic Cache's fixed-point elimination while decoding."""
+The per-layer counts come from the Lorenz bisection on this prompt (online) or from calibrated per-layer ratios
+(offline); the tokens inside a layer are ranked by the prefill's column sums (the paper; `scorer` picks another),
+and while decoding Elastic Cache's fixed-point elimination holds each layer at its share."""
 from __future__ import annotations
 
 import dataclasses

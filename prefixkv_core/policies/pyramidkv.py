@@ -1,7 +1,8 @@
 """PyramidKV: SnapKV selection with per-layer capacities that shrink linearly with depth.
 
-Preset: SnapKV (its window scorer, window and sink always kept) with the pyramid allocation (uniform when the
-budget is too large, as published) and the reference repository's shorter window."""
+It is SnapKV's ranking (the window's votes, the window and the sink always kept) with the pyramid's per-layer
+capacities (uniform when the budget is too large for a pyramid, as published) and the reference repository's
+shorter window."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

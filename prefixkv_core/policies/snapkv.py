@@ -1,6 +1,7 @@
 """SnapKV: an observation window of the last prompt queries votes, per KV head, for the tokens to keep.
 
-Preset: uniform allocation, the window scorer (per KV head), the window itself and the sink always kept."""
+Every layer keeps the same count (`allocation.uniform`), ranked per KV head by the window's max-pooled votes;
+the window itself and the sink are always kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

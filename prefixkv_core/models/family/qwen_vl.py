@@ -17,8 +17,11 @@ transformers' video processor where it builds, else from the same steps on the P
 with a timestamp before each temporal group, as its processor writes it (`qwen_vl_video`).
 
 The tiny test models keep each family's structure (Qwen2-VL's tower and merger, Qwen2.5-VL's window attention
-with one full-attention block, Qwen3-VL's learned position grid and DeepStack merger, GQA text models with the
-released mrope sections scaled to the head size) with small widths and 8 px patches."""
+with one full-attention block, Qwen3-VL's learned position grid and DeepStack merger, GQA text models) with small
+widths and 8 px patches. Their heads have 8 rotary pairs, split mrope_section [2, 3, 3] (temporal, height, width)
+in all three: Qwen2-VL's and Qwen2.5-VL's released [16, 24, 24] of 64 pairs scaled down. Qwen3-VL's tiny model
+takes the same [2, 3, 3] in the interleaved layout (`mrope_interleaved`); the released Qwen3-VL splits its 64
+pairs [24, 20, 20], interleaved, so the tiny split is not that one scaled."""
 from __future__ import annotations
 
 import json
@@ -117,7 +120,9 @@ def video_marker(processor) -> str:
 # -- configs -----------------------------------------------------------------------------------------------------
 _TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-6)
-# the released mrope sections split a head's 64 rotary pairs 16/24/24 (temporal, height, width): here 8 pairs
+# 8 rotary pairs a head, split 2/3/3 (temporal, height, width): Qwen2-VL's and Qwen2.5-VL's released 16/24/24 of 64
+# pairs scaled down. Qwen3-VL's tiny model uses the same split, interleaved (set below); the released Qwen3-VL's
+# is [24, 20, 20], interleaved, which this split does not scale.
 _TINY_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 
 
