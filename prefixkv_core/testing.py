@@ -154,6 +154,24 @@ def greedy_through_the_runner(loaded, policy, inputs: dict, budget: float, steps
     return tokens
 
 
+def check_decodes_at_the_true_length(loaded, image, prompt: str, method: str, budget: float = 0.3) -> None:
+    """AssertionError unless a session's compressed `method` feeds each new token at its true position (the prompt's
+    length plus the tokens before it), not at the number of entries its cache holds: its answer must be the
+    runner's at the true positions (`greedy_through_the_runner`)."""
+    from .models import encode, format_prompt
+    from .policies import make_policy
+    from .session.engine import Engine
+    from .session.generation import GenerationSettings
+
+    session = Engine(loaded).new_session(image, prompt, [method], budget, GenerationSettings(max_new_tokens=6))
+    list(session.run())
+    state = session.states[method]
+    assert state.cache.layers[0].length < state.true_len, "the cache holds every entry: the test would prove nothing"
+    inputs = encode(loaded, image, format_prompt(loaded, prompt, with_image=True))
+    want = greedy_through_the_runner(loaded, make_policy(method, budget), inputs, budget, len(state.turn_ids))
+    assert state.turn_ids == want, (method, state.turn_ids, want)
+
+
 def masked_reference_cache(loaded, ids, is_image, vision_inputs, drop_layer: int, kept_positions):
     """The cache of a plain forward of the prompt in which every token goes through every layer and, from layer
     `drop_layer` on, attention sees only the tokens at `kept_positions`: what a token drop (FastV, DART) computes

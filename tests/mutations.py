@@ -76,8 +76,8 @@ MUTATIONS = (
              "max_new_tokens=generation.max_new_tokens, token_limit=token_limit)",
              "max_new_tokens=generation.max_new_tokens)", ("tests/test_hostile_inputs.py -k model_context",)),
     Mutation("extra-operator", "every tracked forward launches one more operator", "prefixkv_core/kv/cache.py",
-             "            self._pending_meta = (*per_head_meta(positions, is_image, n_kv), bool(is_image.any()))",
-             "            self._pending_meta = (*per_head_meta(positions, is_image, n_kv), bool(is_image.clone().any()))",
+             "            self._pending_meta = (*per_head_meta(positions, is_image, n_kv),",
+             "            self._pending_meta = (*per_head_meta(positions.clone(), is_image, n_kv),",
              ("tests/test_step_ops.py",)),
 )
 

@@ -311,7 +311,7 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
-    cache.set_pending(positions, flags)
+    cache.set_pending(positions, flags, has_image=None if image_flags is not None else False)
     if given_positions is not None:
         model_pos, cache.rope_deltas = (x.to(ids.device) for x in given_positions)
     else:

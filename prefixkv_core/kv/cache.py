@@ -594,10 +594,14 @@ class TrackedCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_meta: tuple | None = None
+        self._pending_has_image: bool | None = None
         self.rope_deltas: torch.Tensor | None = None
 
-    def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor) -> None:
+    def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor, has_image: bool | None = None) -> None:
+        """The next forward's true positions and image flags [B, T]. `has_image`: whether any flag is set, when the
+        caller knows (a decode step's tokens are text): reading it off the flags waits for the device."""
         self.pending = (positions, is_image)
+        self._pending_has_image = has_image
         self._pending_meta = None  # per-KV-head form, built at the first layer and shared by the others
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -607,7 +611,9 @@ class TrackedCache(DynamicCache):
         n_kv = key_states.shape[1]
         if self._pending_meta is None or self._pending_meta[0].shape[1] != n_kv:
             positions, is_image = self.pending
-            self._pending_meta = (*per_head_meta(positions, is_image, n_kv), bool(is_image.any()))
+            has_image = self._pending_has_image
+            self._pending_meta = (*per_head_meta(positions, is_image, n_kv),
+                                  bool(is_image.any()) if has_image is None else has_image)
         pos, img, zeros, has_image = self._pending_meta
         self.layers[layer_idx].append_meta_per_head(pos, img, zeros, has_image)
         return keys, values
