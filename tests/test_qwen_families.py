@@ -267,7 +267,14 @@ def test_overlay_draws_the_merged_grid(lm, picture):
     full, h2o = (session.kept_image_map(m, lm.num_layers - 1) for m in ("full", "h2o"))
     assert np.all(full.token_share == 1.0) and full.view_share(0).shape == (view.rows, view.cols)
     assert h2o.kept_tokens() < h2o.n_tokens
-    assert overlay(picture, h2o, "h2o").width > 0
+    # the cells H2O dropped are drawn dark: about their share of the picture changes, and only darker
+    drawn_full = np.asarray(overlay(picture, full, "full").convert("L"), dtype=np.float32)
+    drawn_h2o = np.asarray(overlay(picture, h2o, "h2o").convert("L"), dtype=np.float32)
+    assert drawn_full.shape == drawn_h2o.shape
+    dropped = 1 - h2o.kept_tokens() / h2o.n_tokens
+    changed = np.abs(drawn_full - drawn_h2o) > 20
+    assert 0.3 * dropped < changed.mean() < dropped + 0.1, (changed.mean(), dropped)
+    assert drawn_h2o.mean() < drawn_full.mean()
 
 
 def test_cli_compare_runs(family, family_models, picture, tmp_path):
