@@ -11,17 +11,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .models import FAMILIES, TINY_VARIANTS, LoadedModel, describe_model
+from .models import LLAVA_FAMILIES, TINY_VARIANTS, LoadedModel, describe_model
 from .models.families import FAMILY_INFO
 from .models.tiny import (TINY_NOTE, build_family_tokenizer, build_tiny_tokenizer, save_tiny_family,
                           tiny_family_parts, tiny_model_parts)
 
 __all__ = ["build_tiny_model", "save_tiny_model", "tiny_model_parts", "build_tiny_tokenizer", "TINY_VARIANTS",
-           "FAMILIES", "QWEN_FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
+           "LLAVA_FAMILIES", "QWEN_FAMILIES", "build_tiny_family", "save_tiny_family", "tiny_family_parts", "build_family_tokenizer",
            "kept_entry_masks", "moving_dot_frames", "prefill_and_compress", "synthetic_prompt_cache", "synthetic_extra_stats", "WIDE_PICTURE_SIZE",
            "wide_noise_picture", "wait_until"]
 
-# The families with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), tested beside the LLaVA ones (FAMILIES).
+# The families with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), tested beside the LLaVA ones (LLAVA_FAMILIES).
 QWEN_FAMILIES = tuple(key for key, f in FAMILY_INFO.items() if f.mrope)
 
 # Not square, so that anyres pads and unpads it and CLIP centre-crops it.

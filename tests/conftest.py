@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from prefixkv_core.testing import FAMILIES
+from prefixkv_core.testing import LLAVA_FAMILIES
 
 
 @pytest.fixture(scope="session")
@@ -38,10 +38,10 @@ def family_models():
     """family -> a tiny random model of that LLaVA family, built in memory."""
     from prefixkv_core.testing import build_tiny_family
 
-    return {family: build_tiny_family(family) for family in FAMILIES}
+    return {family: build_tiny_family(family) for family in LLAVA_FAMILIES}
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=LLAVA_FAMILIES)
 def lm(request, family_models):
     """Each LLaVA family's tiny model in turn (1.5, Interleave, NeXT with anyres, OneVision)."""
     return family_models[request.param]

@@ -17,7 +17,7 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.zipvl import probe_queries
-from prefixkv_core.testing import FAMILIES, kept_entry_masks, masked_reference_cache, save_tiny_family
+from prefixkv_core.testing import LLAVA_FAMILIES, kept_entry_masks, masked_reference_cache, save_tiny_family
 
 PROMPT = "describe the picture in detail"
 
@@ -27,13 +27,13 @@ def family_models(tmp_path_factory):
     """family -> (checkpoint directory, LoadedModel loaded from it): here each family's tiny model goes through
     `save_pretrained` and `load_model`, unlike the in-memory models of the shared fixture this replaces."""
     out = {}
-    for family in FAMILIES:
+    for family in LLAVA_FAMILIES:
         path = save_tiny_family(tmp_path_factory.mktemp(family), family)
         out[family] = (path, M.load_model(path, device="cpu"))
     return out
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=LLAVA_FAMILIES)
 def family(request):
     return request.param
 

@@ -47,7 +47,7 @@ def test_the_registry_holds_the_qwen_families():
     for key in QWEN_FAMILIES:
         assert FAMILY_INFO[key].mrope and FAMILY_INFO[key].model_type in M.ACCEPTED_MODEL_TYPES
         assert hooks(key).__name__.endswith("family.qwen_vl")
-    assert not any(FAMILY_INFO[key].mrope for key in M.FAMILIES)
+    assert not any(FAMILY_INFO[key].mrope for key in M.LLAVA_FAMILIES)
 
 
 def test_loads_as_its_family(family, lm, family_models):

@@ -18,7 +18,7 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.session.video_input import write_video
-from prefixkv_core.testing import (FAMILIES, build_tiny_family, kept_entry_masks, masked_reference_cache,
+from prefixkv_core.testing import (LLAVA_FAMILIES, build_tiny_family, kept_entry_masks, masked_reference_cache,
                                    prefill_and_compress)
 
 PROMPT = "describe the pictures in detail"
@@ -26,10 +26,10 @@ PROMPT = "describe the pictures in detail"
 
 @pytest.fixture(scope="module")
 def families():
-    return {family: build_tiny_family(family) for family in FAMILIES}
+    return {family: build_tiny_family(family) for family in LLAVA_FAMILIES}
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=LLAVA_FAMILIES)
 def lm(request, families):
     return families[request.param]
 

@@ -59,11 +59,11 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-class _DecodeLayer(DynamicLayer):
+class _InPlaceDecodeLayer(DynamicLayer):
     """One layer of a batched decode step (one new token per row): each row's new entry is written after its
     entries in the shared stores, in place, and attention reads all rows through their lengths."""
 
-    def __init__(self, step: "_DecodeCache", layer_idx: int):
+    def __init__(self, step: "_InPlaceDecodeCache", layer_idx: int):
         super().__init__()
         self.step, self.layer_idx = step, layer_idx
         self.is_initialized = True
@@ -142,8 +142,9 @@ class _DecodeLayer(DynamicLayer):
         return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t], mask
 
 
-class _DecodeCache(DynamicCache):
-    """The cache object the model sees during one batched decode step over several row caches."""
+class _InPlaceDecodeCache(DynamicCache):
+    """The cache object the model sees during one batched decode step over several row caches: one new token a row,
+    appended in place into the rows' shared stores (`_PaddedChunkCache` takes chunks of several tokens)."""
 
     def __init__(self, caches: Sequence[TrackedCache], positions: torch.Tensor, probe: AttentionProbe,
                  buffers: StepBuffers):
@@ -152,7 +153,7 @@ class _DecodeCache(DynamicCache):
         self._row_meta: dict[tuple[int, int], tuple] = {}
         self._slots: torch.Tensor | None = None
         self.layer_class_to_replicate = None
-        self.layers = [_DecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
+        self.layers = [_InPlaceDecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
         self.row_lengths: list[list[int]] = []  # per layer: each row's entries before this step
         self._ends: torch.Tensor | None = None
         self._masks: torch.Tensor | None = None
@@ -186,11 +187,11 @@ class _DecodeCache(DynamicCache):
         return found
 
 
-class _StepLayer(DynamicLayer):
+class _PaddedChunkLayer(DynamicLayer):
     """One layer of a batched step: appends each row's new entries to that row's own layer and returns the
     padded keys/values of all rows, registering the padding mask on the probe."""
 
-    def __init__(self, step: "_StepCache", layer_idx: int):
+    def __init__(self, step: "_PaddedChunkCache", layer_idx: int):
         super().__init__()
         self.step, self.layer_idx = step, layer_idx
         self.is_initialized = True
@@ -231,8 +232,10 @@ class _StepLayer(DynamicLayer):
         return keys, values
 
 
-class _StepCache(DynamicCache):
-    """The cache object the model sees during one batched step over several row caches."""
+class _PaddedChunkCache(DynamicCache):
+    """The cache object the model sees during one batched forward of a chunk of several tokens a row (a follow-up's
+    prompt, a question fed after compression) over several row caches: rows of different lengths padded into one
+    forward (`_InPlaceDecodeCache` is the one-token decode step's)."""
 
     def __init__(self, caches: Sequence[TrackedCache], chunk_lengths: list[int], positions: torch.Tensor,
                  probe: AttentionProbe, buffers: StepBuffers):
@@ -244,7 +247,7 @@ class _StepCache(DynamicCache):
         self.uniform = len(set(chunk_lengths)) == 1
         self.chunk_tensor = torch.tensor(chunk_lengths, device=positions.device)
         self.layer_class_to_replicate = None
-        self.layers = [_StepLayer(self, i) for i in range(len(self.caches[0].layers))]
+        self.layers = [_PaddedChunkLayer(self, i) for i in range(len(self.caches[0].layers))]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
@@ -435,9 +438,9 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
         return StepOutput(logits, [last_query(stats) if wanted else None])
     buffers = buffers if buffers is not None else StepBuffers()
     if q == 1:  # a decode step: rows append in place in the shared stores
-        step = _DecodeCache(caches, positions, probe, buffers)
+        step = _InPlaceDecodeCache(caches, positions, probe, buffers)
     else:
-        step = _StepCache(caches, lengths, positions, probe, buffers)
+        step = _PaddedChunkCache(caches, lengths, positions, probe, buffers)
     try:
         given = logical_positions(positions, caches) if uses_mrope(model.config) else positions
         out = model(input_ids=ids, position_ids=given, **cache_kwarg(step), use_cache=True, logits_to_keep=1,

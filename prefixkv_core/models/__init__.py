@@ -34,7 +34,7 @@ registry: which families, which class loads each, the module that declares what 
 from .chat import (FAMILY_TEMPLATES, IMAGE_TOKEN, as_image_list, chatml_template, encode, format_followup,
                    format_prompt, image_markers, vision_inputs)
 from .configs import (
-    FAMILIES,
+    LLAVA_FAMILIES,
     META_KEY,
     RANDOM_CONFIGS,
     RANDOM_FAMILIES,
@@ -81,6 +81,7 @@ __all__ = [
     "encode",
     "vision_inputs",
     "FAMILIES",
+    "LLAVA_FAMILIES",
     "FAMILY_INFO",
     "FAMILY_TEMPLATES",
     "SUPPORTED_MODEL_TYPES",
@@ -125,3 +126,5 @@ __all__ = [
     "merge_embedded_lora",
     "find_gguf",
 ]
+
+FAMILIES = LLAVA_FAMILIES  # the older name of the LLaVA families (every family: families.FAMILY_INFO)

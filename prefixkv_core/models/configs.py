@@ -185,7 +185,7 @@ def random_config(kind: str, **ids):
 #                                        layer -1, 729 image tokens per view, anyres_max_9, image_newline, 6x6 grid
 #                                        pinpoints of 384 px) on Qwen/Qwen2-0.5B-Instruct's config.json
 
-FAMILIES = ("llava-1.5", "llava-interleave", "llava-next", "llava-onevision")
+LLAVA_FAMILIES = ("llava-1.5", "llava-interleave", "llava-next", "llava-onevision")  # FAMILY_INFO: all of them
 
 # LLaVA-NeXT's pinpoints, (height, width) in pixels of 336 px tiles (llava-v1.6-mistral-7b-hf config.json)
 NEXT_PINPOINTS_336 = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -277,11 +277,11 @@ def family_config(family: str, tiny: bool = False, *, image_token_id: int | None
 
     from .families import FAMILY_INFO, hooks
 
-    if family not in FAMILIES and family in FAMILY_INFO:  # another family module's
+    if family not in LLAVA_FAMILIES and family in FAMILY_INFO:  # another family module's
         return hooks(family).config(family, tiny, image_token_id=image_token_id, video_token_id=video_token_id,
                                     meta=meta, **text_ids)
-    if family not in FAMILIES:
-        raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(FAMILIES)}")
+    if family not in LLAVA_FAMILIES:
+        raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(LLAVA_FAMILIES)}")
     if tiny and image_token_id is None:
         raise ValueError("a tiny family model needs its tokenizer's image token id")
     extra = {META_KEY: meta} if meta else {}

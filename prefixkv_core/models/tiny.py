@@ -10,7 +10,7 @@ import os
 import torch
 
 from .chat import FAMILY_TEMPLATES, IMAGE_TOKEN, chatml_template
-from .configs import FAMILIES, META_KEY, TINY_VARIANTS, family_config, tiny_config
+from .configs import LLAVA_FAMILIES, META_KEY, TINY_VARIANTS, family_config, tiny_config
 from .errors import ModelLoadError
 from .families import FAMILY_INFO, model_class
 from .processor import family_processor, make_processor
@@ -136,12 +136,12 @@ def build_family_tokenizer(kind: str, vocab_size: int = 512):
 def tiny_family_parts(family: str, seed: int = 0):
     """(model in float32 eval mode, processor) of a tiny random model of a family (a LLaVA one here, another from
     its family module)."""
-    if family not in FAMILIES and family in FAMILY_INFO:
+    if family not in LLAVA_FAMILIES and family in FAMILY_INFO:
         from .families import hooks
 
         return hooks(family).tiny_parts(family, seed)
-    if family not in FAMILIES:
-        raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(FAMILIES)}")
+    if family not in LLAVA_FAMILIES:
+        raise ModelLoadError(f"unknown LLaVA family {family!r}; accepted: {', '.join(LLAVA_FAMILIES)}")
     info = FAMILY_INFO[family]
     tok = build_family_tokenizer(info.tokenizer)
     ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -165,7 +165,7 @@ def tiny_family_parts(family: str, seed: int = 0):
 def save_tiny_family(path, family: str, seed: int = 0) -> str:
     """Write a tiny model of a LLaVA family as a checkpoint directory (weights, config, processor, tokenizer, chat
     template) laid out as the released one, so `load_model(path)` takes the same path as for a hub checkpoint."""
-    if family not in FAMILIES and family in FAMILY_INFO:
+    if family not in LLAVA_FAMILIES and family in FAMILY_INFO:
         from .families import hooks
 
         return hooks(family).save_tiny(path, family, seed)
