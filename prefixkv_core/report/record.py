@@ -154,6 +154,25 @@ class ComparisonRecord:
         self.__dict__.update(state)
         self.lock = threading.RLock()
 
+    # what a client side writes itself and keeps when it takes another process's record (`take_final`)
+    CLIENT_FIELDS = ("model", "active", "error")
+
+    def take_final(self, final: "ComparisonRecord") -> None:
+        """Become `final` (the same comparison's record from the process that ran the turn) at the end of a turn.
+        What this side wrote stays: the model's facts (merged over the other side's), the error of the whole
+        request, whether a turn is active, and the earlier turns (final here already, with this side's marks, such
+        as a turn it marked stopped or failed)."""
+        with self.lock:
+            model, earlier = self.model, {m: list(t.turns) for m, t in self.tracks.items()}
+            for name, value in final.__getstate__().items():
+                if name not in self.CLIENT_FIELDS:
+                    setattr(self, name, value)
+            self.model = {**final.model, **model}
+            for method, track in self.tracks.items():
+                kept = earlier.get(method, [])
+                for i in range(min(len(track.turns) - 1, len(kept))):
+                    track.turns[i] = kept[i]
+
     # -- feeding ---------------------------------------------------------------------------------------------
     def begin_turn(self, prompt: str) -> None:
         with self.lock:

@@ -631,7 +631,7 @@ class RemoteSession:
                         ended = True
                         _, _, error, final = message
                         if final is not None:
-                            _take_state(record, final)
+                            record.take_final(final)
                         if error is not None:
                             raise error
                         return
@@ -645,20 +645,3 @@ class RemoteSession:
                 self.engine._end_run(rid)
                 if not ended and not stopped:  # the consumer left early: the child's turn stops within a token
                     self.engine._cancel(rid)
-
-
-def _take_state(record: Any, final: Any) -> None:
-    """Make this side's record the child's at the end of a turn. What the client wrote stays: the model's facts, the
-    error of the whole request, and the earlier turns (already final here, with the client's marks, such as a turn
-    it marked stopped or failed)."""
-    with record.lock:
-        model, earlier = record.model, {m: list(t.turns) for m, t in record.tracks.items()}
-        for name, value in vars(final).items():
-            if name not in ("lock", "model", "active", "error"):
-                setattr(record, name, value)
-        record.model = {**final.model, **model}
-        for method, track in record.tracks.items():
-            kept = earlier.get(method, [])
-            for i in range(min(len(track.turns) - 1, len(kept))):
-                track.turns[i] = kept[i]
-
