@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +52,10 @@ class _Operators(TorchDispatchMode):
         super().__init__()
         self.operators = 0
         self.data_shaped = 0
-        self.names: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.operators += 1
-        name = func.overloadpacket.__name__
-        self.names[name] += 1
-        if name in SHAPE_FROM_DATA:
+        if func.overloadpacket.__name__ in SHAPE_FROM_DATA:
             self.data_shaped += 1
         return func(*args, **(kwargs or {}))
 
@@ -113,7 +109,7 @@ def count_steps(sm: LoadedModel, method: str, budget: float, batch: int, prompt_
                 tokens = run.step(tokens)
     return {"operators": ops.operators / steps,
             "round_trips": (reads.reads + ops.data_shaped + syncs.count) / steps,
-            "top": dict(ops.names.most_common(8)), "cache_mode": run.mode}
+            "cache_mode": run.mode}
 
 
 class _Nothing:
@@ -208,13 +204,10 @@ def main(argv: list[str] | None = None) -> int:
 def truncated(sm: LoadedModel, layers: int) -> LoadedModel:
     """The model with its first `layers` decoder layers only (the per-layer part of a count scales with the layers:
     counting a 32-layer shape at 4 shows what each layer costs)."""
-    import dataclasses
-
-    text = sm.model.get_decoder() if hasattr(sm.model, "get_decoder") else sm.model.model.language_model
-    text = getattr(text, "language_model", text)
+    text = sm.model.get_decoder()
     text.layers = text.layers[:layers]
     sm.model.config.get_text_config().num_hidden_layers = layers
-    return dataclasses.replace(sm, num_layers=layers)
+    return sm
 
 
 if __name__ == "__main__":

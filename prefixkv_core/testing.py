@@ -120,58 +120,6 @@ def prefill_and_compress(loaded, policy, inputs: dict, budget: float):
     return shared, compressed, n
 
 
-def greedy_through_the_runner(loaded, policy, inputs: dict, budget: float, steps: int) -> list[int]:
-    """The greedy tokens of `policy` on an encoded prompt through the runner's own pieces and nothing else: one
-    prefill, its compression, then each token fed at its true position (the prompt's length + the tokens before it,
-    however few entries the cache holds) and compressed after. The reference a session's answer equals; one that fed
-    its tokens at another position answers otherwise."""
-    from .decoding import runner
-    from .kv.attention import StatRequest, tracked_attention_enabled
-    from .models import vision_inputs
-
-    ids = inputs["input_ids"]
-    with tracked_attention_enabled(loaded.model), torch.inference_mode():
-        shared = runner.prefill_for(loaded.model, policy, ids, loaded.visual_mask(ids), vision_inputs(inputs),
-                                    loaded.num_layers, loaded.device, loaded.image_token_id)
-        n, reduced_by = shared.prompt_len, ids.shape[1] - shared.prompt_len
-        state = runner.compress_prefill(policy, shared.cache, runner.policy_stats(policy, shared.stats, n), n, budget,
-                                        shared.reduction, reduced_by)
-        token, tokens, true_len = shared.logits.argmax(dim=-1), [], n
-        for step in range(steps):
-            tokens.append(int(token))
-            if step == steps - 1:
-                break
-            needs = policy.decode_needs_attention()
-            logits, stats = runner.forward_group(loaded.model, shared.cache, token.view(1, 1), true_len,
-                                                 StatRequest(last_query=needs))
-            true_len += 1
-            row = runner.DecodeRow(policy, state, shared.cache, true_len, n, step + 1,
-                                   runner.last_query(stats) if needs else None, reduced_by)
-            for _, error in runner.compress_decode_rows([row], loaded.device):
-                if error is not None:
-                    raise error
-            token = logits.argmax(dim=-1)
-    return tokens
-
-
-def check_decodes_at_the_true_length(loaded, image, prompt: str, method: str, budget: float = 0.3) -> None:
-    """AssertionError unless a session's compressed `method` feeds each new token at its true position (the prompt's
-    length plus the tokens before it), not at the number of entries its cache holds: its answer must be the
-    runner's at the true positions (`greedy_through_the_runner`)."""
-    from .models import encode, format_prompt
-    from .policies import make_policy
-    from .session.engine import Engine
-    from .session.generation import GenerationSettings
-
-    session = Engine(loaded).new_session(image, prompt, [method], budget, GenerationSettings(max_new_tokens=6))
-    list(session.run())
-    state = session.states[method]
-    assert state.cache.layers[0].length < state.true_len, "the cache holds every entry: the test would prove nothing"
-    inputs = encode(loaded, image, format_prompt(loaded, prompt, with_image=True))
-    want = greedy_through_the_runner(loaded, make_policy(method, budget), inputs, budget, len(state.turn_ids))
-    assert state.turn_ids == want, (method, state.turn_ids, want)
-
-
 def masked_reference_cache(loaded, ids, is_image, vision_inputs, drop_layer: int, kept_positions):
     """The cache of a plain forward of the prompt in which every token goes through every layer and, from layer
     `drop_layer` on, attention sees only the tokens at `kept_positions`: what a token drop (FastV, DART) computes

@@ -106,3 +106,33 @@ def threads_restored():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def decodes_at_the_true_length():
+    """check(loaded, image, prompt, method): AssertionError unless a session's compressed `method` feeds each new token
+    at its true position (the prompt's length plus the tokens before it), not at the number of entries its cache
+    holds. The reference is the benchmarks' batch runner (`benchmarks/batched.py`), which feeds at the true length."""
+    from benchmarks.batched import MethodRun
+    from prefixkv_core import Engine, GenerationSettings
+    from prefixkv_core import models as M
+    from prefixkv_core.kv.attention import tracked_attention_enabled
+    from prefixkv_core.policies import make_policy
+
+    def check(loaded, image, prompt: str, method: str, budget: float = 0.3) -> None:
+        session = Engine(loaded).new_session(image, prompt, [method], budget, GenerationSettings(max_new_tokens=6))
+        list(session.run())
+        state = session.states[method]
+        assert state.cache.layers[0].length < state.true_len, "the cache holds every entry: the check proves nothing"
+        inputs = M.encode(loaded, image, M.format_prompt(loaded, prompt, with_image=True))
+        ids = inputs["input_ids"]
+        run = MethodRun(loaded, make_policy(method, budget), budget)
+        with tracked_attention_enabled(loaded.model), torch.inference_mode():
+            token = run.prefill(ids, loaded.visual_mask(ids), M.vision_inputs(inputs))
+            want = [int(token)]
+            while len(want) < len(state.turn_ids):
+                token = run.step(token)
+                want.append(int(token))
+        assert state.turn_ids == want, (method, state.turn_ids, want)
+
+    return check

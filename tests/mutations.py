@@ -60,7 +60,7 @@ MUTATIONS = (
              "prefixkv_core/kv/attention.py", "            if depth > 1:", "            if False:",
              ("tests/test_engine.py -k nested",)),
     Mutation("frame-meter", "decoded video frames are not measured (only the header is)",
-             "prefixkv_core/session/video_input.py", "        if w * h > _frame_limit(self.bounds):",
+             "prefixkv_core/session/video_input.py", "        if w * h > self.bounds.frame_limit:",
              "        if False:", ("tests/test_video_input.py -k every_decoded_frame",)),
     Mutation("seek", "sampled video frames are decoded in order from the start instead of reached by seeking",
              "prefixkv_core/session/video_input.py", "    if any(p.pts is None for p in packets) or",

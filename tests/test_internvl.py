@@ -381,9 +381,7 @@ def test_app_compares_and_follows_up(lm, picture):
 
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o"])
-def test_a_compressed_method_decodes_at_the_true_length(lm, picture, method):
+def test_a_compressed_method_decodes_at_the_true_length(lm, picture, method, decodes_at_the_true_length):
     """A session's compressed method feeds each new token at its true position, not at the number of entries its
     cache holds: its answer is the runner's at the true positions."""
-    from prefixkv_core.testing import check_decodes_at_the_true_length
-
-    check_decodes_at_the_true_length(lm, picture, PROMPT, method)
+    decodes_at_the_true_length(lm, picture, PROMPT, method)

@@ -55,3 +55,10 @@ def test_a_host_read_and_an_extra_operator_are_counted():
         y.sum().item()
         torch.nonzero(y > 2)
     assert ops.operators >= 4 and ops.data_shaped == 1 and reads.reads == 1
+
+
+def test_the_command_counts_a_shape_cut_to_its_first_layers(capsys, threads_restored):
+    assert step_ops.main(["--random-weights", "tiny", "--batch", "1", "--layers", "2", "--methods", "full",
+                          "h2o"]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers" in out and "| full | " in out and "| h2o | " in out

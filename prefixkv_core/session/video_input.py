@@ -82,6 +82,10 @@ class DecodeBounds:
     decode_pixels: int | None = None
     decode_s: float | None = None
 
+    @property
+    def frame_limit(self) -> int:
+        return MAX_VIDEO_PIXELS if self.frame_pixels is None else self.frame_pixels
+
 
 def sample_indices(total: int, frames: int) -> list[int]:
     """`frames` indices spread uniformly over `total` frames; all of them when there are no more than asked."""
@@ -158,7 +162,7 @@ def _decode_clip(fh, frames: int, name: str, *, confined: bool, bounds: DecodeBo
             packets = _index(container, stream)
             wanted = sample_indices(len(packets), frames)
             plan = _plan(packets, wanted, timed=container.format.name not in UNTIMED_FORMATS)
-            _check_decode_cost(plan, stream, len(wanted), bounds)
+            _check_decode_cost(plan, stream, bounds)
             kept, reached, decoded = _decode(container, stream, plan, bounds)
     except (av.FFmpegError, OSError, EOFError):
         raise refuse(f"is not a readable video ({ACCEPTED_VIDEOS}); it may be corrupt or truncated") from None
@@ -180,16 +184,12 @@ def _probe(container, refuse, bounds: DecodeBounds):
         raise refuse("has no video stream (audio only?): pass a video file")
     stream = container.streams.video[0]
     w, h = stream.codec_context.width, stream.codec_context.height
-    if w * h > _frame_limit(bounds):
-        raise EngineError(f"the video is {w}×{h} pixels per frame; the limit is {_frame_limit(bounds) / 1e6:g} "
+    if w * h > bounds.frame_limit:
+        raise EngineError(f"the video is {w}×{h} pixels per frame; the limit is {bounds.frame_limit / 1e6:g} "
                           "megapixels: send a smaller video")
     if stream.frames > MAX_STREAM_FRAMES:
         raise _too_long(stream.frames)
     return stream, float(stream.average_rate or stream.guessed_rate or 0) or None
-
-
-def _frame_limit(bounds: DecodeBounds) -> int:
-    return MAX_VIDEO_PIXELS if bounds.frame_pixels is None else bounds.frame_pixels
 
 
 def _too_long(frames: int, more: bool = False) -> EngineError:
@@ -235,7 +235,16 @@ class _Plan:
     seekable: bool
     steps: tuple[_Step, ...] = ()
     wanted: tuple[int, ...] = ()  # without timestamps: the positions to keep, decoding from the start
-    decodes: int = 0
+
+    @property
+    def frames(self) -> int:
+        """The sampled frames it reaches."""
+        return len(self.steps) if self.seekable else len(self.wanted)
+
+    @property
+    def decodes(self) -> int:
+        """The frames it decodes to reach them."""
+        return sum(step.decodes for step in self.steps) if self.seekable else self.wanted[-1] + 1
 
 
 def _plan(packets: list[_Packet], wanted: list[int], timed: bool = True) -> _Plan:
@@ -246,7 +255,7 @@ def _plan(packets: list[_Packet], wanted: list[int], timed: bool = True) -> _Pla
     if not wanted:
         return _Plan(seekable=True)
     if any(p.pts is None for p in packets) or not (timed or all(p.key for p in packets)):
-        return _Plan(seekable=False, wanted=tuple(wanted), decodes=wanted[-1] + 1)
+        return _Plan(seekable=False, wanted=tuple(wanted))
     by_decode = sorted(packets, key=lambda p: p.decode_at)
     last_key, keys = 0, []
     for p in by_decode:  # for every packet, the latest keyframe at or before it in decode order
@@ -264,15 +273,14 @@ def _plan(packets: list[_Packet], wanted: list[int], timed: bool = True) -> _Pla
     return _Plan(seekable=True, steps=tuple(steps))
 
 
-def _check_decode_cost(plan: _Plan, stream, n_frames: int, bounds: DecodeBounds) -> None:
+def _check_decode_cost(plan: _Plan, stream, bounds: DecodeBounds) -> None:
     """Refuses, before decoding, a clip whose sampled frames lie behind more decoding than the bounds allow (a long
     stream with few keyframes)."""
     if bounds.decode_pixels is None:
         return
-    decodes = sum(step.decodes for step in plan.steps) if plan.seekable else plan.decodes
-    w, h = stream.codec_context.width, stream.codec_context.height
-    if decodes * w * h > bounds.decode_pixels:
-        raise _over_decode(n_frames, decodes, decodes * w * h, bounds)
+    pixels = plan.decodes * stream.codec_context.width * stream.codec_context.height
+    if pixels > bounds.decode_pixels:
+        raise _over_decode(plan.frames, plan.decodes, pixels, bounds)
 
 
 def _over_decode(n_frames: int, decodes: int, pixels: int, bounds: DecodeBounds) -> EngineError:
@@ -293,9 +301,9 @@ class _Meter:
 
     def decoded_frame(self, frame) -> None:
         w, h = frame.width, frame.height
-        if w * h > _frame_limit(self.bounds):
+        if w * h > self.bounds.frame_limit:
             raise EngineError(f"a frame of the video is {w}×{h} pixels (its header says {self.header_size[0]}×"
-                              f"{self.header_size[1]}); the limit is {_frame_limit(self.bounds) / 1e6:g} megapixels "
+                              f"{self.header_size[1]}); the limit is {self.bounds.frame_limit / 1e6:g} megapixels "
                               "a frame: send a smaller video")
         self.decoded += 1
         self.pixels += w * h
@@ -318,8 +326,7 @@ def _decode(container, stream, plan: _Plan, bounds: DecodeBounds):
     """The sampled frames as (presentation position, time stamped in the stream or the position, RGB image), and
     how far into the stream decoding reached (frames). Every frame decoded is metered, kept or not."""
     stream.thread_type = "AUTO"
-    n_frames = len(plan.steps) if plan.seekable else len(plan.wanted)
-    meter = _Meter(bounds, n_frames, (stream.codec_context.width, stream.codec_context.height))
+    meter = _Meter(bounds, plan.frames, (stream.codec_context.width, stream.codec_context.height))
     kept = []
 
     def keep(index, frame):
@@ -338,9 +345,9 @@ def _decode(container, stream, plan: _Plan, bounds: DecodeBounds):
                 break
         return kept, n, meter.decoded
     frames_in = None
-    for step in plan.steps:
-        if step.seek_pts is not None or frames_in is None:
-            container.seek(step.seek_pts or 0, stream=stream, backward=True, any_frame=False)
+    for step in plan.steps:  # the first step always seeks
+        if step.seek_pts is not None:
+            container.seek(step.seek_pts, stream=stream, backward=True, any_frame=False)
             frames_in = container.decode(stream)
         for frame in frames_in:
             meter.decoded_frame(frame)
