@@ -9,8 +9,9 @@ method runs through the batch runner the speed benchmark uses (`batched.py`: the
 Counted over `--steps` decode steps after `--warmup` (the first steps of an every-step method may not evict yet):
 - operators: every aten operator dispatched (`TorchDispatchMode`), views included, per step;
 - host round trips: every read of a tensor's value into Python (`item`, `tolist`, `bool`/`int`/`float` of a
-  tensor), every operator whose output size depends on the data (`nonzero`, `masked_select`, `unique`: the host
-  waits for the device to know the size) and every explicit synchronisation, per step. On a GPU each one is a
+  tensor), every operator whose output size depends on the data (`nonzero`, `masked_select`, `unique`, indexing
+  with a boolean mask: the host waits for the device to know the size) and every explicit synchronisation, per
+  step. On a GPU each one is a
   wait for the device.
 
     python benchmarks/step_ops.py --random-weights tiny --batch 1 16 --budget 0.2
@@ -41,6 +42,7 @@ from prefixkv_core.kv.attention import tracked_attention_enabled  # noqa: E402
 from prefixkv_core.models import RANDOM_KINDS, LoadedModel, build_random_model  # noqa: E402
 
 SHAPE_FROM_DATA = ("nonzero", "masked_select", "unique", "_unique", "unique_consecutive", "_unique2")
+MASK_INDEXING = ("index", "index_put", "index_put_", "_index_put_impl_")  # with a boolean mask: sized by the data
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 RECORD = Path(__file__).resolve().parent / "data" / "step_ops_tiny.json"
 
@@ -55,9 +57,16 @@ class _Operators(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.operators += 1
-        if func.overloadpacket.__name__ in SHAPE_FROM_DATA:
+        name = func.overloadpacket.__name__
+        if name in SHAPE_FROM_DATA or (name in MASK_INDEXING and _bool_index(args)):
             self.data_shaped += 1
         return func(*args, **(kwargs or {}))
+
+
+def _bool_index(args) -> bool:
+    """Whether an indexing operator was given a boolean mask (`x[mask]`: its size is the mask's count)."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
 
 
 class _HostReads(TorchFunctionMode):

@@ -79,6 +79,16 @@ MUTATIONS = (
              "            self._pending_meta = (*per_head_meta(positions, is_image, n_kv),",
              "            self._pending_meta = (*per_head_meta(positions.clone(), is_image, n_kv),",
              ("tests/test_step_ops.py",)),
+    Mutation("policy-sync", "the runner waits for the device before each row's planning (to time it)",
+             "prefixkv_core/decoding/runner.py", "            plans = row.plans()\n",
+             "            sync(device)\n            plans = row.plans()\n",
+             ("tests/test_step_ops.py -k at_most_once",)),
+    Mutation("range-shift", "a range drop moves the entries after it up by one, whatever the range's length",
+             "prefixkv_core/kv/joint_eviction.py", "(written + shift).reshape(-1)",
+             "(written + shift.clamp_max(1)).reshape(-1)", ("tests/test_entry_stores.py -k range_drops",)),
+    Mutation("local-sinks", "Local counts its sinks among the prompt's positions only",
+             "prefixkv_core/policies/local.py", "sinks = min(self.sinks, view.true_len)",
+             "sinks = min(self.sinks, view.prompt_len)", ("tests/test_policies_synthetic.py -k local_decode",)),
 )
 
 

@@ -6,7 +6,8 @@ import torch
 
 from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import tracked_attention_enabled
-from prefixkv_core.kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer, gather_many
+from prefixkv_core.kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer
+from prefixkv_core.kv.joint_eviction import gather_many
 from prefixkv_core.models import encode, format_prompt
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
@@ -349,3 +350,50 @@ def test_a_quantised_row_replaced_in_the_batch_and_back(tiny_qwen2, prefilled):
     for mine, theirs in zip(a.layers, plain["a"].layers):
         assert mine.length == theirs.length == n + 2 and torch.equal(mine.positions, theirs.positions)
         torch.testing.assert_close(mine.full_keys(), theirs.full_keys(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_range_drops_over_stacked_layers_equal_each_row_alone(split, monkeypatch):
+    """`drop_ranges` (a fixed-point eviction of every row and layer at once, from a few numbers per row) leaves
+    exactly what each row's own gather of the kept indices leaves, image counts included: a range in the middle,
+    one at the start, one at the end (nothing moves), a row filled to its capacity, a layer of its own stores;
+    the rows that drop nothing stay as they were."""
+    from prefixkv_core.decoding import step_buffers
+    from prefixkv_core.kv.joint_eviction import drop_ranges
+    from prefixkv_core.policies.base import drop_range_keep
+
+    if split:
+        monkeypatch.setattr(step_buffers, "SPLIT_MIN_BYTES", 0)
+        monkeypatch.setattr(step_buffers, "SPLIT_SHARE", 1.0)
+    lengths = [(9, 12, 7), (10, 16, 8), (7, 14, 7)]  # [layer][row]
+    by_layer = [[_layer(t, 10 * i + r) for r, t in enumerate(row)] for i, row in enumerate(lengths)]
+    step_buffers.StepBuffers().form(by_layer)
+    full = by_layer[1][1]  # fill one row to its capacity: its last slot holds an entry that moves
+    for _ in range(full._stores["keys"].capacity - full.length):
+        full._append("keys", torch.randn(1, 2, 1, 4))
+        full._append("values", torch.randn(1, 2, 1, 4))
+        full.append_meta_per_head(torch.tensor([[[99], [99]]]), torch.tensor([[[True], [False]]]),
+                                  torch.zeros(1, 2, 1), has_image=True)
+    assert full.length == full._stores["keys"].capacity
+    loner = _layer(11, 99)
+    drops = {(0, 0): (3, 2), (0, 1): (0, 2), (1, 1): (5, 3), (1, 2): (6, 2), (2, 1): (4, 6)}
+    references = {}
+    for (i, r), (start, count) in drops.items():
+        references[i, r] = TrackedLayer()
+        for name, value in _fields(by_layer[i][r]).items():
+            setattr(references[i, r], name, value)
+        references[i, r].gather(drop_range_keep(by_layer[i][r].length, start, count, "cpu"))
+    loner_reference = _layer(11, 99)
+    loner_reference.gather(drop_range_keep(11, 2, 4, "cpu"))
+    untouched = {(i, r): _fields(layer) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows)
+                 if (i, r) not in drops}
+    drop_ranges([(by_layer[i][r], start, count) for (i, r), (start, count) in drops.items()] + [(loner, 2, 4)])
+    for (i, r), reference in references.items():
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(by_layer[i][r], name), getattr(reference, name)), (i, r, name)
+        assert by_layer[i][r].image_count() == reference.image_count()
+    for name in ENTRY_FIELDS:
+        assert torch.equal(getattr(loner, name), getattr(loner_reference, name)), name
+    for (i, r), fields in untouched.items():
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)

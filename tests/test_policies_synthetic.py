@@ -7,7 +7,8 @@ from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.report.lorenz import (bisect_threshold, counts_for_threshold, distribute, gini, lorenz_curves,
                                   retention_curves)
 from prefixkv_core.policies import METHODS, PolicyError, describe, make_policy, resolve_methods
-from prefixkv_core.policies.base import DecodeView, LayerPlan, apply_plans, fixed_point_decode, top_k_keep
+from prefixkv_core.policies.base import (DecodeView, LayerPlan, PolicyState, PrefillView, RangeDrop, apply_plans,
+                                         fixed_point_decode, top_k_keep)
 from prefixkv_core.policies.elastic import merge_into_nearest, nearest_anchor
 from prefixkv_core.policies.lookm import lookm_keep, similarity_merge
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
@@ -240,6 +241,31 @@ def test_fixed_point_elimination_freezes_the_prefix():
     assert pos == list(range(5)) + list(range(7, 40))
     plans = fixed_point_decode(view, targets=[38], anchors=[10])  # fp < 1 -> K // 2 = 5
     assert plans[0] is None  # already at target
+
+
+@pytest.mark.parametrize("prompt_len, sinks", [(30, 4), (30, 1), (3, 4)])
+def test_local_decode_drops_the_range_its_recency_ranking_drops(prompt_len, sinks):
+    """Local's decode plan, said as the range right after the sinks (`RangeDrop`, no ranking), keeps exactly the
+    entries its recency ranking keeps, step after step, and a follow-up's many tokens at once."""
+    policy = make_policy("local", 0.3, sinks=sinks)
+    cache = TrackedCache(2)
+    for i in range(2):
+        cache.layers[i] = _layer(n=prompt_len, h=2, seed=i)
+    apply_plans(cache, policy.prefill(PrefillView(cache, {}, prompt_len, 0.3, 0)).plans)
+    true_len = prompt_len
+    for fed in [1] * 12 + [9] + [1] * 3:
+        for layer in cache.layers:
+            h = layer.n_kv
+            layer.update(torch.randn(1, h, fed, 4), torch.randn(1, h, fed, 4))
+            layer.append_meta(torch.arange(true_len, true_len + fed)[None], torch.zeros(1, fed, dtype=torch.bool), h)
+        true_len += fed
+        view = DecodeView(cache, true_len, prompt_len, 1)
+        plans, ranked = policy.decode(view, PolicyState()), policy._plans(cache, true_len)
+        for plan, want in zip(plans, ranked):
+            assert (plan is None) == (want is None)
+            if plan is not None:
+                assert isinstance(plan, RangeDrop) and torch.equal(plan.keep.expand_as(want.keep), want.keep)
+        apply_plans(cache, plans)
 
 
 def test_zipvl_adaptive_ratio_and_probe():

@@ -44,6 +44,7 @@ from ..models.families import hooks_of, uses_mrope
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from .step_buffers import StepBuffers
+from .stopwatch import Elapsed, Stopwatch
 from .token_drop import tokens_dropped
 from .vision_tower import TurnImage
 
@@ -425,14 +426,11 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
     if 0 < wanted < b:
         request.last_query_rows = wanted
     probe = AttentionProbe(request)
-    ids = torch.zeros(b, q, dtype=torch.long)
-    positions = torch.zeros(b, q, dtype=torch.long)
-    for r, (chunk, start) in enumerate(zip(chunks, starts)):
-        pad = q - len(chunk)
-        ids[r, pad:] = torch.as_tensor(list(chunk), dtype=torch.long)
-        positions[r, :pad] = start  # padding: masked as keys, never stored; any position will do
-        positions[r, pad:] = torch.arange(start, start + len(chunk))
-    ids, positions = ids.to(device), positions.to(device)
+    # built as lists and made one tensor each: a step's operators do not grow with its rows
+    ids = torch.tensor([[0] * (q - len(chunk)) + [int(t) for t in chunk] for chunk in chunks], device=device)
+    # padding: masked as keys, never stored; any position will do
+    positions = torch.tensor([[start] * (q - len(chunk)) + list(range(start, start + len(chunk)))
+                              for chunk, start in zip(chunks, starts)], device=device)
     if b == 1:
         logits, stats = forward_group(model, caches[0], ids, starts[0], request)
         return StepOutput(logits, [last_query(stats) if wanted else None])
@@ -633,41 +631,43 @@ class DecodeRow:
         apply_plans(self.cache, self.policy.after_plans(self.view(), self.state))
 
 
-def compress_decode_rows(rows: Sequence[DecodeRow], device: torch.device) -> list[tuple[float, Exception | None]]:
+def compress_decode_rows(rows: Sequence[DecodeRow], device: torch.device) -> list[tuple[Elapsed, Exception | None]]:
     """`compress_decode` for every row of one batched step: each policy plans on its own, then every row's
     eviction is carried out together (`apply_plans_together`: one gather per layer and field for all rows).
-    Returns per row the seconds of its own policy time (its planning and holding, and its share of the joint
-    eviction, split evenly among the rows that evicted) and the error that stopped it, if any: a failing
+    Returns per row its own policy time (its planning and holding, and its share of the joint eviction, split
+    evenly among the rows that evicted), read when first asked for (`float`: after the step's tokens were read
+    back, so timing waits for nothing; see `stopwatch.py`), and the error that stopped it, if any: a failing
     policy fails its own row only."""
-    seconds = [0.0] * len(rows)
+    watch = Stopwatch(device)
+    seconds = [Elapsed(watch) for _ in rows]
     errors: list[Exception | None] = [None] * len(rows)
     planned: list[tuple[int, list[LayerPlan | None]]] = []
+    mark = watch.mark()
     for r, row in enumerate(rows):
-        t0 = now(device)
         try:
             plans = row.plans()
             if plans and any(p is not None for p in plans):
                 planned.append((r, plans))
         except Exception as exc:  # noqa: BLE001 - reported as the method's error
             errors[r] = exc
-        seconds[r] += now(device) - t0
+        mark, before = watch.mark(), mark
+        seconds[r].add(before, mark)
     if planned:
-        t0 = now(device)
         try:
             apply_plans_together([(rows[r].cache, plans) for r, plans in planned])
         except Exception as exc:  # noqa: BLE001
             for r, _ in planned:
                 errors[r] = exc
-        share = (now(device) - t0) / len(planned)
+        mark, before = watch.mark(), mark
         for r, _ in planned:
-            seconds[r] += share
+            seconds[r].add(before, mark, 1.0 / len(planned))
     for r, row in enumerate(rows):
         if errors[r] is not None:
             continue
-        t0 = now(device)
         try:
             row.hold()
         except Exception as exc:  # noqa: BLE001
             errors[r] = exc
-        seconds[r] += now(device) - t0
+        mark, before = watch.mark(), mark
+        seconds[r].add(before, mark)
     return list(zip(seconds, errors))

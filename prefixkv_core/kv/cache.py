@@ -14,14 +14,12 @@ as a per-head (flattened) cache would store them. `stored_nbytes` says what the 
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -213,7 +211,9 @@ class TrackedLayer(DynamicLayer):
         self._rows = (0, 1)  # this layer's rows of its stores
         super().__init__()
         self.segments: list[QuantSegment] = []
-        self._image_count: int | None = None  # cached image_count(); None = recount
+        # cached image_count(): a count, (counts of a joint eviction still on the device, this layer's row), or
+        # None = recount
+        self._image_count: int | tuple["KeptImageCounts", int] | None = None
         self._empty: tuple[float, int] | None = None  # cached empty-slot counts (row 0 per head, all); None = recount
         self.has_empty_slots = False  # some KV head holds empty slots (position -1): mask them from attention
 
@@ -318,6 +318,11 @@ class TrackedLayer(DynamicLayer):
         return 0 if store is None else store.lengths[self._rows[0]]
 
     @property
+    def entries_device(self) -> torch.device:
+        """Where the entries live (read off the store: no view made, which a policy's every-step call would pay)."""
+        return self._stores["positions"].data.device
+
+    @property
     def n_kv(self) -> int:
         return self.keys.shape[1]
 
@@ -352,6 +357,8 @@ class TrackedLayer(DynamicLayer):
         index -1 (EMPTY_SLOT) makes an empty slot: position -1, zero key and value, no image flag, no score."""
         if self.segments:
             raise RuntimeError("entries stored quantised cannot be evicted; this method does not evict")
+        if index.shape[0] == 1 and index.shape[1] == 1 and not empty_slots and self._gather_in_place(index.view(-1)):
+            return
         b, h, _, d = self.keys.shape
         empty = None
         if index.shape[0] == 1 and index.shape[1] == 1 and not empty_slots:
@@ -374,6 +381,54 @@ class TrackedLayer(DynamicLayer):
         # every field is computed before any is written: the writes go to the layer's own slot, in place
         self.keys, self.values, self.positions, self.is_image, self.scores = keys, values, positions, is_image, scores
         self._image_count = None
+
+    def _gather_in_place(self, idx: torch.Tensor) -> bool:
+        """`gather` of one index [K] for every row and head, read straight from each store and written to the front
+        of the layer's slot (three operators a field, no view made); False, doing nothing, where the layer's own
+        stores would then be far larger than its entries (`_assign` gives that room back instead)."""
+        k = idx.shape[0]
+        first, last = self._rows
+        stores = [self._stores[name] for name in ENTRY_FIELDS]
+        if any(self._rows == (0, st.data.shape[0]) and k + SPARE_ENTRIES < st.capacity // 2 for st in stores):
+            return False
+        with torch.inference_mode():
+            kept = []
+            for store in stores:  # every field read before any is written
+                data = store.data if self._rows == (0, store.data.shape[0]) else store.data.narrow(0, first, last - first)
+                kept.append((store, data, data.index_select(2, idx)))
+            for store, data, values in kept:
+                data.narrow(2, 0, k).copy_(values)
+                for r in range(first, last):
+                    store.lengths[r] = k
+        self._image_count = None
+        self._empty = None
+        return True
+
+    def drop_range(self, start: int, count: int) -> None:
+        """Drop entries [start, start + count) of every head and row, the entries after them moving up: what
+        `gather` does with every other index kept, done as a slice copy per field in the layer's own slot (a
+        fixed-point eviction moves the newest few entries, not the layer)."""
+        n = self.length
+        if not (0 <= start and 0 < count and start + count <= n):
+            raise ValueError(f"cannot drop [{start}, {start + count}) from {n} entries")
+        if self.segments or self.has_empty_slots:
+            kept = torch.arange(n, device=self.entries_device)
+            self.gather(torch.cat([kept[:start], kept[start + count:]]).view(1, 1, -1))
+            return
+        after = n - start - count
+        first, last = self._rows
+        with torch.inference_mode():
+            for name in ENTRY_FIELDS:
+                store = self._stores[name]
+                data = store.data if self._rows == (0, store.data.shape[0]) else store.data.narrow(0, first, last - first)
+                if after > 0:
+                    moved = data.narrow(2, start + count, after)
+                    if after > count:  # the entries overlap the slots they move to
+                        moved = moved.clone()
+                    data.narrow(2, start, after).copy_(moved)
+                for r in range(first, last):
+                    store.lengths[r] = n - count
+        self._image_count = None  # counted when asked for, with the cache's other layers (`image_counts`)
 
     def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor,
               denominator: torch.Tensor | None = None):
@@ -427,6 +482,9 @@ class TrackedLayer(DynamicLayer):
     def image_count(self) -> int:
         """Image entries, averaged over KV heads (head-wise methods keep different entries per head).
         Counted again only after entries were dropped or image entries added (events ask every step)."""
+        if isinstance(self._image_count, tuple):
+            counts, k = self._image_count
+            self._image_count = counts.of(k)
         if self._image_count is not None:
             return self._image_count
         if self.is_image is None:
@@ -493,90 +551,19 @@ def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str,
         layer._stores, layer._rows = stores, (r, r + 1)
 
 
-@functools.lru_cache(maxsize=256)
-def _slot_starts(rows: tuple[int, ...], heads: int, capacity: int, device: torch.device) -> torch.Tensor:
-    """[rows, Hkv, 1]: where each (row, head) slot of a store of this capacity starts, flattened (the same rows
-    evict step after step, so these are made once)."""
-    index = torch.tensor(rows, device=device)[:, None] * heads + torch.arange(heads, device=device)
-    return (index * capacity).unsqueeze(-1)
+class KeptImageCounts:
+    """The image entries each row of a joint eviction kept (summed over heads), left on the device until one of
+    them is asked for, then read for every row at once: the eviction itself waits for nothing."""
 
+    def __init__(self, sums: torch.Tensor, heads: int):
+        self._sums, self._heads = sums, heads
+        self._values: list[int] | None = None
 
-@functools.lru_cache(maxsize=64)
-def _slots(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=device)
-
-
-def _home(store: EntryStore) -> tuple[torch.Tensor, int]:
-    """The tensor a store's rows live in and where its first row sits there: its stack's, or its own data."""
-    return (store.stack.data, store.stack_row) if store.stack is not None else (store.data, 0)
-
-
-def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
-    """`layer.gather(index)` for every (layer, index) pair, the batch-1 full-precision layers that are rows of
-    shared stores gathered together when their stores live in one tensor (`gather_rows`: one layer's shared
-    stores, or a stack of every layer's); each layer at most once."""
-    groups: dict[int, tuple[list[TrackedLayer], list[torch.Tensor]]] = {}
-    for layer, index in pairs:
-        if layer.segments or layer.has_empty_slots or layer._rows[1] - layer._rows[0] != 1 or index.shape[0] != 1:
-            layer.gather(index)
-            continue
-        store = layer._stores["keys"]
-        group = groups.setdefault(id(store.stack) if store.stack is not None else id(layer._stores), ([], []))
-        group[0].append(layer)
-        group[1].append(index)
-    for layers, indices in groups.values():
-        if len(layers) == 1:
-            layers[0].gather(indices[0])
-        else:
-            gather_rows(layers, indices)
-
-
-def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:
-    """`layers[k].gather(indices[k])` for batch-1 layers whose entries live in one tensor per field (rows of one
-    layer's shared stores, or of a stack of layers), done as one copy per field for all of them: the same entries
-    kept, in a few operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
-    homes = {name: [_home(layer._stores[name]) for layer in layers] for name in ENTRY_FIELDS}
-    # each layer's rows in the tensor its fields live in (the same place in every field's)
-    rows = tuple(start + layer._rows[0] for (_, start), layer in zip(homes["keys"], layers))
-    if any(layer.segments or layer.has_empty_slots for layer in layers) or any(
-            any(data is not found[0][0] for data, _ in found)
-            or tuple(start + layer._rows[0] for (_, start), layer in zip(found, layers)) != rows
-            for found in homes.values()):
-        raise ValueError("gather_rows takes full-precision rows of shared stores that live in one tensor per field")
-    device = indices[0].device
-    heads = homes["keys"][0][0].shape[1]
-    counts = [int(i.shape[-1]) for i in indices]
-    # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 (never written)
-    index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
-    index = index.transpose(1, 2).contiguous()
-    slots = _slots(index.shape[2], device)
-    valid = slots < torch.tensor(counts, device=device)[:, None, None]  # [rows, 1, max K]
-    # only the slots whose entry changes are written; kept indices ascend, so those are the slots from the first
-    # evicted entry on (a fixed-point eviction moves the newest few entries, not the row)
-    moved = ((index != slots) & valid).reshape(-1)
-    flat: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # capacity -> (all kept, read, written)
-    kept_image = None
-    with torch.inference_mode():
-        for name in ENTRY_FIELDS:
-            data = homes[name][0][0]
-            cap = data.shape[2]
-            if cap not in flat:  # every (row, head) slot as one row of the flattened store: plain row copies
-                first = _slot_starts(rows, heads, cap, device)
-                everything = (first + index).reshape(-1)
-                flat[cap] = (everything, everything[moved], (first + slots).expand_as(index).reshape(-1)[moved])
-            everything, read, written = flat[cap]
-            entries = data.view(-1, *data.shape[3:])
-            if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
-                kept = entries.index_select(0, everything).view(index.shape)
-                kept_image = (kept & valid).sum(dim=(1, 2)).tolist()
-                entries.index_copy_(0, written, kept.view(-1)[moved])
-            else:
-                entries.index_copy_(0, written, entries.index_select(0, read))
-    for name in ENTRY_FIELDS:
-        for layer, k in zip(layers, counts):
-            layer._stores[name].lengths[layer._rows[0]] = k
-    for layer, images in zip(layers, kept_image):
-        layer._image_count = int(round(images / heads))
+    def of(self, k: int) -> int:
+        if self._values is None:
+            self._values = [int(round(v / self._heads)) for v in self._sums.tolist()]
+            self._sums = None
+        return self._values[k]
 
 
 class TrackedCache(DynamicCache):
@@ -685,6 +672,14 @@ class TrackedCache(DynamicCache):
         return sum(layer.stored_nbytes() for layer in self.layers)
 
     def image_counts(self) -> list[int]:
+        """Image entries per layer (see `TrackedLayer.image_count`). The layers that must be counted again are
+        counted together, so asking waits for the device once, not once per layer."""
+        stale = [layer for layer in self.layers if layer._image_count is None and layer.is_image is not None]
+        if len(stale) > 1:
+            flags = [layer.is_image[0] for layer in stale]
+            totals = torch.stack([f.sum() for f in flags]).tolist()
+            for layer, f, total in zip(stale, flags, totals):
+                layer._image_count = int(round(int(total) / f.shape[0]))
         return [layer.image_count() for layer in self.layers]
 
     def nbytes(self) -> int:

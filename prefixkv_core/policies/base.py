@@ -17,13 +17,14 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import torch
 
 from ..kv.attention import StatRequest
-from ..kv.cache import TrackedCache, TrackedLayer, gather_many
+from ..kv.cache import TrackedCache, TrackedLayer
+from ..kv.joint_eviction import drop_ranges, gather_many
 from . import scoring
 from .facts import Fact, facts_to_extras, note
 from .budget import Budget, check_budget
 from .knobs import KnobInfo, PolicyError, knob, knob_fields, validate_knobs
 
-__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "TokenDrop", "PrefillView", "DecodeView", "PolicyState",
+__all__ = ["BUDGET_MODES", "STAGES", "ROLES", "EMPTY_SLOT", "PolicyError", "Merge", "Quantise", "LayerPlan", "RangeDrop", "TokenDrop", "PrefillView", "DecodeView", "PolicyState",
            "ResolveContext", "Prefilled", "Policy", "Fact", "note", "knob", "KnobInfo", "Budget", "check_budget",
            "budget_count", "protected_mask", "protected_positions", "plans_by_equal_count", "top_k_keep", "tiered_keep", "drop_range_keep", "fixed_point_decode",
            "layer_importance", "apply_plans", "apply_plans_together"]
@@ -81,6 +82,33 @@ class LayerPlan:
     merge: Merge | None = None
     quantise: Quantise | None = None
     empty_slots: bool = False  # `keep` holds EMPTY_SLOT entries (heads keeping different counts)
+
+
+class RangeDrop(LayerPlan):
+    """A plan that drops entries [start, start + count) of a layer holding `length`, in every head and row (the
+    entries after them move up): a fixed-point eviction. Said as a range, the batched step carries it out for
+    every row at once from these numbers (`kv/joint_eviction.drop_ranges`); its `keep` indices are made only
+    when something reads them."""
+
+    def __init__(self, length: int, start: int, count: int, device: torch.device | str):
+        if not (0 <= start and 0 < count and start + count <= length):
+            raise ValueError(f"cannot drop [{start}, {start + count}) from {length} entries")
+        self.length, self.start, self.count, self.device = length, start, count, torch.device(device)
+        self._keep: torch.Tensor | None = None
+        super().__init__()
+
+    @property
+    def keep(self) -> torch.Tensor:
+        if self._keep is None:
+            self._keep = drop_range_keep(self.length, self.start, self.count, self.device)
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: torch.Tensor | None) -> None:
+        self._keep = value
+
+    def __repr__(self) -> str:
+        return f"RangeDrop(length={self.length}, start={self.start}, count={self.count})"
 
 
 @dataclass(frozen=True)
@@ -417,7 +445,7 @@ def fixed_point_decode(view: DecodeView, targets: list[int], anchors: list[int])
         if fp < 1:
             fp = k // 2
         fp = max(1, min(fp, layer.length - excess - 1))  # never the sink, never the newest entry
-        plans.append(LayerPlan(keep=drop_range_keep(layer.length, fp, excess, layer.positions.device)))
+        plans.append(RangeDrop(layer.length, fp, excess, layer.entries_device))
     return plans
 
 
@@ -441,6 +469,9 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
     for layer, plan in zip(cache.layers, plans):
         if plan is None:
             continue
+        if _as_range(plan, layer):
+            layer.drop_range(plan.start, plan.count)
+            continue
         if plan.merge is not None:
             m = plan.merge
             layer.merge(m.src, m.dst, m.src_weight, m.self_weight, m.denominator)
@@ -451,17 +482,27 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
             layer.quantize_fp_part(q.important, q.bits_hi, q.bits_lo, q.group_size)
 
 
+def _as_range(plan: LayerPlan, layer: TrackedLayer) -> bool:
+    """Whether `plan` is carried out as the range it drops (a `RangeDrop` nothing changed since it was made)."""
+    return isinstance(plan, RangeDrop) and plan._keep is None and plan.length == layer.length
+
+
 def apply_plans_together(rows: Sequence[tuple[TrackedCache, list[LayerPlan | None] | None]]) -> None:
     """`apply_plans` for the caches of one batched step (each with its own plans). Plans that only keep entries
     (the usual decode-time eviction) are carried out together, one gather per layer and field for every row of
-    a batch's shared stores; merging, quantising and empty slots go row by row."""
+    a batch's shared stores, and range drops (a fixed-point eviction) with one copy per field for every row and
+    layer; merging, quantising and empty slots go row by row."""
     together: list[tuple[TrackedLayer, torch.Tensor]] = []
+    ranges: list[tuple[TrackedLayer, int, int]] = []
     for cache, plans in rows:
         if not plans:
             continue
         alone: list[LayerPlan | None] = []
         for layer, plan in zip(cache.layers, plans):
-            if plan is not None and plan.keep is not None and plan.merge is None and plan.quantise is None \
+            if _as_range(plan, layer):
+                ranges.append((layer, plan.start, plan.count))
+                alone.append(None)
+            elif plan is not None and plan.keep is not None and plan.merge is None and plan.quantise is None \
                     and not plan.empty_slots:
                 together.append((layer, plan.keep))
                 alone.append(None)
@@ -469,3 +510,4 @@ def apply_plans_together(rows: Sequence[tuple[TrackedCache, list[LayerPlan | Non
                 alone.append(plan)
         apply_plans(cache, alone)
     gather_many(together)
+    drop_ranges(ranges)

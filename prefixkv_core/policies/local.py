@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from . import allocation, scoring
-from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, knob, plans_by_equal_count, \
-    top_k_keep
+from .base import DecodeView, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, RangeDrop, knob, \
+    plans_by_equal_count, top_k_keep
 
 
 @dataclass(frozen=True)
@@ -41,4 +41,10 @@ class LocalPolicy(Policy):
         return Prefilled(self._plans(view.cache, view.prompt_len), PolicyState())
 
     def decode(self, view: DecodeView, state: PolicyState):
-        return self._plans(view.cache, view.true_len)
+        # A layer's entries ascend in position, and every position below `sinks` the sequence has reached is one
+        # of its first entries (forced, so never dropped): the oldest non-sink entries it sheds are one range right
+        # after them, the same plan as ranking by recency, carried out without ranking (`RangeDrop`).
+        targets = allocation.uniform(self.budget, view.true_len, len(view.cache.layers), min_keep=self.sinks + 1)
+        sinks = min(self.sinks, view.true_len)
+        return [RangeDrop(layer.length, sinks, layer.length - target, layer.entries_device)
+                if layer.length > target else None for layer, target in zip(view.cache.layers, targets)]

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from ..decoding import runner
+from ..decoding.stopwatch import Elapsed, Stopwatch
 from ..limits import return_free_memory
 from ..models import LoadedModel
 from .method_state import MethodState
@@ -33,9 +34,12 @@ ARRIVING_S = 1.0  # a turn whose prefill ended this recently and has not started
 
 @dataclass
 class StepResult:
+    """A step's logits and times. The times are read when first asked for (`float`), after the step's tokens
+    were read back: timing them waits for nothing (`decoding/stopwatch.py`)."""
+
     logits: torch.Tensor  # [rows, V]
-    forward_s: float  # the shared forward's seconds
-    policy_s: list[float]  # each row's own policy seconds
+    forward_s: Elapsed  # the shared forward's seconds
+    policy_s: list[Elapsed]  # each row's own policy seconds
 
 
 @dataclass
@@ -54,15 +58,17 @@ def advance_rows(loaded: LoadedModel, buffers: runner.StepBuffers, states: list[
     """Feed chunks[r] to states[r] in one batched forward, then let each policy compress its own cache (the caller
     holds the model). A failing forward fails every row in it; a failing policy fails its own row only."""
     device = loaded.device
-    t0 = runner.now(device)
+    watch = Stopwatch(device)
+    start = watch.mark()
     try:
         out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
                                   [s.policy.decode_needs_attention() for s in states], device, buffers)
     except Exception as exc:
         for state in states:
             state.fail(exc)
-        return StepResult(torch.zeros(len(states), 1), 0.0, [0.0] * len(states))
-    forward_s = runner.now(device) - t0
+        return StepResult(torch.zeros(len(states), 1), Elapsed(), [Elapsed() for _ in states])
+    forward_s = Elapsed(watch)
+    forward_s.add(start, watch.mark())
     rows = []
     for r, (state, chunk) in enumerate(zip(states, chunks)):
         state.true_len += len(chunk)

@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from ..decoding import runner
+from ..decoding.stopwatch import Elapsed
 from ..models import LoadedModel
 from ..report.events import MethodEvent
 from .generation import GenerationSettings, answer_text, next_token
@@ -73,10 +74,12 @@ class RowStepper:
 
     # -- one step --------------------------------------------------------------------------------------------
     def advance(self, states: list[MethodState], chunks: list[list[int]], step: int
-                ) -> tuple[torch.Tensor, float, dict[str, float]]:
+                ) -> tuple[torch.Tensor, Elapsed, dict[str, Elapsed]]:
         """Feed chunks[r] to states[r] in one batched forward of these rows only (the caller holds the model), then
         let each policy compress its own cache. Returns (logits [B, V], forward seconds, method -> policy
-        seconds). A failing forward fails every row in it; a failing policy fails its own method only."""
+        seconds), the seconds read when first asked for (`float`, once the tokens were read back: see
+        `decoding/stopwatch.py`). A failing forward fails every row in it; a failing policy fails its own method
+        only."""
         if self.buffers is None:
             self.buffers = runner.StepBuffers()
         done = advance_rows(self.loaded, self.buffers, states, chunks, [step] * len(states))
@@ -87,7 +90,7 @@ class RowStepper:
         return fn() if self.worker is None else self.worker.call(fn, priority)
 
     def advance_shared(self, states: list[MethodState], chunks: list[list[int]], step: int, alone: bool = False
-                       ) -> tuple[torch.Tensor, float, dict[str, float]]:
+                       ) -> tuple[torch.Tensor, Elapsed, dict[str, Elapsed]]:
         """`advance`, in the step pool's batch with the rows of every other turn decoding now (other users'
         comparisons); `alone` (or without a pool): these rows only, a step of their own on the model's thread."""
         if alone or self.pool is None:
@@ -122,7 +125,7 @@ class RowStepper:
         for r, state in enumerate(live):
             if state.error is None:
                 state.ttft_s += elapsed
-                state.compress_s = (state.compress_s or 0.0) + policy_s.get(state.name, 0.0)
+                state.compress_s = (state.compress_s or 0.0) + float(policy_s.get(state.name, 0.0))
                 state.first_logits = logits[r]
 
     def feed_turn(self, states: list[MethodState], turn: TurnInput, alone: bool = False) -> None:
@@ -142,11 +145,12 @@ class RowStepper:
             if state.error is not None:
                 continue
             state.ttft_s = elapsed
-            state.compress_s = policy_s.get(state.name)
+            own = policy_s.get(state.name)
+            state.compress_s = float(own) if own is not None else None
             state.compute_s, state.steps, state.finished = 0.0, 0, False
             self.start_answer(state, logits[r])
 
-    def _feed_embedded(self, state: MethodState, turn: TurnInput) -> tuple[torch.Tensor | None, float]:
+    def _feed_embedded(self, state: MethodState, turn: TurnInput) -> tuple[torch.Tensor | None, Elapsed | float]:
         """One method's follow-up with images: its carried-over token and the turn fed as input embeddings (image
         tokens flagged), then its policy compresses as after any step. -> (logits [V], policy seconds)."""
         if state.error is not None:
@@ -253,9 +257,10 @@ class RowStepper:
             if state.error is not None:
                 yield event(state, "error", alone=alone)
                 continue
-            own_s = policy_s.get(state.name, 0.0)
-            delta = self._take(state, greedy[r] if greedy is not None else self.sample(state, logits[r]),
-                               forward_s + own_s)
+            token = greedy[r] if greedy is not None else self.sample(state, logits[r])
+            # read once the token is: the device has passed every mark by then
+            own_s, forward_s = float(policy_s.get(state.name, 0.0)), float(forward_s)
+            delta = self._take(state, token, forward_s + own_s)
             yield event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
                         policy_s=own_s, batch_size=len(active), alone=alone)
 
