@@ -119,12 +119,14 @@ class MethodRun:
         n = shared.prompt_len
         self.reduced_by = ids.shape[1] - n
         self.shared_plan = ids.shape[0] == 1 or policy.plans_rows_together()
-        rows = [shared.cache] if self.shared_plan else shared.cache.split_rows()
+        # a cache per prompt: each row compressed before the next is split off (one uncompressed copy at a time)
+        rows = [shared.cache] if self.shared_plan else shared.cache.each_row()
+        self.caches = []
         for r, cache in enumerate(rows):  # one policy, a state per cache
             stats = runner.policy_stats(policy, shared.stats, n, None if self.shared_plan else slice(r, r + 1))
             self.states.append(runner.compress_prefill(policy, cache, stats, n, self.budget, shared.reduction,
                                                        self.reduced_by))
-        self.caches = rows
+            self.caches.append(cache)
         self.prompt_len = self.true_len = n
         if question is not None and question.shape[1] > 0:
             return self._feed(question, step=0).argmax(dim=-1)

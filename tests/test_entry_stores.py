@@ -6,7 +6,7 @@ import torch
 
 from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import tracked_attention_enabled
-from prefixkv_core.kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, TrackedCache, TrackedLayer
+from prefixkv_core.kv.cache import ENTRY_FIELDS, EntryStore, TrackedCache, TrackedLayer, spare_for
 from prefixkv_core.kv.joint_eviction import gather_many
 from prefixkv_core.models import encode, format_prompt
 
@@ -41,11 +41,13 @@ def test_capacity_grows_and_keeps_every_entry():
 def test_appends_write_in_place_until_the_room_runs_out():
     layer = _layer(5, 0)
     data = layer._stores["keys"].data
-    for _ in range(SPARE_ENTRIES):
+    spare = spare_for(5)
+    assert data.shape[2] == 5 + spare
+    for _ in range(spare):
         layer.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
     assert layer._stores["keys"].data is data  # the spare room took every one
     layer.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
-    assert layer._stores["keys"].data is not data and layer.keys.shape[2] == 5 + SPARE_ENTRIES + 1
+    assert layer._stores["keys"].data is not data and layer.keys.shape[2] == 5 + spare + 1
 
 
 def test_writing_a_slice_of_itself_is_safe():
@@ -121,8 +123,9 @@ def test_joint_eviction_of_several_rows_equals_each_row_alone(evicted, untouched
 def test_layers_stacked_in_one_store_evict_together_and_grow_together(split, monkeypatch):
     """`StepBuffers.form` stacks the stores of every layer when all layers group their rows alike (one group, or
     the same two): one joint eviction over several layers and rows gives what each row's own gather gives (a
-    permutation too, and only the entries that change are written), the untouched rows stay, and growing one
-    layer's store grows every layer's without losing an entry."""
+    permutation too, and only the entries that change are written), the untouched rows stay; each layer's part is
+    as long as its own longest row, and when one layer runs out of room it grows, with the layers nearly full,
+    without losing an entry anywhere."""
     from prefixkv_core.decoding import step_buffers
 
     if split:  # every layer puts its longest row (row 1) in a group of its own
@@ -158,14 +161,26 @@ def test_layers_stacked_in_one_store_evict_together_and_grow_together(split, mon
     for (i, r), fields in untouched.items():
         for name in ENTRY_FIELDS:
             assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)
-    before = {(i, r): _fields(layer) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows)}
     group, _ = where[1, 0]
     stack = group.stores["keys"].stack
-    capacity = stack.data.shape[2]
-    for name in ENTRY_FIELDS:  # one layer's store runs out of room: that group's stores grow in every layer
-        group.stores[name].reserve(capacity + 1)
-    assert stack.data.shape[2] > capacity
-    assert all(where[i, 0][0].stores[name].capacity == stack.data.shape[2] for i in range(3) for name in ENTRY_FIELDS)
+    members = group.rows
+    longest = [max(lengths[i][r] for r in members) for i in range(3)]  # as formed, before the evictions
+    assert stack.capacities == [n + spare_for(n) for n in longest]  # each layer sized to its own longest row
+    # layer 2 of the group nearly full: its longest row takes entries until less room is left than it would get
+    crowded = max(members, key=lambda r: by_layer[2][r].length)
+    while stack.capacities[2] - by_layer[2][crowded].length >= spare_for(by_layer[2][crowded].length):
+        by_layer[2][crowded]._append("keys", torch.randn(1, 2, 1, 4))
+        by_layer[2][crowded]._append("values", torch.randn(1, 2, 1, 4))
+        by_layer[2][crowded].append_meta_per_head(torch.tensor([[[50], [50]]]), torch.tensor([[[True], [True]]]),
+                                                  torch.zeros(1, 2, 1), has_image=True)
+    before = {(i, r): _fields(layer) for i, rows in enumerate(by_layer) for r, layer in enumerate(rows)}
+    capacities = list(stack.capacities)
+    for name in ENTRY_FIELDS:  # layer 1's store runs out of room
+        group.stores[name].reserve(capacities[1] + 1)
+    grown = stack.capacities
+    # layer 1 grows, and so does the nearly full layer 2; layer 0, with room to spare, keeps its capacity
+    assert grown[1] > capacities[1] and grown[2] > capacities[2] and grown[0] == capacities[0]
+    assert all(where[i, members[0]][0].stores[name].capacity == grown[i] for i in range(3) for name in ENTRY_FIELDS)
     for (i, r), fields in before.items():
         assert by_layer[i][r].lives_in(where[i, r][0].stores, where[i, r][1])
         for name in ENTRY_FIELDS:
@@ -188,7 +203,7 @@ def test_merge_in_a_shared_store_equals_the_naive_reference():
 def test_a_compressed_layer_gives_its_room_back():
     layer = _layer(400, 3)
     layer.gather(torch.arange(0, 400, 10).view(1, 1, -1))
-    assert layer.length == 40 and layer._stores["keys"].capacity == 40 + SPARE_ENTRIES
+    assert layer.length == 40 and layer._stores["keys"].capacity == 40 + spare_for(40)
 
 
 def test_clone_copies_into_stores_of_its_own():
@@ -290,7 +305,7 @@ def test_a_quantised_row_decodes_in_its_working_copy(tiny_qwen2, prefilled, monk
     gives, step by step."""
     from prefixkv_core.decoding import step_buffers
 
-    monkeypatch.setattr(step_buffers, "SPARE_ENTRIES", 2)  # the shared stores grow within a few steps
+    monkeypatch.setattr(step_buffers, "spare_for", lambda entries: 2)  # the shared stores grow within a few steps
     cache, n = prefilled
     rows = [cache.clone() for _ in range(2)]
     important = (torch.arange(n) % 3 == 0).view(1, 1, -1)

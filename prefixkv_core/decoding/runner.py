@@ -78,6 +78,8 @@ class _InPlaceDecodeLayer(DynamicLayer):
         if self.layer_idx == 0 and not step.buffers.holds_batch(len(step.caches)):
             # a new batch (a method left it): every layer's stores at once, stacked where they can be
             step.buffers.form([[c.layers[i] for c in step.caches] for i in range(len(step.layers))])
+        if self.layer_idx == 0:
+            step.meta_written = step.write_every_layers_meta(key_states.shape[1])
         rows = [c.layers[self.layer_idx] for c in step.caches]
         groups = step.buffers.groups(self.layer_idx, rows)
         quantised = [r for r, layer in enumerate(rows) if layer.segments]
@@ -119,11 +121,13 @@ class _InPlaceDecodeLayer(DynamicLayer):
         if max(old) + 1 > min(store.capacity for store in stores.values()):
             for store in stores.values():
                 store.reserve(max(old) + 1)
-        # row k's next slot in every head: one scatter per field for all rows
+        # row k's next slot in every head: one scatter per field for all rows (the metadata's done already when
+        # the step wrote every layer's at once)
         at = ends.view(b, 1, 1)
-        stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
-        stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
-        stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
+        if not (step.meta_written and group.whole):
+            stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
+            stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
+            stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
         at = at.unsqueeze(-1)
         stores["keys"].data.scatter_(2, at.expand(b, h, 1, key_states.shape[-1]), key_states)
         stores["values"].data.scatter_(2, at.expand(b, h, 1, value_states.shape[-1]), value_states)
@@ -158,6 +162,43 @@ class _InPlaceDecodeCache(DynamicCache):
         self.row_lengths: list[list[int]] = []  # per layer: each row's entries before this step
         self._ends: torch.Tensor | None = None
         self._masks: torch.Tensor | None = None
+        self.meta_written = False  # every layer's new position, image flag and score written at the first layer
+
+    def write_every_layers_meta(self, n_kv: int) -> bool:
+        """At the step's first layer: every layer's new entries' positions, image flags (none: steps feed text) and
+        zero scores written at once, three operators for the whole step instead of three a layer, when every
+        layer holds all the rows in one group of stacked stores (`StepBuffers.form`) and none is quantised.
+        False, writing nothing: each layer writes its own."""
+        layers = range(len(self.layers))
+        rows = [[c.layers[i] for c in self.caches] for i in layers]
+        if any(layer.segments for by_layer in rows for layer in by_layer):
+            return False
+        groups = [self.buffers.groups(i, rows[i]) for i in layers]
+        if any(len(g) != 1 or not g[0].whole for g in groups):
+            return False
+        names = ("positions", "is_image", "scores")
+        stacks = {name: groups[0][0].stores[name].stack for name in names}
+        if any(stack is None or any(g[0].stores[name].stack is not stack for g in groups)
+               for name, stack in stacks.items()):
+            return False
+        self.lengths_before(0)
+        for g, lengths in zip(groups, self.row_lengths):  # room for the new entry first, in every field alike
+            for store in g[0].stores.values():
+                store.reserve(max(lengths) + 1)
+        positions = self.positions[:, 0]  # [B]
+        with torch.inference_mode():
+            for name in names:
+                starts = stacks[name].first_slots(positions.device)  # [layers of the stack, B, Hkv]
+                order = [g[0].stores[name].stack_layer for g in groups]
+                if order != list(range(starts.shape[0])):
+                    starts = starts[order]
+                slots = starts + self._ends[:, :, None]  # each row's next slot, every layer and head
+                entries = stacks[name].entries()
+                if name == "positions":
+                    entries.index_copy_(0, slots.view(-1), positions.view(1, -1, 1).expand(slots.shape).reshape(-1))
+                else:
+                    entries.index_fill_(0, slots.view(-1), False if name == "is_image" else 0.0)
+        return True
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)

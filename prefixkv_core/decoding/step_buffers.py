@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, StoreStack, TrackedLayer, move_rows_into
+from ..kv.cache import ENTRY_FIELDS, SPARE_ENTRIES, EntryStore, StoreStack, TrackedLayer, move_rows_into, spare_for
 
 SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
 SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size
@@ -144,9 +144,9 @@ class StepBuffers:
     def form(self, rows_by_layer: Sequence[Sequence[TrackedLayer]]) -> None:
         """The shared stores of every layer at once (`rows_by_layer[i]`: layer i of each batch row, in order), rows
         moved in. When every layer groups its rows alike (one group, or the same two), each group's stores are
-        stacked over the layers (`StoreStack`, one tensor per field, as long as the group's longest row in any
-        layer), so a step's evictions from many layers are one copy per field; otherwise each layer gets groups
-        of its own."""
+        stacked over the layers (`StoreStack`, one tensor per field, each layer's part as long as the group's
+        longest row in that layer), so a step's evictions from many layers are one copy per field; otherwise each
+        layer gets groups of its own."""
         layouts = [self._layout(rows) for rows in rows_by_layer]
         first, _, split = layouts[0]
         stackable = all(other == split for _, _, other in layouts) and all(
@@ -157,13 +157,12 @@ class StepBuffers:
                 self._new_groups(i, rows)
         else:
             stacks = []
-            for members in split:
-                room = max(max(lengths[r] for r in members) for _, lengths, _ in layouts) + SPARE_ENTRIES
-                stacks.append({name: StoreStack(t.new_zeros(len(layouts) * len(members), t.shape[1], room,
-                                                            *t.shape[3:]), len(members)) for name, t in first.items()})
+            for members in split:  # each layer as long as its own longest row of the group, plus room
+                rooms = [(n := max(lengths[r] for r in members)) + spare_for(n) for _, lengths, _ in layouts]
+                stacks.append({name: StoreStack(t, len(members), rooms) for name, t in first.items()})
             for i in range(len(layouts)):
-                made = [(members, {name: EntryStore(stack.data.narrow(0, i * len(members), len(members)),
-                                                    [0] * len(members), stack) for name, stack in group.items()})
+                made = [(members, {name: EntryStore(stack.layer_view(i), [0] * len(members), stack)
+                                   for name, stack in group.items()})
                         for members, group in zip(split, stacks)]
                 self._set_groups(i, made, len(rows_by_layer[i]), first["keys"].device)
         for i, rows in enumerate(rows_by_layer):
@@ -190,7 +189,8 @@ class StepBuffers:
         fields, lengths, split = self._layout(rows)
         made = []
         for members in split:
-            room = max(lengths[r] for r in members) + SPARE_ENTRIES
+            longest = max(lengths[r] for r in members)
+            room = longest + spare_for(longest)
             made.append((members, {name: EntryStore(t.new_zeros(len(members), t.shape[1], room, *t.shape[3:]),
                                                     [0] * len(members)) for name, t in fields.items()}))
         return self._set_groups(layer_idx, made, len(rows), fields["keys"].device)

@@ -1,17 +1,20 @@
 """Evictions carried out for many rows at once: the rows of a batch's shared stores (`decoding/step_buffers.py`),
-whose fields live in one tensor each (one layer's stores, or a stack of every layer's), evicted with one copy per
-field for all of them instead of a dozen operators per row and layer.
+whose fields live in one tensor each (one layer's stores, or a stack of every layer's, each layer with its own
+capacity), evicted with one copy per field for all of them instead of a dozen operators per row and layer.
 
 - `gather_many` / `gather_rows`: any kept indices, one per row (the entries that change are copied).
 - `drop_ranges`: a range dropped from every head of each row (`RangeDrop`: a fixed-point eviction), the entries
   after it moving up. Its index is computed on the device from a handful of numbers per row, so the step's
-  operators do not grow with its rows.
+  operators do not grow with its rows, and it waits for nothing.
 
-Neither waits for the device: the image entries each row kept stay on it until asked for (`KeptImageCounts`).
+Every (layer, row, head, slot) of a home tensor is one row of it seen as [entries, *tail]; a row's slot for one
+head starts at `first + head · capacity`. The image entries each row kept stay on the device until asked for
+(`KeptImageCounts`).
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -20,17 +23,49 @@ from torch.nn.utils.rnn import pad_sequence
 from .cache import ENTRY_FIELDS, EntryStore, KeptImageCounts, TrackedLayer
 
 
-@functools.lru_cache(maxsize=256)
-def _slot_starts(rows: tuple[int, ...], heads: int, capacity: int, device: torch.device) -> torch.Tensor:
-    """[rows, Hkv, 1]: where each (row, head) slot of a store of this capacity starts, flattened (the same rows
-    evict step after step, so these are made once)."""
-    index = torch.tensor(rows, device=device)[:, None] * heads + torch.arange(heads, device=device)
-    return (index * capacity).unsqueeze(-1)
+@dataclass(frozen=True)
+class _Home:
+    """Where one field of some layers' rows lives: the tensor as [entries, *tail], and per layer its row's first
+    entry (head 0, slot 0) and its capacity."""
+
+    key: int  # the identity of the tensor (the stack, or the store's own data)
+    entries: torch.Tensor
+    firsts: tuple[int, ...]
+    capacities: tuple[int, ...]
+
+
+def _place(store: EntryStore, row: int) -> tuple[int, torch.Tensor, int, int]:
+    """(home identity, the home as [entries, *tail], row `row`'s first entry there, the row's capacity)."""
+    if store.stack is not None:
+        stack, layer = store.stack, store.stack_layer
+        cap = stack.capacities[layer]
+        return id(stack), stack.entries(), stack.first_entry(layer) + row * stack.heads * cap, cap
+    data = store.data
+    return id(data), data.view(-1, *data.shape[3:]), row * data.shape[1] * data.shape[2], data.shape[2]
+
+
+def _homes(layers: Sequence[TrackedLayer], what: str) -> dict[str, _Home]:
+    """Each field's home for `layers`; raises unless each field of them all lives in one tensor."""
+    if not _shared_rows(layers):
+        raise ValueError(f"{what} takes full-precision rows of shared stores")
+    out = {}
+    for name in ENTRY_FIELDS:
+        placed = [_place(layer._stores[name], layer._rows[0]) for layer in layers]
+        if len({key for key, _, _, _ in placed}) != 1:
+            raise ValueError(f"{what} takes rows of shared stores that live in one tensor per field")
+        out[name] = _Home(placed[0][0], placed[0][1], tuple(p[2] for p in placed), tuple(p[3] for p in placed))
+    return out
 
 
 @functools.lru_cache(maxsize=256)
-def _row_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, device=device)
+def _slot_starts(firsts: tuple[int, ...], capacities: tuple[int, ...], heads: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([rows, Hkv, 1] where each (row, head) slot starts, [rows, Hkv, 1] its last slot): the same rows evict step
+    after step, so these are made once."""
+    first = torch.tensor(firsts, device=device)[:, None]
+    cap = torch.tensor(capacities, device=device)[:, None]
+    start = (first + torch.arange(heads, device=device) * cap).unsqueeze(-1)
+    return start, start + (cap.unsqueeze(-1) - 1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,9 +73,26 @@ def _slots(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-def _home(store: EntryStore) -> tuple[torch.Tensor, int]:
-    """The tensor a store's rows live in and where its first row sits there: its stack's, or its own data."""
-    return (store.stack.data, store.stack_row) if store.stack is not None else (store.data, 0)
+def _shared_rows(layers: Sequence[TrackedLayer]) -> bool:
+    """Whether every layer is a batch-1, full-precision row of shared stores without empty slots."""
+    return all(not layer.segments and not layer.has_empty_slots and layer._rows[1] - layer._rows[0] == 1
+               and all(store.stack is not None or store.data.is_contiguous() for store in layer._stores.values())
+               for layer in layers)
+
+
+def _group_key(layer: TrackedLayer) -> int:
+    store = layer._stores["keys"]
+    return id(store.stack) if store.stack is not None else id(layer._stores)
+
+
+def _kept_images(home: _Home, heads: int, kept: list[int], device: torch.device) -> KeptImageCounts:
+    """The image entries each row holds in its first kept[k] slots, summed over heads, left on the device."""
+    longest = max(kept)
+    start, _ = _slot_starts(home.firsts, home.capacities, heads, device)
+    slots = _slots(longest, device)
+    flags = home.entries.index_select(0, (start + slots).reshape(-1)).view(len(kept), heads, longest)
+    held = slots < torch.tensor(kept, device=device)[:, None, None]
+    return KeptImageCounts((flags & held).sum(dim=(1, 2)), heads)
 
 
 def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
@@ -66,9 +118,9 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
     """`layers[k].gather(indices[k])` for batch-1 layers whose entries live in one tensor per field (rows of one
     layer's shared stores, or of a stack of layers), done as one copy per field for all of them: the same entries
     kept, in a few operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
-    homes, rows = _rows_in_home(layers, "gather_rows")
+    homes = _homes(layers, "gather_rows")
     device = indices[0].device
-    heads = homes["keys"].shape[1]
+    heads = layers[0]._stores["keys"].data.shape[1]
     counts = [int(i.shape[-1]) for i in indices]
     # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 (never written)
     index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
@@ -76,20 +128,20 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
     slots = _slots(index.shape[2], device)
     valid = slots < torch.tensor(counts, device=device)[:, None, None]  # [rows, 1, max K]
     # only the slots whose entry changes are written; kept indices ascend, so those are the slots from the first
-    # evicted entry on (a fixed-point eviction moves the newest few entries, not the row)
+    # evicted entry on (the newest few entries of a row, not the row)
     moved = ((index != slots) & valid).reshape(-1)
-    flat: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # capacity -> (all kept, read, written)
+    flat: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layout -> (all kept, read, written)
     kept_image = None
     with torch.inference_mode():
         for name in ENTRY_FIELDS:
-            data = homes[name]
-            cap = data.shape[2]
-            if cap not in flat:  # every (row, head) slot as one row of the flattened store: plain row copies
-                first = _slot_starts(rows, heads, cap, device)
+            home = homes[name]
+            layout = (home.firsts, home.capacities)
+            if layout not in flat:
+                first, _ = _slot_starts(home.firsts, home.capacities, heads, device)
                 everything = (first + index).reshape(-1)
-                flat[cap] = (everything, everything[moved], (first + slots).expand_as(index).reshape(-1)[moved])
-            everything, read, written = flat[cap]
-            entries = data.view(-1, *data.shape[3:])
+                flat[layout] = (everything, everything[moved], (first + slots).expand_as(index).reshape(-1)[moved])
+            everything, read, written = flat[layout]
+            entries = home.entries
             if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
                 kept = entries.index_select(0, everything).view(index.shape)
                 kept_image = KeptImageCounts((kept & valid).sum(dim=(1, 2)), heads)
@@ -103,37 +155,12 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
         layer._image_count = (kept_image, k)
 
 
-def _shared_rows(layers: Sequence[TrackedLayer]) -> bool:
-    """Whether every layer is a batch-1, full-precision row of shared stores without empty slots."""
-    return all(not layer.segments and not layer.has_empty_slots and layer._rows[1] - layer._rows[0] == 1
-               for layer in layers)
-
-
-def _rows_in_home(layers: Sequence[TrackedLayer], what: str) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
-    """The tensor each field of `layers` lives in and every layer's row there; raises unless they all live in one
-    tensor per field, at the same rows in every field."""
-    homes = {name: [_home(layer._stores[name]) for layer in layers] for name in ENTRY_FIELDS}
-    rows = tuple(start + layer._rows[0] for (_, start), layer in zip(homes["keys"], layers))
-    if not _shared_rows(layers) or any(
-            any(data is not found[0][0] for data, _ in found)
-            or tuple(start + layer._rows[0] for (_, start), layer in zip(found, layers)) != rows
-            for found in homes.values()):
-        raise ValueError(f"{what} takes full-precision rows of shared stores that live in one tensor per field")
-    return {name: found[0][0] for name, found in homes.items()}, rows
-
-
-def _group_key(layer: TrackedLayer) -> int:
-    store = layer._stores["keys"]
-    return id(store.stack) if store.stack is not None else id(layer._stores)
-
-
 def drop_ranges(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
     """For each (layer, start, count): drop entries [start, start + count) from every head of the layer, the ones
     after them moving up by `count` (what `layer.gather` does with every other index kept). The batch-1 rows of
     shared stores that live in one tensor per field are done together, one copy per field for all of them;
     any other layer (its own stores, quantised entries, empty slots) drops its range on its own
-    (`TrackedLayer.drop_range`). Each layer at most
-    once."""
+    (`TrackedLayer.drop_range`). Each layer at most once."""
     groups: dict[int, list[tuple[TrackedLayer, int, int]]] = {}
     for drop in drops:
         layer, start, count = drop
@@ -153,15 +180,14 @@ def drop_ranges(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
 
 def _drop_in_home(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
     layers = [layer for layer, _, _ in drops]
-    homes, rows = _rows_in_home(layers, "drop_ranges")
+    homes = _homes(layers, "drop_ranges")
     lengths = [layer.length for layer in layers]
     after = [n - start - count for (_, start, count), n in zip(drops, lengths)]  # entries that move up
-    if min(n - count for (_, _, count), n in zip(drops, lengths)) < 0 or min(after) < 0:
+    if min(after) < 0 or min(start for _, start, _ in drops) < 0:
         raise ValueError("a dropped range must lie within the layer's entries")
-    keys = homes["keys"]
-    device, heads = keys.device, keys.shape[1]
+    device, heads = homes["keys"].entries.device, layers[0].n_kv
     moving = max(after)
-    kept_image = None
+    kept = [n - count for (_, _, count), n in zip(drops, lengths)]
     with torch.inference_mode():
         if moving > 0:
             # per row: (where the range starts, how many entries it holds, how many move up), one copy to the device
@@ -169,27 +195,22 @@ def _drop_in_home(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
             offsets = _slots(moving, device)
             moves = (offsets < numbers[:, 2:]).unsqueeze(1)  # [rows, 1, M]: slot start + j takes entry start + j + count
             written_from = (numbers[:, :1] + offsets).unsqueeze(1)  # [rows, 1, M]
-            shift = (numbers[:, 1:2].unsqueeze(1) * moves)  # [rows, 1, M]
-            flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            shift = numbers[:, 1:2].unsqueeze(1) * moves  # [rows, 1, M]
+            flat: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
             for name in ENTRY_FIELDS:
-                data = homes[name]
-                cap = data.shape[2]
-                if cap not in flat:
-                    # a slot that takes nothing copies the row's last slot onto itself (no entry is kept there:
+                home = homes[name]
+                layout = (home.firsts, home.capacities)
+                if layout not in flat:
+                    # a slot that takes nothing copies its row's last slot onto itself (no entry is kept there:
                     # every row keeps fewer than its capacity), so no index is written twice with different values
-                    first = _slot_starts(rows, heads, cap, device)  # [rows, Hkv, 1]
-                    written = torch.where(moves, first + written_from, first + (cap - 1))
-                    flat[cap] = (written.reshape(-1), (written + shift).reshape(-1))
-                written, read = flat[cap]
-                entries = data.view(-1, *data.shape[3:])
-                entries.index_copy_(0, written, entries.index_select(0, read))
-        flags = homes["is_image"]  # image entries each row keeps now, summed over its heads
-        kept = torch.tensor([n - count for (_, _, count), n in zip(drops, lengths)], device=device)
-        rows_now = flags.index_select(0, _row_index(rows, device))
-        kept_image = KeptImageCounts((rows_now & (_slots(flags.shape[2], device) < kept[:, None, None])).sum(dim=(1, 2)),
-                                     heads)
-    for (layer, _, count), n in zip(drops, lengths):
+                    first, last = _slot_starts(home.firsts, home.capacities, heads, device)  # [rows, Hkv, 1]
+                    written = torch.where(moves, first + written_from, last)
+                    flat[layout] = (written.reshape(-1), (written + shift).reshape(-1))
+                written, read = flat[layout]
+                home.entries.index_copy_(0, written, home.entries.index_select(0, read))
+        kept_image = _kept_images(homes["is_image"], heads, kept, device)
+    for layer, k in zip(layers, kept):
         for name in ENTRY_FIELDS:
-            layer._stores[name].lengths[layer._rows[0]] = n - count
+            layer._stores[name].lengths[layer._rows[0]] = k
     for k, layer in enumerate(layers):
         layer._image_count = (kept_image, k)
