@@ -214,6 +214,31 @@ class StockRun:
     mode = "transformers' DynamicCache"
 
 
+class IdealRun(StockRun):
+    """What a cache of given per-layer lengths costs with nothing but transformers: its DynamicCache and stock
+    sdpa stepping a cache whose layer l starts at `lengths[l]` entries (random keys and values, the model's
+    dtype) and grows by one entry a step. A method holding those lengths can at best decode this fast; speed.py's
+    `--ideal` reports each method against it."""
+
+    def __init__(self, sm: LoadedModel, lengths: list[int]):
+        super().__init__(sm)
+        self.lengths = lengths
+
+    @torch.inference_mode()
+    def prefill(self, ids, is_image, pixel_values) -> torch.Tensor:
+        text = self.sm.model.config.get_text_config()
+        heads = text.num_key_value_heads
+        dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        b = ids.shape[0]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        for layer, n in enumerate(self.lengths):
+            keys, values = (torch.randn(b, heads, n, dim, generator=g).to(self.sm.device, self.sm.dtype)
+                            for _ in range(2))
+            self.cache.update(keys, values, layer)
+        self.true_len = ids.shape[1]
+        return ids[:, -1]
+
+
 def new_run(sm: LoadedModel, method: str, budget: float, knobs: dict[str, Any] | None,
             budget_mode: str = "published", query_agnostic: bool = False):
     if method == STOCK:  # nothing is compressed: the same run in both modes
@@ -227,14 +252,26 @@ def run_timed(sm: LoadedModel, method: str, budget: float, knobs: dict | None, i
     """Prefill (timed: TTFT = forward + compression, + the question's feed when query-agnostic), then
     gen_len - 1 decode steps, each synchronised and timed (forward + the policy's compression). Rows of `ids` run
     as one batch. `budget_mode`: see prefixkv_core.policies.BUDGET_MODES."""
-    run = new_run(sm, method, budget, knobs, budget_mode, query_agnostic)
-    ctx = tracked_attention_enabled(sm.model) if method != STOCK else _null()
+    return _timed(sm, new_run(sm, method, budget, knobs, budget_mode, query_agnostic), ids, is_image, pixels,
+                  gen_len)
+
+
+@torch.inference_mode()
+def run_ideal(sm: LoadedModel, lengths: list[int], ids, gen_len: int) -> dict[str, Any]:
+    """`run_timed` of `IdealRun`: transformers alone stepping a cache of these per-layer lengths (the batch of
+    `ids`), gen_len - 1 steps."""
+    return _timed(sm, IdealRun(sm, lengths), ids, None, None, gen_len)
+
+
+def _timed(sm: LoadedModel, run, ids, is_image, pixels, gen_len: int) -> dict[str, Any]:
+    ctx = tracked_attention_enabled(sm.model) if isinstance(run, MethodRun) else _null()
     with ctx:
         sync(sm.device)
         t0 = time.perf_counter()
         tokens = run.prefill(ids, is_image, pixels)
         sync(sm.device)
         ttft = time.perf_counter() - t0
+        kept_after_prefill = run.kept_per_layer()
         generated = [tokens]
         steps = []
         for _ in range(gen_len - 1):
@@ -244,7 +281,7 @@ def run_timed(sm: LoadedModel, method: str, budget: float, knobs: dict | None, i
             steps.append(time.perf_counter() - t1)
             generated.append(tokens)
     return {"ttft_s": ttft, "step_s": steps, "tokens": torch.stack(generated, dim=1).tolist(),
-            "kv_bytes": run.kv_bytes(), "kept_per_layer": run.kept_per_layer(),
+            "kv_bytes": run.kv_bytes(), "kept_per_layer": run.kept_per_layer(), "kept_after_prefill": kept_after_prefill,
             "true_len": ids.shape[1] + gen_len - 1, "extras": run.extras(), "cache_mode": run.mode}
 
 

@@ -15,7 +15,8 @@ PrefixKV keep a cache per prompt, padded and masked into the same forward (the `
 engine-free baseline. An out-of-memory configuration is reported as OOM, not as a crash. `--equal-memory`
 also holds the prompt-only methods at r·N_t while decoding; `--query-agnostic`
 compresses BOS + the image block first and then feeds the text (the question) through the compressed caches.
-The tables, the figure and results.json say which modes produced them.
+The tables, the figure and results.json say which modes produced them. `--ideal` also times transformers alone
+(DynamicCache + sdpa) stepping a cache of each method's per-layer lengths: what those lengths can cost at best.
 Outputs in --out: speed.md/.csv/.tex, results.json (every step time), speed.html (+ .png with Chromium).
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.batched import STOCK, run_timed, sync, synthetic_batch  # noqa: E402
+from benchmarks.batched import STOCK, run_ideal, run_timed, sync, synthetic_batch  # noqa: E402
 from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
                                run_info, run_title, save_figure)
 from prefixkv_core.method_args import add_knob_flags, add_method_args, add_model_args  # noqa: E402
@@ -77,8 +78,11 @@ def free_memory(device: torch.device) -> None:
 
 
 def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
-            warmup_steps: int, budget_mode: str = "published", query_agnostic: bool = False) -> dict[str, Any]:
-    """Warm up, then time one configuration: the whole batch through the runner."""
+            warmup_steps: int, budget_mode: str = "published", query_agnostic: bool = False,
+            ideal_too: bool = False) -> dict[str, Any]:
+    """Warm up, then time one configuration: the whole batch through the runner. `ideal_too`: then time
+    transformers alone stepping a cache of the per-layer lengths the method kept after its prefill (its first
+    prompt's), grown by one entry a step (`batched.IdealRun`)."""
     ids, is_image, pixels = batch_inputs
     b = ids.shape[0]
     run_timed(sm, method, budget, knobs, ids, is_image, pixels, max(2, warmup_steps + 1), budget_mode,
@@ -104,6 +108,12 @@ def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inpu
         peak_kind = rss.method
     steps = result["step_s"]
     decode_s = sum(steps)
+    ideal = None
+    if ideal_too and method != STOCK:  # transformers alone on a cache of the lengths this method kept
+        lengths = result["kept_after_prefill"]
+        run_ideal(sm, lengths, ids, max(2, warmup_steps + 1))
+        timed = run_ideal(sm, lengths, ids, gen_len)["step_s"]
+        ideal = b * (gen_len - 1) / sum(timed) if sum(timed) > 0 else None
     ttft = result["ttft_s"]
     new_tokens = b * (gen_len - 1)
     kv = result["kv_bytes"]
@@ -117,8 +127,8 @@ def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inpu
         "ms_per_token_p50": 1000 * statistics.median(steps) if steps else None,
         "ms_per_token_p90": 1000 * sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else None,
         "kv_bytes": kv, "full_kv_bytes": full_kv, "kv_pct": 100.0 * kv / full_kv if full_kv else None,
-        "kept_per_layer": result["kept_per_layer"], "peak_bytes": peak, "peak_over_start_bytes": peak_over,
-        "peak_kind": peak_kind, "step_s": steps, "extras": result["extras"],
+        "kept_per_layer": result["kept_per_layer"], "kept_after_prefill": result["kept_after_prefill"], "peak_bytes": peak, "peak_over_start_bytes": peak_over,
+        "peak_kind": peak_kind, "step_s": steps, "extras": result["extras"], "ideal_tokens_per_s": ideal,
     }
 
 
@@ -166,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[-query-agnostic])")
     p.add_argument("--no-png", action="store_true", help="HTML figure only")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--ideal", action="store_true",
+                   help="also time transformers alone (DynamicCache + sdpa) stepping a cache of each method's "
+                        "per-layer lengths: the columns 'ideal tok/s', 'x ideal' (the method against it) and "
+                        f"'ideal x stock' (what those lengths buy over {STOCK})")
     return p
 
 
@@ -265,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{p_len}x{g_len} {m} {'' if b is None else b}")
             try:
                 res = measure(sm, m, 1.0 if b is None else b, knobs_for(si, m, b) if m != STOCK else {},
-                              inputs[si], g_len, warmup, budget_mode, query_agnostic)
+                              inputs[si], g_len, warmup, budget_mode, query_agnostic, args.ideal)
             except Exception as exc:  # noqa: BLE001 - OOM and per-method failures become table cells
                 res = {"status": "OOM" if is_oom(exc) else "error", "error": f"{exc.__class__.__name__}: {exc}"[:300],
                        "mode": "batch 1" if batch == 1 else f"batched x{batch}"}
@@ -294,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         stock_tps = stock.get("decode_tokens_per_s") if stock and stock["status"] == "ok" else None
         cols = ["mode", "decode tok/s", "x full", "e2e tok/s", "TTFT ms", "ms/token", "p90 ms/token", "KV MiB",
                 "KV % full", "peak MiB", "peak +MiB", "status"]
+        if args.ideal:
+            cols[3:3] = ["ideal tok/s", "x ideal", "ideal x stock"]
         t = Table(title=f"Speed and memory: {sm.name}, batch {batch}, prompt {p_len} + generate {g_len} tokens "
                         f"[{mode_title}]", row_header="method @ budget", rows=[], columns=cols, digits=2,
                   notes=[MODE_NOTES[budget_mode], QUERY_NOTES[query_agnostic]])
@@ -315,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                     "p90 ms/token": r["ms_per_token_p90"], "KV MiB": r["kv_bytes"] / 2**20, "KV % full": r["kv_pct"],
                     "peak MiB": r["peak_bytes"] / 2**20, "peak +MiB": r["peak_over_start_bytes"] / 2**20,
                     "status": "ok"}
+            ideal = r.get("ideal_tokens_per_s")
+            if args.ideal and ideal:
+                vals.update({"ideal tok/s": ideal, "x ideal": tps / ideal,
+                             "ideal x stock": ideal / stock_tps if stock_tps else None})
             t.values.update({(label, c): v for c, v in vals.items()})
         if stock_tps and full_tps:
             t.notes.append(f"Engine overhead: full through the engine decodes at {full_tps / stock_tps:.2f}x the "

@@ -251,6 +251,31 @@ def test_speed_batch2_every_method_batches(tmp_path):
     assert res["flag_knobs"] == {"prefixkv 40x4@0.2": "mode online"}  # auto: the tiny model is not calibrated
 
 
+def test_speed_ideal_steps_transformers_on_each_methods_lengths(tmp_path, monkeypatch):
+    """`--ideal` times transformers alone on a cache of the lengths each method kept after its prefill, and the
+    table reads each method against it."""
+    from benchmarks import batched
+
+    seen = []
+    real = batched.IdealRun.prefill
+
+    def recorded(self, ids, is_image, pixel_values):
+        token = real(self, ids, is_image, pixel_values)
+        seen.append(([layer.keys.shape[2] for layer in self.cache.layers], ids.shape[0]))
+        return token
+
+    monkeypatch.setattr(batched.IdealRun, "prefill", recorded)
+    assert speed.main(SPEED_ARGS + ["--batch", "2", "--methods", "full,local", "--ideal", "--out", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert rows[speed.STOCK]["ideal_tokens_per_s"] is None  # the stock run is its own ideal
+    for m in ("full", "local"):
+        assert rows[m]["ideal_tokens_per_s"] > 0
+    local = rows["local"]["kept_after_prefill"]  # the ideal starts where the method's decoding started
+    assert (local, 2) in seen and ([40] * len(local), 2) in seen and max(local) < 40
+    header = read_csv(tmp_path / "speed.csv")[0]
+    assert {"ideal tok/s", "x ideal", "ideal x stock"} <= set(header)
+
+
 def test_speed_knob_flags_are_the_shared_ones(tmp_path):
     """--prefixkv-mode is the flag the policy declares (as in quality.py), resolved per budget by the policy's own
     hooks: offline on a model without calibrated ratios stops with the policy's message."""

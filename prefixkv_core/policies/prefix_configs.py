@@ -14,6 +14,10 @@ import numpy as np
 from ..models.assets import ASSETS
 
 CONFIG_ROOT = ASSETS / "prefix_configs"
+# Random weights in a released model's shapes read that model's configuration when they have none of their own: a
+# speed run in those shapes is about the per-layer lengths the released model's offline PrefixKV keeps (its
+# authors' Table 3 setting). The LLaVA-1.5 configurations are the ratios the authors released.
+SHAPES_OF = {"random-llava-1.5-7b": "llava-hf--llava-1.5-7b-hf", "random-llava-1.5-13b": "llava-hf--llava-1.5-13b-hf"}
 
 
 @dataclass
@@ -50,6 +54,8 @@ def rescale_to_budget(ratios: np.ndarray, budget: float) -> list[float]:
 def load_ratios(slug: str, budget: float, num_layers: int, root: Path = CONFIG_ROOT) -> Calibration | None:
     """The calibrated ratios for this budget; between two calibrated budgets, interpolate and rescale."""
     files = _available(slug, root)
+    if not files and slug in SHAPES_OF:
+        files = _available(SHAPES_OF[slug], root)
     if not files:
         return None
 
