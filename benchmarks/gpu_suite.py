@@ -9,7 +9,8 @@ leaves the others their figures, and each with a time limit):
 
 - `table3`: PrefixKV's Table 3 setting: random weights in LLaVA-1.5-7B's shapes, bf16, batch 16, prompt 1024 +
   generate 512 tokens; Full (plain transformers and through the engine) and PrefixKV at budgets 0.2 / 0.4 / 0.6 /
-  0.8 (`speed.py`): decode throughput, latency, KV bytes and peak GPU memory (about 200 s on an H100).
+  0.8, offline with the per-layer ratios its authors released (shared by every prompt) and online (`speed.py`):
+  decode throughput, latency, KV bytes and peak GPU memory (about 200 s on an H100).
 - `space`: every method compared at once on the Space default's shape (llava-interleave-qwen-0.5b, random
   weights), each also decoded alone (`interactive.py --time-alone`): the batched decode over Full alone, the
   batching ceiling of plain transformers, first-token waits.
@@ -18,7 +19,8 @@ leaves the others their figures, and each with a time limit):
   once, as `gradio_client` sees the stream; the model in a process of its own, beside a bare Gradio app on the same
   engine (`--engine-process floor`), two rounds each.
 - `table3-b48`: the paper's batch-48 row (624 + 256, where its GPU ran out of memory; Full and PrefixKV at 0.2),
-  run last: it only fits the time left on a fast card.
+  under the memory of the paper's card (an A100 40 GB: `--memory-cap-gib 40`), run last: it only fits the time
+  left on a fast card.
 
 It writes `gpu_suite.json` (every number of every part) and `gpu_suite.md` (the report) into --out, with each
 part's own outputs and log beside them; commit the report under benchmarks/reports/. Without a CUDA device and
@@ -62,9 +64,10 @@ class Part:
 PARTS = (
     Part("table3", "PrefixKV's Table 3 setting: LLaVA-1.5-7B shapes, bf16, batch 16", "speed.py",
          ("--random-weights", "llava-1.5-7b", "--dtype", "bfloat16", "--batch", "16",
-          "--settings", "1024x512", "--methods", "full,prefixkv", "--budgets", "0.2,0.4,0.6,0.8"),
+          "--settings", "1024x512", "--methods", "full,prefixkv", "--budgets", "0.2,0.4,0.6,0.8",
+          "--also", "prefixkv.mode=online"),
          ("--random-weights", "tiny", "--batch", "2", "--settings", "48x4", "--methods", "full,prefixkv",
-          "--budgets", "0.2,0.8", "--warmup-steps", "1"),
+          "--budgets", "0.2,0.8", "--warmup-steps", "1", "--also", "prefixkv.mode=online"),
          limit_s=240, min_s=120, output="speed"),
     Part("space", "Every method at once on the Space default's shape (llava-interleave-qwen-0.5b)",
          "interactive.py",
@@ -88,7 +91,7 @@ PARTS = (
          limit_s=150, min_s=75, output="json"),
     Part("table3-b48", "PrefixKV's Table 3, batch 48 (624 + 256)", "speed.py",
          ("--random-weights", "llava-1.5-7b", "--dtype", "bfloat16", "--batch", "48", "--settings", "624x256",
-          "--methods", "full,prefixkv", "--budgets", "0.2", "--no-stock"),
+          "--methods", "full,prefixkv", "--budgets", "0.2", "--no-stock", "--memory-cap-gib", "40"),
          ("--random-weights", "tiny", "--batch", "3", "--settings", "40x3", "--methods", "full,prefixkv",
           "--budgets", "0.2", "--no-stock", "--warmup-steps", "1"),
          limit_s=100, min_s=60, output="speed"),

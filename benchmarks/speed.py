@@ -47,7 +47,10 @@ from prefixkv_core.models import RANDOM_KINDS, LoadedModel, build_random_model  
 DEFAULT_BUDGETS = "0.2,0.4,0.6,0.8"
 QUICK = {"settings": "512x32", "batch": 1, "warmup_steps": 2}
 PAPER = {"random_weights": "llava-1.5-7b", "batch": 16, "settings": "1024x512,624x256",
-         "methods": "full,local,h2o,snapkv,pyramidkv,lookm,prefixkv"}
+         "methods": "full,local,h2o,snapkv,pyramidkv,lookm,prefixkv",
+         # PrefixKV both ways: offline with the per-layer ratios its authors released (shared by every prompt, as
+         # their Table 3 ran it) and online (the bisection on each prompt, a cache per prompt)
+         "also": ["prefixkv.mode=online"]}
 PAPER_SPEEDUP = 1.8  # PrefixKV Table 3: decode throughput at a 20% budget vs full, LLaVA-1.5-7B
 
 
@@ -75,6 +78,34 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def memory_cap(device: torch.device, gib: float | None) -> str | None:
+    """Cap what this process may allocate on a CUDA device (a smaller card's memory); the header's note, or None."""
+    if gib is None:
+        return None
+    if device.type != "cuda":
+        return f"--memory-cap-gib {gib:g} has no effect on {device.type}: the cap is CUDA's allocator's."
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return f"Memory capped at {gib:g} GiB ({fraction:.0%} of this card's {total / 2**30:.0f} GiB)."
+
+
+def variant_rows(items: list[str]) -> dict[str, tuple[str, dict]]:
+    """--also's rows: METHOD.KNOB=VALUE -> {"METHOD[KNOB=VALUE]": (METHOD, {KNOB: VALUE})}."""
+    from prefixkv_core.policies import REGISTRY, parse_knobs
+
+    out = {}
+    for item in items:
+        try:
+            (method, knobs), = parse_knobs([item]).items()
+        except ValueError as exc:
+            raise SystemExit(f"--also: {exc}") from None
+        if method not in REGISTRY:
+            raise SystemExit(f"--also: unknown method {method!r}")
+        out[f"{method}[{', '.join(f'{k}={v}' for k, v in knobs.items())}]"] = (method, knobs)
+    return out
 
 
 def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
@@ -176,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "[-query-agnostic])")
     p.add_argument("--no-png", action="store_true", help="HTML figure only")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--also", action="append", default=[], metavar="METHOD.KNOB=VALUE",
+                   help="one more row of METHOD with this knob set (repeatable), e.g. prefixkv.mode=online beside "
+                        "the prefixkv row; its label is METHOD[KNOB=VALUE]")
+    p.add_argument("--memory-cap-gib", type=float, default=None,
+                   help="on CUDA: let this process allocate at most this many GiB (torch.cuda."
+                        "set_per_process_memory_fraction), e.g. 40 for the A100 40 GB of PrefixKV's Table 3")
     p.add_argument("--ideal", action="store_true",
                    help="also time transformers alone (DynamicCache + sdpa) stepping a cache of each method's "
                         "per-layer lengths: the columns 'ideal tok/s', 'x ideal' (the method against it) and "
@@ -203,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         args.batch = args.batch or PAPER["batch"]
         args.settings = args.settings or PAPER["settings"]
         args.methods = args.methods or PAPER["methods"]
+        args.also = args.also or list(PAPER["also"])
     if args.quick:
         args.settings = args.settings or QUICK["settings"]
         args.batch = args.batch or QUICK["batch"]
@@ -226,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_load = time.perf_counter()
     sm = load_speed_model(args)
+    cap_note = memory_cap(sm.device, args.memory_cap_gib)
     load_s = time.perf_counter() - t_load
     for p_len, g_len in settings:
         if sm.max_context and p_len + g_len > sm.max_context:
@@ -236,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         + ("-equal-memory" if budget_mode == "equal_memory" else "") + ("-query-agnostic" if query_agnostic else ""))
     out.mkdir(parents=True, exist_ok=True)
 
-    # configurations: (setting, method, budget); budget-free methods once per setting
-    rows = ([STOCK] if not args.no_stock else []) + methods
+    also = variant_rows(args.also)  # row label -> (method, its knobs)
+    # configurations: (setting, row, budget); budget-free methods once per setting
+    rows = ([STOCK] if not args.no_stock else []) + methods + list(also)
+
+    def method_of(row: str) -> str:
+        return also[row][0] if row in also else row
+
     configs = []
     for si, _ in enumerate(settings):
         for m in rows:
-            uses = m != STOCK and REGISTRY[m].uses_budget
+            uses = m != STOCK and REGISTRY[method_of(m)].uses_budget
             for b in (budgets if uses else [None]):
                 configs.append((si, m, b))
     inputs = {si: synthetic_batch(sm, batch, p, seed=args.seed + si) for si, (p, _) in enumerate(settings)}
@@ -253,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         then what its own resolve hook fills in (e.g. PrefixKV's calibrated ratios), as the app runs it."""
         key = (si, m, b)
         if key not in knob_cache:
-            base = dict(knobs_all.get(m, {}))
+            row, m = m, method_of(m)
+            base = {**knobs_all.get(m, {}), **(also[row][1] if row in also else {})}
             context = ResolveContext(sm.slug, sm.name, sm.num_layers, 1.0 if b is None else b)
             try:
                 flagged = flag_knob_values(args, m, base, context)
@@ -264,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     filled = {k: knob_value(resolved, k) for k in REGISTRY[m].knobs()
                               if knob_value(resolved, k) != knob_value(asked, k)}
                     base.update(filled)
-                    flag_notes[(si, m, b)] = ", ".join(f"{k} {v}" for k, v in flagged.items()) + (
+                    flag_notes[(si, row, b)] = ", ".join(f"{k} {v}" for k, v in flagged.items()) + (
                         f" ({', '.join(filled)} filled in for this model)" if filled else "")
             except (MethodArgError, PolicyError) as exc:
                 raise SystemExit(str(exc)) from None
@@ -278,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             p_len, g_len = settings[si]
             bar.set_postfix_str(f"{p_len}x{g_len} {m} {'' if b is None else b}")
             try:
-                res = measure(sm, m, 1.0 if b is None else b, knobs_for(si, m, b) if m != STOCK else {},
+                res = measure(sm, method_of(m), 1.0 if b is None else b, knobs_for(si, m, b) if m != STOCK else {},
                               inputs[si], g_len, warmup, budget_mode, query_agnostic, args.ideal)
             except Exception as exc:  # noqa: BLE001 - OOM and per-method failures become table cells
                 res = {"status": "OOM" if is_oom(exc) else "error", "error": f"{exc.__class__.__name__}: {exc}"[:300],
@@ -341,20 +386,24 @@ def main(argv: list[str] | None = None) -> int:
                            f"speed of {STOCK} (plain DynamicCache + sdpa).")
         for (sj, m, b), desc in flag_notes.items():
             if sj == si:
-                t.notes.append(f"{REGISTRY[m].label}" + (f" @ {b:.1f}" if b is not None else "") + f": {desc}.")
+                t.notes.append(f"{REGISTRY[method_of(m)].label}" + (f" {m[m.index('['):]}" if m in also else "")
+                               + (f" @ {b:.1f}" if b is not None else "") + f": {desc}.")
         tables.append(t)
-        pk = final.get((si, featured, 0.2))
-        if featured in methods and 0.2 in budgets and pk is not None:
+        for row in [r for r in rows if method_of(r) == featured]:  # its default row, and any --also row of it
+            pk = final.get((si, row, 0.2))
+            if pk is None:
+                continue
+            named = "PrefixKV" + (row[row.index("["):] if row in also else "")
             if pk["status"] == "ok" and full_tps:
                 ratio = pk["decode_tokens_per_s"] / full_tps
                 e2e = pk["e2e_tokens_per_s"] / full["e2e_tokens_per_s"]
                 claim_lines.append(
-                    f"- {p_len}+{g_len}, batch {batch}: PrefixKV @ 0.2 decodes at {ratio:.2f}x full "
+                    f"- {p_len}+{g_len}, batch {batch}: {named} @ 0.2 decodes at {ratio:.2f}x full "
                     f"({pk['decode_tokens_per_s']:.1f} vs {full_tps:.1f} tok/s; end to end {e2e:.2f}x) -> the paper's "
                     f"{PAPER_SPEEDUP}x {'HOLDS' if ratio >= PAPER_SPEEDUP else 'DOES NOT HOLD'} here "
                     f"({pk['mode']}).")
             else:
-                claim_lines.append(f"- {p_len}+{g_len}, batch {batch}: PrefixKV @ 0.2 {pk['status']}, full "
+                claim_lines.append(f"- {p_len}+{g_len}, batch {batch}: {named} @ 0.2 {pk['status']}, full "
                                    f"{'ok' if full_tps else 'failed/OOM'}: no ratio.")
     header = [f"Model: {sm.name} ({sm.param_count() / 1e9:.2f} B parameters, {sm.num_layers} layers, "
               f"{str(sm.dtype).replace('torch.', '')}, {sm.device})" + (" - random weights" if sm.random_weights else ""),
@@ -363,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Peak memory: {'torch.cuda.max_memory_allocated (weights included); +MiB = above the allocation before the configuration' if sm.device.type == 'cuda' else 'process peak RSS (weights included; kernel VmHWM reset per configuration where Linux allows it, else sampled); +MiB = above the RSS at the start of the configuration'}.",
               f"decode tok/s = batch x (generated - 1) / decode time (every step synchronised, policy time included); "
               f"e2e adds the prefill; warm-up {warmup} steps per configuration; repeats {args.repeats} (median).",
-              f"Mode: {mode_title} (see each table's notes).",
+              f"Mode: {mode_title} (see each table's notes).", *([cap_note] if cap_note else []),
               f"Every method decodes its {batch} prompts in one forward per step (the runner); `mode` says whether they "
               "share one cache or keep one each." if batch > 1 else "Batch 1: every method runs alone."]
     claims = ["Claim (b): PrefixKV at a 20% budget decodes 1.8x faster than full (paper: LLaVA-1.5-7B, batch 16)."]
@@ -418,7 +467,7 @@ def make_figure(raw: list[dict], settings, budgets, featured: str | None, title:
                     ys = [by_b[b][key] * scale if b in by_b and by_b[b]["status"] == "ok" else None for b in budgets]
                 fig.add_trace(go.Scatter(x=xs, y=ys, name=m, legendgroup=m, showlegend=(si == 0 and col == 1),
                                          mode="lines" if fixed else "lines+markers",
-                                         line=dict(color=colours.get(m, "#999999"), dash="dash" if fixed else "solid",
+                                         line=dict(color=colours.get(m.split("[")[0], "#999999"), dash="dash" if fixed else "solid",
                                                    width=3 if m == featured else 2)), row=si + 1, col=col)
     fig.update_xaxes(title_text="budget (kept fraction)")
     fig.update_layout(title=title, width=1400, height=420 * len(settings), template="plotly_white")

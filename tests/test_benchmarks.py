@@ -276,6 +276,24 @@ def test_speed_ideal_steps_transformers_on_each_methods_lengths(tmp_path, monkey
     assert {"ideal tok/s", "x ideal", "ideal x stock"} <= set(header)
 
 
+def test_speed_also_adds_a_row_of_a_method_with_a_knob_set(tmp_path):
+    """`--also prefixkv.mode=online`: a second PrefixKV row beside the one its flags chose (offline where
+    calibrated), each with its own claim line; a memory cap off CUDA says it has no effect."""
+    args = ["--model", "embedded", "--settings", "160x3", "--budgets", "0.2", "--warmup-steps", "0", "--threads", "1",
+            "--no-png", "--quiet", "--methods", "full,prefixkv", "--also", "prefixkv.mode=online", "--no-stock",
+            "--memory-cap-gib", "40", "--out", str(tmp_path)]
+    assert speed.main(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in res["results"]}
+    assert set(rows) == {"full", "prefixkv", "prefixkv[mode=online]"}
+    assert rows["prefixkv"]["extras"]["mode"] == "offline" and rows["prefixkv[mode=online]"]["extras"]["mode"] == "online"
+    md = (tmp_path / "speed.md").read_text()
+    assert "PrefixKV @ 0.2 decodes at" in md and "PrefixKV[mode=online] @ 0.2 decodes at" in md
+    assert "--memory-cap-gib 40 has no effect on cpu" in md
+    with pytest.raises(SystemExit, match="unknown method"):
+        speed.variant_rows(["nosuch.mode=online"])
+
+
 def test_speed_knob_flags_are_the_shared_ones(tmp_path):
     """--prefixkv-mode is the flag the policy declares (as in quality.py), resolved per budget by the policy's own
     hooks: offline on a model without calibrated ratios stops with the policy's message."""
