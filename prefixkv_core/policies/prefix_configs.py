@@ -17,7 +17,8 @@ CONFIG_ROOT = ASSETS / "prefix_configs"
 # Random weights in a released model's shapes read that model's configuration when they have none of their own: a
 # speed run in those shapes is about the per-layer lengths the released model's offline PrefixKV keeps (its
 # authors' Table 3 setting). The LLaVA-1.5 configurations are the ratios the authors released.
-SHAPES_OF = {"random-llava-1.5-7b": "llava-hf--llava-1.5-7b-hf", "random-llava-1.5-13b": "llava-hf--llava-1.5-13b-hf"}
+SHAPES_OF = {"random-llava-1.5-7b": "llava-hf--llava-1.5-7b-hf", "random-llava-1.5-13b": "llava-hf--llava-1.5-13b-hf",
+             "random-embedded": "embedded-smollm2-135m"}
 
 
 @dataclass
