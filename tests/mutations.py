@@ -86,6 +86,10 @@ MUTATIONS = (
     Mutation("range-shift", "a range drop moves the entries after it up by one, whatever the range's length",
              "prefixkv_core/kv/joint_eviction.py", "(written + shift).reshape(-1)",
              "(written + shift.clamp_max(1)).reshape(-1)", ("tests/test_entry_stores.py -k range_drops",)),
+    Mutation("counts-apart", "a step reads its tokens back, and the image counts its evictions kept in reads of "
+             "their own", "prefixkv_core/session/stepping.py",
+             "else read_with_counts(logits.argmax(dim=-1), self.unread_counts)", "else logits.argmax(dim=-1).tolist()",
+             ("tests/test_step_ops.py -k engine_waits",)),
     Mutation("local-sinks", "Local counts its sinks among the prompt's positions only",
              "prefixkv_core/policies/local.py", "sinks = min(self.sinks, view.true_len)",
              "sinks = min(self.sinks, view.prompt_len)", ("tests/test_policies_synthetic.py -k local_decode",)),

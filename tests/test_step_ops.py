@@ -90,3 +90,58 @@ def test_a_step_waits_for_the_device_at_most_once(counted):
     for name, row in counted.items():
         for batch, got in row.items():
             assert got["round_trips"] <= 1, (name, batch, got)
+
+
+class _HostWaits:
+    """Counts, in every thread, what makes the host wait for the device: a tensor's value read into Python and
+    indexing by a boolean mask (its size is the mask's count)."""
+
+    READS = ("tolist", "item", "__bool__", "__int__", "__float__")
+
+    def __init__(self, monkeypatch):
+        self.count, self.on = 0, False
+        for name in self.READS:
+            self._wrap(monkeypatch, name, lambda *a: True)
+        self._wrap(monkeypatch, "__getitem__", lambda self_, index, *a: _has_mask(index))
+        self._wrap(monkeypatch, "__setitem__", lambda self_, index, *a: _has_mask(index))
+        monkeypatch.setattr(torch, "nonzero", self._counted(torch.nonzero, lambda *a, **k: True))
+
+    def _counted(self, original, waits):
+        def call(*args, **kwargs):
+            if self.on and waits(*args, **kwargs):
+                self.count += 1
+            return original(*args, **kwargs)
+        return call
+
+    def _wrap(self, monkeypatch, name, waits):
+        monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name), waits))
+
+
+def _has_mask(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def test_the_engine_waits_for_the_device_once_a_step_with_every_method(tiny_llama, noise_image, monkeypatch):
+    """A comparison of every method, decoded as one batch through the engine (its pool, its events), reads the
+    device back once a step: the tokens, the image counts its evictions kept read in the same transfer; timing the
+    policies waits for nothing."""
+    from prefixkv_core import Engine, GenerationSettings
+    from prefixkv_core.policies import METHODS
+
+    waits = _HostWaits(monkeypatch)
+    engine = Engine(tiny_llama)
+    session = engine.new_session(noise_image, "describe the picture in detail", list(METHODS), 0.3,
+                                 GenerationSettings(max_new_tokens=12, ignore_eos=True))
+    steps = 0
+    for event in session.run():
+        if getattr(event, "kind", None) == "token" and event.method == "full":
+            steps += 1
+            if steps == 4:  # every method has decoded a few steps, evicting where it does
+                waits.on = True
+            elif steps == 10:
+                waits.on = False
+                measured = waits.count
+    session._settled()
+    assert steps >= 10
+    assert measured == 6, f"{measured} waits for the device over 6 decode steps of {len(METHODS)} methods"

@@ -621,9 +621,44 @@ class KeptImageCounts:
 
     def of(self, k: int) -> int:
         if self._values is None:
-            self._values = [int(round(v / self._heads)) for v in self._sums.tolist()]
-            self._sums = None
+            self.fill(self._sums.tolist())
         return self._values[k]
+
+    @property
+    def unread(self) -> torch.Tensor | None:
+        """The sums still on the device ([rows], int64), or None once read: a caller reading something else back
+        anyway (a step's tokens) can read these with it and `fill` them."""
+        return self._sums
+
+    def fill(self, sums: list[int]) -> None:
+        self._values = [int(round(v / self._heads)) for v in sums]
+        self._sums = None
+
+
+def unread_image_counts(caches: Sequence["TrackedCache"]) -> list[KeptImageCounts]:
+    """The image counts of these caches' layers still on the device (each once)."""
+    found: dict[int, KeptImageCounts] = {}
+    for cache in caches:
+        for layer in cache.layers:
+            pending = layer._image_count
+            if isinstance(pending, tuple) and pending[0].unread is not None:
+                found.setdefault(id(pending[0]), pending[0])
+    return list(found.values())
+
+
+def read_with_counts(values: torch.Tensor, counts: Sequence[KeptImageCounts]) -> list[int]:
+    """`values.tolist()` ([n] int64), the still-unread image counts read back in the same transfer and filled in: one
+    wait for the device instead of one more per joint eviction."""
+    parts = [c.unread for c in counts if c.unread is not None]
+    if not parts:
+        return values.tolist()
+    read = torch.cat([values.to(torch.int64), *[p.to(values.device, torch.int64) for p in parts]]).tolist()
+    n, start = values.shape[0], values.shape[0]
+    for c in [c for c in counts if c.unread is not None]:
+        size = c.unread.shape[0]
+        c.fill(read[start:start + size])
+        start += size
+    return read[:n]
 
 
 class TrackedCache(DynamicCache):

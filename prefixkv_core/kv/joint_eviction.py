@@ -101,7 +101,8 @@ def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     stores, or a stack of every layer's); each layer at most once."""
     groups: dict[int, tuple[list[TrackedLayer], list[torch.Tensor]]] = {}
     for layer, index in pairs:
-        if not _shared_rows([layer]) or index.shape[0] != 1:
+        # (a row keeping its whole capacity has no free last slot for the joint copy: it gathers alone)
+        if not _shared_rows([layer]) or index.shape[0] != 1 or index.shape[-1] >= layer._stores["keys"].capacity:
             layer.gather(index)
             continue
         group = groups.setdefault(_group_key(layer), ([], []))
@@ -127,9 +128,10 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
     index = index.transpose(1, 2).contiguous()
     slots = _slots(index.shape[2], device)
     valid = slots < torch.tensor(counts, device=device)[:, None, None]  # [rows, 1, max K]
-    # only the slots whose entry changes are written; kept indices ascend, so those are the slots from the first
-    # evicted entry on (the newest few entries of a row, not the row)
-    moved = ((index != slots) & valid).reshape(-1)
+    # a slot whose entry stays (or a shorter row's padding) copies its row's last slot onto itself instead: no
+    # entry is kept there (every row keeps fewer than its capacity), so no index is written twice with different
+    # values, and the copy's size does not hang on the data (no wait for the device to count the moved entries)
+    moved = (index != slots) & valid
     flat: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layout -> (all kept, read, written)
     kept_image = None
     with torch.inference_mode():
@@ -137,17 +139,16 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
             home = homes[name]
             layout = (home.firsts, home.capacities)
             if layout not in flat:
-                first, _ = _slot_starts(home.firsts, home.capacities, heads, device)
-                everything = (first + index).reshape(-1)
-                flat[layout] = (everything, everything[moved], (first + slots).expand_as(index).reshape(-1)[moved])
+                first, last = _slot_starts(home.firsts, home.capacities, heads, device)
+                everything = first + index
+                flat[layout] = (everything.reshape(-1), torch.where(moved, everything, last).reshape(-1),
+                                torch.where(moved, first + slots, last).reshape(-1))
             everything, read, written = flat[layout]
             entries = home.entries
             if name == "is_image":  # image entries kept per row, summed over heads (events ask every step)
                 kept = entries.index_select(0, everything).view(index.shape)
                 kept_image = KeptImageCounts((kept & valid).sum(dim=(1, 2)), heads)
-                entries.index_copy_(0, written, kept.view(-1)[moved])
-            else:
-                entries.index_copy_(0, written, entries.index_select(0, read))
+            entries.index_copy_(0, written, entries.index_select(0, read))
     for name in ENTRY_FIELDS:
         for layer, k in zip(layers, counts):
             layer._stores[name].lengths[layer._rows[0]] = k

@@ -23,6 +23,7 @@ import torch
 
 from ..decoding import runner
 from ..decoding.stopwatch import Elapsed, Stopwatch
+from ..kv.cache import KeptImageCounts, unread_image_counts
 from ..limits import return_free_memory
 from ..models import LoadedModel
 from .method_state import MethodState
@@ -40,6 +41,8 @@ class StepResult:
     logits: torch.Tensor  # [rows, V]
     forward_s: Elapsed  # the shared forward's seconds
     policy_s: list[Elapsed]  # each row's own policy seconds
+    # the image entries the step's evictions kept, still on the device: read with the tokens (`read_with_counts`)
+    image_counts: list[KeptImageCounts] = field(default_factory=list)
 
 
 @dataclass
@@ -79,7 +82,8 @@ def advance_rows(loaded: LoadedModel, buffers: runner.StepBuffers, states: list[
         if error is not None:  # one method failing must not stop the others
             state.fail(error)
         policy_s.append(seconds)
-    return StepResult(out.logits, forward_s, policy_s)
+    counts = unread_image_counts([s.cache for s in states if s.cache is not None])
+    return StepResult(out.logits, forward_s, policy_s, counts)
 
 
 def form_rows(states: list[MethodState], buffers: runner.StepBuffers) -> bool:
@@ -246,7 +250,8 @@ class StepPool:
         start = 0
         for r in batch:
             n = len(r.states)
-            r.result = StepResult(result.logits[start:start + n], result.forward_s, result.policy_s[start:start + n])
+            r.result = StepResult(result.logits[start:start + n], result.forward_s, result.policy_s[start:start + n],
+                                  result.image_counts)
             start += n
             r.done.set()
 

@@ -11,6 +11,7 @@ import torch
 
 from ..decoding import runner
 from ..decoding.stopwatch import Elapsed
+from ..kv.cache import read_with_counts
 from ..models import LoadedModel
 from ..report.events import MethodEvent
 from .generation import GenerationSettings, answer_text, next_token
@@ -65,6 +66,7 @@ class RowStepper:
         self.pool = pool  # batches the decode steps with other turns' (None: this turn's rows only)
         self._member: int | None = None  # this turn's membership of the pool while it decodes
         self.buffers: runner.StepBuffers | None = None
+        self.unread_counts: list = []  # the last step's image counts still on the device (`StepResult.image_counts`)
 
     def reset(self) -> None:
         self.buffers = None
@@ -83,6 +85,7 @@ class RowStepper:
         if self.buffers is None:
             self.buffers = runner.StepBuffers()
         done = advance_rows(self.loaded, self.buffers, states, chunks, [step] * len(states))
+        self.unread_counts = done.image_counts
         return done.logits, done.forward_s, {s.name: t for s, t in zip(states, done.policy_s)}
 
     def on_model(self, fn, priority: int = PREFILL):
@@ -96,6 +99,7 @@ class RowStepper:
         if alone or self.pool is None:
             return self.on_model(lambda: self.advance(states, chunks, step), STEP)
         done = self.pool.advance(states, chunks, [step] * len(states), member=self._member)
+        self.unread_counts = done.image_counts
         return done.logits, done.forward_s, {s.name: t for s, t in zip(states, done.policy_s)}
 
     def form_batch(self, states: list[MethodState]) -> None:
@@ -252,7 +256,9 @@ class RowStepper:
         """One batched step of the active states and its events."""
         logits, forward_s, policy_s = self.advance_shared(active, [[s.pending] for s in active],
                                                           step=len(active[0].turn_ids), alone=alone)
-        greedy = None if self.generation.do_sample else logits.argmax(dim=-1).tolist()  # one sync per step
+        # one wait for the device a step: the tokens, and the image counts the step's evictions kept with them
+        greedy = None if self.generation.do_sample else read_with_counts(logits.argmax(dim=-1), self.unread_counts)
+        self.unread_counts = []
         for r, state in enumerate(active):
             if state.error is not None:
                 yield event(state, "error", alone=alone)
