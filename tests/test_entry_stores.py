@@ -6,7 +6,8 @@ import torch
 
 from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import tracked_attention_enabled
-from prefixkv_core.kv.cache import ENTRY_FIELDS, EntryStore, TrackedCache, TrackedLayer, spare_for
+from prefixkv_core.kv.cache import ENTRY_FIELDS, TrackedCache, TrackedLayer
+from prefixkv_core.kv.stores import EntryStore, spare_for
 from prefixkv_core.kv.joint_eviction import gather_many
 from prefixkv_core.models import encode, format_prompt
 

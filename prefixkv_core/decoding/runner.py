@@ -38,7 +38,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..kv.attention import AttentionProbe, StatRequest, hidden_states_recorded, post_vision_queries
-from ..kv.cache import SPARE_ENTRIES, TrackedCache, TrackedLayer, per_head_meta
+from ..kv.cache import TrackedCache, TrackedLayer, per_head_meta
+from ..kv.stores import SPARE_ENTRIES
 from ..models.compat import cache_kwarg
 from ..models.families import hooks_of, uses_mrope
 from ..policies import Policy, PolicyState

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .cache import ENTRY_FIELDS, EntryStore, KeptImageCounts, TrackedLayer
+from .cache import ENTRY_FIELDS, KeptImageCounts, TrackedLayer
+from .stores import EntryStore
 
 
 @dataclass(frozen=True)
