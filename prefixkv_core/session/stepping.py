@@ -256,8 +256,13 @@ class RowStepper:
         """One batched step of the active states and its events."""
         logits, forward_s, policy_s = self.advance_shared(active, [[s.pending] for s in active],
                                                           step=len(active[0].turn_ids), alone=alone)
-        # one wait for the device a step: the tokens, and the image counts the step's evictions kept with them
-        greedy = None if self.generation.do_sample else read_with_counts(logits.argmax(dim=-1), self.unread_counts)
+        # one wait for the device a step: the tokens, and the image counts the step's evictions kept with them;
+        # sampling, every row's logits come to the host at once and each row draws there with its own generator
+        if self.generation.do_sample:
+            greedy, device, logits = None, logits.device, logits.float().cpu()
+            read_with_counts(torch.zeros(0, dtype=torch.int64, device=device), self.unread_counts)
+        else:
+            greedy = read_with_counts(logits.argmax(dim=-1), self.unread_counts)
         self.unread_counts = []
         for r, state in enumerate(active):
             if state.error is not None:
