@@ -88,7 +88,8 @@ MUTATIONS = (
              "(written + shift.clamp_max(1)).reshape(-1)", ("tests/test_entry_stores.py -k range_drops",)),
     Mutation("counts-apart", "a step reads its tokens back, and the image counts its evictions kept in reads of "
              "their own", "prefixkv_core/session/stepping.py",
-             "else read_with_counts(logits.argmax(dim=-1), self.unread_counts)", "else logits.argmax(dim=-1).tolist()",
+             "greedy = read_with_counts(logits.argmax(dim=-1), self.unread_counts)",
+             "greedy = logits.argmax(dim=-1).tolist()",
              ("tests/test_step_ops.py -k engine_waits",)),
     Mutation("local-sinks", "Local counts its sinks among the prompt's positions only",
              "prefixkv_core/policies/local.py", "sinks = min(self.sinks, view.true_len)",

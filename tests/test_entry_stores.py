@@ -208,12 +208,25 @@ def test_a_compressed_layer_gives_its_room_back():
 
 
 def test_clone_copies_into_stores_of_its_own():
-    cache = TrackedCache(1)
+    """A clone holds what its original holds, field by field (empty slots and packed segments included), in stores
+    and segments of its own."""
+    cache = TrackedCache(3)
     cache.layers[0] = _layer(6, 4)
+    cache.layers[1] = _layer(9, 5)
+    cache.layers[1].gather(torch.tensor([[[-1, 0, 3, 8], [1, 2, 4, 7]]]), empty_slots=True)
+    cache.layers[2] = _layer(8, 6)
+    cache.layers[2].quantize_fp_part((torch.arange(8) % 2 == 0).view(1, 1, -1), 4, 2, None)
     twin = cache.clone()
+    for mine, theirs in zip(cache.layers, twin.layers):
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+            assert theirs._stores[name] is not mine._stores[name]
+        assert (theirs.has_empty_slots, theirs.image_count(), theirs.length, theirs.nbytes()) == \
+               (mine.has_empty_slots, mine.image_count(), mine.length, mine.nbytes())
+        assert torch.equal(theirs.full_keys(), mine.full_keys())
+    assert twin.layers[1].has_empty_slots and twin.layers[2].segments[0] is not cache.layers[2].segments[0]
     twin.layers[0].keys.zero_()
     assert cache.layers[0].keys.abs().sum() > 0
-    assert twin.layers[0]._stores["keys"] is not cache.layers[0]._stores["keys"]
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from ..kv.cache import ENTRY_FIELDS, TrackedLayer
-from ..kv.stores import SPARE_ENTRIES, EntryStore, StoreStack, move_rows_into, spare_for
+from ..kv.cache import ENTRY_FIELDS, TrackedLayer, move_rows_into
+from ..kv.stores import SPARE_ENTRIES, EntryStore, StoreStack, spare_for
 
 SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
 SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .quant import QuantizedTensor, dequantize, quantize_keys, quantize_values
-from .stores import SPARE_ENTRIES, EntryStore, StoreStack, _copy, move_rows_into, spare_for
+from .stores import SPARE_ENTRIES, EntryStore
 
 
 @dataclass
@@ -86,6 +86,22 @@ class TrackedLayer(DynamicLayer):
         self._image_count: int | tuple["KeptImageCounts", int] | None = None
         self._empty: tuple[float, int] | None = None  # cached empty-slot counts (row 0 per head, all); None = recount
         self.has_empty_slots = False  # some KV head holds empty slots (position -1): mask them from attention
+
+    def twin(self) -> "TrackedLayer":
+        """An independent copy: every field in stores of its own, the packed segments copied, what it knows of
+        itself (its dtype and device, empty slots, its cached counts) the same."""
+        twin = TrackedLayer()
+        for name in ENTRY_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(twin, name, value)
+        twin.segments = copy.deepcopy(self.segments)
+        twin.has_empty_slots, twin.is_initialized = self.has_empty_slots, self.is_initialized
+        for known in ("dtype", "device"):  # set by transformers' lazy initialisation
+            if hasattr(self, known):
+                setattr(twin, known, getattr(self, known))
+        twin._image_count, twin._empty = self._image_count, self._empty  # set after the fields (which reset them)
+        return twin
 
     # -- storage ------------------------------------------------------------------------------------
     def _assign(self, name: str, value: torch.Tensor | None) -> None:
@@ -403,6 +419,24 @@ def pack_split(keys: torch.Tensor, values: torch.Tensor, important: torch.Tensor
     return order, segments
 
 
+def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str, EntryStore]) -> None:
+    """`layer.move_into(stores, row)` for several (row, batch-1 layer) pairs at once (a turn's first batched
+    step moves every row in): each row's entries copied as they lie, with none of the per-write checks."""
+    fields = {name: [getattr(layer, name) for _, layer in movers] for name in stores}
+    if any(f is None for values in fields.values() for f in values):
+        raise RuntimeError("only a layer holding entries can move into a batch's stores")
+    with torch.inference_mode():
+        for name, store in stores.items():
+            store.reserve(max(f.shape[2] for f in fields[name]))
+            data, lengths = store.data, store.lengths
+            for (r, _), f in zip(movers, fields[name]):
+                n = f.shape[2]
+                data[r].narrow(1, 0, n).copy_(f[0])
+                lengths[r] = n
+    for r, layer in movers:  # the batch's own dict, shared by its rows (so `lives_in` is one identity check)
+        layer._stores, layer._rows = stores, (r, r + 1)
+
+
 class KeptImageCounts:
     """The image entries each row of a joint eviction kept (summed over heads), left on the device until one of
     them is asked for, then read for every row at once: the eviction itself waits for nothing."""
@@ -500,21 +534,9 @@ class TrackedCache(DynamicCache):
                 scores.add_(s.to(scores.device))
 
     def clone(self) -> "TrackedCache":
+        """An independent copy (`TrackedLayer.twin` of every layer)."""
         twin = TrackedCache(len(self.layers))
-        for mine, theirs in zip(self.layers, twin.layers):
-            for name in ENTRY_FIELDS:  # each into a store of the twin's own
-                value = getattr(mine, name)
-                if value is not None:
-                    setattr(theirs, name, value)
-            for name, value in vars(mine).items():
-                if name in ("_stores", "_rows"):
-                    continue
-                if isinstance(value, torch.Tensor):
-                    setattr(theirs, name, value.clone())
-                elif name == "segments":
-                    theirs.segments = copy.deepcopy(value)
-                else:
-                    setattr(theirs, name, copy.copy(value))
+        twin.layers = [layer.twin() for layer in self.layers]
         twin.rope_deltas = self.rope_deltas
         return twin
 

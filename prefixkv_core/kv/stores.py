@@ -5,20 +5,16 @@
   entries at the front of its own slot, and when the room runs out the capacity grows by half.
 - `StoreStack`: one field of a batch's shared stores for every layer in one flat tensor, each layer its own
   capacity, so that one copy per field evicts from many layers at once (`joint_eviction.py`).
-- `move_rows_into`: batch-1 layers moved into a batch's shared stores, where they stay.
-
-`TrackedLayer` (`cache.py`) keeps its fields here and is what everything else reads and writes them through.
+`TrackedLayer` (`cache.py`) keeps its fields here and is what everything else reads and writes them through
+(`move_rows_into` moves batch-1 layers into a batch's shared stores).
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from .cache import TrackedLayer
 
 SPARE_ENTRIES = 64  # room a new store leaves for the entries a decode appends before it first has to grow
 
@@ -208,21 +204,3 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     else:
         with torch.inference_mode():
             dst.copy_(src)
-
-
-def move_rows_into(movers: Sequence[tuple[int, TrackedLayer]], stores: dict[str, EntryStore]) -> None:
-    """`layer.move_into(stores, row)` for several (row, batch-1 layer) pairs at once (a turn's first batched
-    step moves every row in): each row's entries copied as they lie, with none of the per-write checks."""
-    fields = {name: [getattr(layer, name) for _, layer in movers] for name in stores}
-    if any(f is None for values in fields.values() for f in values):
-        raise RuntimeError("only a layer holding entries can move into a batch's stores")
-    with torch.inference_mode():
-        for name, store in stores.items():
-            store.reserve(max(f.shape[2] for f in fields[name]))
-            data, lengths = store.data, store.lengths
-            for (r, _), f in zip(movers, fields[name]):
-                n = f.shape[2]
-                data[r].narrow(1, 0, n).copy_(f[0])
-                lengths[r] = n
-    for r, layer in movers:  # the batch's own dict, shared by its rows (so `lives_in` is one identity check)
-        layer._stores, layer._rows = stores, (r, r + 1)
