@@ -462,9 +462,17 @@ class KeptImageCounts:
 
 
 def unread_image_counts(caches: Sequence["TrackedCache"]) -> list[KeptImageCounts]:
-    """The image counts of these caches' layers still on the device (each once)."""
+    """The image counts of these caches' layers still on the device (each once). A cache's layers that must be
+    counted again (an eviction of their own) are counted now, on the device, so that the step's one read brings
+    them back with the rest (`read_with_counts`) instead of a read when the events ask."""
     found: dict[int, KeptImageCounts] = {}
     for cache in caches:
+        stale = [layer for layer in cache.layers if layer._image_count is None and layer.is_image is not None]
+        if stale:
+            flags = [layer.is_image[0] for layer in stale]  # [Hkv, T] each: the first row, as `image_count` reads
+            counts = KeptImageCounts(torch.stack([f.sum() for f in flags]), flags[0].shape[0])
+            for k, layer in enumerate(stale):
+                layer._image_count = (counts, k)
         for layer in cache.layers:
             pending = layer._image_count
             if isinstance(pending, tuple) and pending[0].unread is not None:
