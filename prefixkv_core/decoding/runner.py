@@ -82,7 +82,9 @@ class _InPlaceDecodeLayer(DynamicLayer):
         if self.layer_idx == 0:
             step.meta_written = step.write_every_layers_meta(key_states.shape[1])
         rows = [c.layers[self.layer_idx] for c in step.caches]
-        groups = step.buffers.groups(self.layer_idx, rows)
+        # the first layer found every layer's groups already (nothing moves rows between layers of one step)
+        groups = step.groups_by_layer[self.layer_idx] if step.groups_by_layer else \
+            step.buffers.groups(self.layer_idx, rows)
         quantised = [r for r, layer in enumerate(rows) if layer.segments]
         for r in quantised:
             step.buffers.refresh_row(self.layer_idx, r, rows[r])
@@ -164,6 +166,7 @@ class _InPlaceDecodeCache(DynamicCache):
         self._ends: torch.Tensor | None = None
         self._masks: torch.Tensor | None = None
         self.meta_written = False  # every layer's new position, image flag and score written at the first layer
+        self.groups_by_layer: list | None = None  # every layer's row groups, when the first layer found them
 
     def write_every_layers_meta(self, n_kv: int) -> bool:
         """At the step's first layer: every layer's new entries' positions, image flags (none: steps feed text) and
@@ -174,7 +177,7 @@ class _InPlaceDecodeCache(DynamicCache):
         rows = [[c.layers[i] for c in self.caches] for i in layers]
         if any(layer.segments for by_layer in rows for layer in by_layer):
             return False
-        groups = [self.buffers.groups(i, rows[i]) for i in layers]
+        groups = self.groups_by_layer = [self.buffers.groups(i, rows[i]) for i in layers]
         if any(len(g) != 1 or not g[0].whole for g in groups):
             return False
         names = ("positions", "is_image", "scores")

@@ -273,19 +273,17 @@ class TrackedLayer(DynamicLayer):
         of the layer's slot (three operators a field, no view made); False, doing nothing, where the layer's own
         stores would then be far larger than its entries (`_assign` gives that room back instead)."""
         k = idx.shape[0]
-        first, last = self._rows
         stores = [self._stores[name] for name in ENTRY_FIELDS]
         if any(self._rows == (0, st.data.shape[0]) and k + SPARE_ENTRIES < st.capacity // 2 for st in stores):
             return False
         with torch.inference_mode():
             kept = []
             for store in stores:  # every field read before any is written
-                data = store.data if self._rows == (0, store.data.shape[0]) else store.data.narrow(0, first, last - first)
+                data = store.rows_of(self._rows)
                 kept.append((store, data, data.index_select(2, idx)))
             for store, data, values in kept:
                 data.narrow(2, 0, k).copy_(values)
-                for r in range(first, last):
-                    store.lengths[r] = k
+                store.set_lengths(self._rows, k)
         self._image_count = None
         self._empty = None
         return True
@@ -302,18 +300,16 @@ class TrackedLayer(DynamicLayer):
             self.gather(torch.cat([kept[:start], kept[start + count:]]).view(1, 1, -1))
             return
         after = n - start - count
-        first, last = self._rows
         with torch.inference_mode():
             for name in ENTRY_FIELDS:
                 store = self._stores[name]
-                data = store.data if self._rows == (0, store.data.shape[0]) else store.data.narrow(0, first, last - first)
+                data = store.rows_of(self._rows)
                 if after > 0:
                     moved = data.narrow(2, start + count, after)
                     if after > count:  # the entries overlap the slots they move to
                         moved = moved.clone()
                     data.narrow(2, start, after).copy_(moved)
-                for r in range(first, last):
-                    store.lengths[r] = n - count
+                store.set_lengths(self._rows, n - count)
         self._image_count = None  # counted when asked for, with the cache's other layers (`image_counts`)
 
     def merge(self, src: torch.Tensor, dst: torch.Tensor, src_weight: torch.Tensor, self_weight: torch.Tensor,
@@ -467,12 +463,7 @@ def unread_image_counts(caches: Sequence["TrackedCache"]) -> list[KeptImageCount
     them back with the rest (`read_with_counts`) instead of a read when the events ask."""
     found: dict[int, KeptImageCounts] = {}
     for cache in caches:
-        stale = [layer for layer in cache.layers if layer._image_count is None and layer.is_image is not None]
-        if stale:
-            flags = [layer.is_image[0] for layer in stale]  # [Hkv, T] each: the first row, as `image_count` reads
-            counts = KeptImageCounts(torch.stack([f.sum() for f in flags]), flags[0].shape[0])
-            for k, layer in enumerate(stale):
-                layer._image_count = (counts, k)
+        cache.count_stale_layers()
         for layer in cache.layers:
             pending = layer._image_count
             if isinstance(pending, tuple) and pending[0].unread is not None:
@@ -594,13 +585,18 @@ class TrackedCache(DynamicCache):
     def image_counts(self) -> list[int]:
         """Image entries per layer (see `TrackedLayer.image_count`). The layers that must be counted again are
         counted together, so asking waits for the device once, not once per layer."""
-        stale = [layer for layer in self.layers if layer._image_count is None and layer.is_image is not None]
-        if len(stale) > 1:
-            flags = [layer.is_image[0] for layer in stale]
-            totals = torch.stack([f.sum() for f in flags]).tolist()
-            for layer, f, total in zip(stale, flags, totals):
-                layer._image_count = int(round(int(total) / f.shape[0]))
+        self.count_stale_layers()
         return [layer.image_count() for layer in self.layers]
+
+    def count_stale_layers(self) -> None:
+        """Count the image entries of the layers that must be counted again (an eviction of their own), together
+        and on the device (`KeptImageCounts`): read when first asked for, in one transfer for all of them."""
+        stale = [layer for layer in self.layers if layer._image_count is None and layer.is_image is not None]
+        if stale:
+            flags = [layer.is_image[0] for layer in stale]  # [Hkv, T] each: the first row, as `image_count` reads
+            counts = KeptImageCounts(torch.stack([f.sum() for f in flags]), flags[0].shape[0])
+            for k, layer in enumerate(stale):
+                layer._image_count = (counts, k)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

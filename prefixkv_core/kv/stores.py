@@ -66,7 +66,7 @@ class EntryStore:
         found = self._views.get(rows)
         if found is not None and found[1] == n:
             return found[0]  # views are asked for often (policies read every layer every step): keep them
-        view = self._rows_of(rows).narrow(2, 0, n)
+        view = self.rows_of(rows).narrow(2, 0, n)
         self._views[rows] = (view, n)
         return view
 
@@ -87,21 +87,21 @@ class EntryStore:
             tensor = tensor.clone()  # a view of this store's memory (a slice of itself): copy before overwriting
         t = tensor.shape[2]
         self.reserve(t)
-        _copy(self._rows_of(rows).narrow(2, 0, t), tensor)
-        self._set_lengths(rows, t)
+        _copy(self.rows_of(rows).narrow(2, 0, t), tensor)
+        self.set_lengths(rows, t)
 
     def append(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         n, q = self.lengths[rows[0]], tensor.shape[2]
         self.reserve(n + q)
-        _copy(self._rows_of(rows).narrow(2, n, q), tensor)
-        self._set_lengths(rows, n + q)
+        _copy(self.rows_of(rows).narrow(2, n, q), tensor)
+        self.set_lengths(rows, n + q)
 
-    def _rows_of(self, rows: tuple[int, int]) -> torch.Tensor:
+    def rows_of(self, rows: tuple[int, int]) -> torch.Tensor:
         """The data of `rows` (the data itself when they are all of it: one operator fewer per read and write)."""
         return self.data if rows[0] == 0 and rows[1] == self.data.shape[0] else \
             self.data.narrow(0, rows[0], rows[1] - rows[0])
 
-    def _set_lengths(self, rows: tuple[int, int], n: int) -> None:
+    def set_lengths(self, rows: tuple[int, int], n: int) -> None:
         if rows[1] - rows[0] == 1:
             self.lengths[rows[0]] = n
         else:

@@ -264,13 +264,13 @@ class RowStepper:
         else:
             greedy = read_with_counts(logits.argmax(dim=-1), self.unread_counts)
         self.unread_counts = []
+        forward_s = float(forward_s)  # read once the tokens are: the device has passed every mark by then
         for r, state in enumerate(active):
             if state.error is not None:
                 yield event(state, "error", alone=alone)
                 continue
             token = greedy[r] if greedy is not None else self.sample(state, logits[r])
-            # read once the token is: the device has passed every mark by then
-            own_s, forward_s = float(policy_s.get(state.name, 0.0)), float(forward_s)
+            own_s = float(policy_s.get(state.name, 0.0))
             delta = self._take(state, token, forward_s + own_s)
             yield event(state, "done" if state.finished else "token", delta=delta, latency=forward_s,
                         policy_s=own_s, batch_size=len(active), alone=alone)
