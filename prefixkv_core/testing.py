@@ -125,15 +125,29 @@ def masked_reference_cache(loaded, ids, is_image, vision_inputs, drop_layer: int
     `drop_layer` on, attention sees only the tokens at `kept_positions`: what a token drop (FastV, DART) computes
     for the kept tokens, with the dropped ones masked instead of cut. Its scores are the column sums, as a
     prefill's. Returns (logits [1, V], cache)."""
+    kept = torch.as_tensor(kept_positions)
+    return layered_reference_cache(loaded, ids, is_image, vision_inputs,
+                                   {i: kept for i in range(drop_layer, loaded.num_layers)})
+
+
+def layered_reference_cache(loaded, ids, is_image, vision_inputs, kept_by_layer):
+    """`masked_reference_cache` for tokens dropped in stages (PyramidDrop): attention in layer l sees only the
+    tokens at `kept_by_layer[l]` (prompt positions; a layer not in it sees every token). `kept_by_layer` may be a
+    token drop's own cache, each of whose layers holds the tokens that layer computed. Returns (logits, cache)."""
     from .decoding import runner
     from .kv.attention import AttentionProbe, StatRequest
     from .kv.cache import TrackedCache
 
     n = ids.shape[1]
-    kept = torch.zeros(1, 1, n, dtype=torch.bool)
-    kept[0, 0, torch.as_tensor(kept_positions)] = True
+    if isinstance(kept_by_layer, TrackedCache):
+        kept_by_layer = {i: layer.positions[0, 0] for i, layer in enumerate(kept_by_layer.layers)
+                         if layer.length < n}
+    masks = {}
+    for i, positions in kept_by_layer.items():
+        masks[i] = torch.zeros(1, 1, n, dtype=torch.bool)
+        masks[i][0, 0, torch.as_tensor(positions).cpu()] = True
     cache = TrackedCache(loaded.num_layers)
-    probe = AttentionProbe(StatRequest(colsum=True), key_masks={i: kept for i in range(drop_layer, loaded.num_layers)})
+    probe = AttentionProbe(StatRequest(colsum=True), key_masks=masks)
     logits, stats = runner.forward_group(loaded.model, cache, ids, 0, probe, is_image, vision_inputs)
     cache.add_scores({layer: s["colsum"] for layer, s in stats.items()})
     return logits, cache

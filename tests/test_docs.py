@@ -3,7 +3,8 @@ that names its stage and schedule and holds its knob table exactly as the regist
 links every page under docs/ that holds what it does not say itself, and every relative link and #section of the
 docs resolves.
 
-`python tests/test_docs.py` prints the knob table of every method, ready to paste into docs/methods.md.
+`python tests/test_docs.py [METHOD ...]` prints the section every method (or the ones named) needs there, ready
+to paste into docs/methods.md.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from prefixkv_core.policies import REGISTRY
-from prefixkv_core.policies.knobs import knob_fields
+if __name__ == "__main__":  # run as a script from anywhere: the checkout's package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prefixkv_core.policies import REGISTRY  # noqa: E402
+from prefixkv_core.policies.knobs import knob_fields  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS_DOC = ROOT / "docs" / "methods.md"
@@ -180,32 +183,49 @@ def test_the_documented_example_method_runs_everywhere(tiny_llama, noise_image):
     sys.modules[module.__name__] = module
     try:
         exec(compile(example_code(), "docs/architecture.md", "exec", dont_inherit=True), module.__dict__)
-        cls = module.StridedPolicy
-        assert "strided" in METHODS and REGISTRY["strided"] is cls
-        described = {d["name"]: d for d in describe()}["strided"]
-        assert described["knobs"] == {"offset": 0} and described["schedule"] == "prompt only"
-        assert make_policy("strided", 0.4, **parse_knobs(["strided.offset=3"])["strided"]).offset == 3
+        cls = module.KeyNormPolicy
+        assert "keynorm" in METHODS and REGISTRY["keynorm"] is cls
+        described = {d["name"]: d for d in describe()}["keynorm"]
+        assert described["knobs"]["window"] == 1 and described["schedule"] == "prompt only"
+        assert make_policy("keynorm", 0.4, **parse_knobs(["keynorm.window=3"])["keynorm"]).window == 3
 
         budget = 0.4
-        session = Engine(tiny_llama).new_session(noise_image, "what is in the picture", ["full", "strided"], budget,
+        session = Engine(tiny_llama).new_session(noise_image, "what is in the picture", ["full", "keynorm"], budget,
                                                  GenerationSettings(max_new_tokens=4))
-        events = [e for e in session.run() if getattr(e, "method", None) == "strided"]
+        events = [e for e in session.run() if getattr(e, "method", None) == "keynorm"]
         assert not [e.error for e in events if e.error]
         n = session.prefill.prompt_tokens
         start = next(e for e in events if e.kind == "start")
         assert start.kept_per_layer == [round(budget * n)] * tiny_llama.num_layers
-        state = session.states["strided"]
-        for layer in state.cache.layers:  # the protected tokens survive; generated tokens are all kept
-            pos = layer.positions[0, 0]
-            assert int(pos[0]) == 0 and bool((pos == n - 1).any()) and int(pos[-1]) == state.true_len - 1
-            assert all(p % 2 == 0 for p in pos.tolist() if p < n - 1)  # r = 0.4: every other prompt token
-        assert session.results()["strided"]["status"] == "done"
+        full = session.states["full"].cache
+        state = session.states["keynorm"]
+        for full_layer, layer in zip(full.layers, state.cache.layers):
+            norms = full_layer.keys[0, :, :n].float().norm(dim=-1)  # [Hkv, N], the prompt's keys
+            for head in range(norms.shape[0]):  # naive: the sink, the last token, then the smallest norms
+                rest = sorted(range(1, n - 1), key=lambda j: (float(norms[head, j]), j))
+                expect = sorted([0, n - 1] + rest[: round(budget * n) - 2])
+                kept = [p for p in layer.positions[0, head].tolist() if p < n]
+                assert kept == expect
+            assert int(layer.positions[0, 0, -1]) == state.true_len - 1  # generated tokens are all kept
+        assert session.results()["keynorm"]["status"] == "done"
     finally:
-        unregister("strided")
+        unregister("keynorm")
         sys.modules.pop(module.__name__, None)
-    assert "strided" not in METHODS
+    assert "keynorm" not in METHODS
 
 
-if __name__ == "__main__":
-    for cls in REGISTRY.values():
-        print(heading(cls), f"\n\nSchedule: **{cls.schedule}**\n\n{knob_table(cls)}\n")
+def method_section(cls) -> str:
+    """What docs/methods.md must hold for a method, as the tests above check it: heading, stage and schedule,
+    knob table and the paper its docstring names (title and link), ready to paste and fill in."""
+    doc = " ".join((vars(cls).get("__doc__") or "").split())
+    title = re.search(r'"([^"]+)"', doc)
+    link = ARXIV.search(doc)
+    paper = (f"**Paper:** [{title.group(1) if title else 'TITLE'}]({link.group(0) if link else 'https://arxiv.org/abs/…'})"
+             if title or link else "**Paper:** [TITLE](https://arxiv.org/abs/…) (name and link it in the class docstring)")
+    return (f"{heading(cls)}\n\nStage: **{cls.stage}** · Schedule: **{cls.schedule}**\n\n{knob_table(cls)}\n\n"
+            f"{paper}\n\n**Rule.** …\n\n**Defaults.** …\n\n**Departures.** …\n")
+
+
+if __name__ == "__main__":  # python tests/test_docs.py [METHOD ...]: the sections docs/methods.md needs
+    for name in sys.argv[1:] or list(REGISTRY):
+        print(method_section(REGISTRY[name]))

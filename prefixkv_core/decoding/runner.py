@@ -545,8 +545,8 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
                 turn_image: TurnImage | None = None) -> Prefill:
     """The prefill of a method that changes the prefill itself (stage "prefill token reduction"), run for it
     alone: a vision-side reduction (`policy.vision_plan`, VisionZip) feeds the language model a shorter prompt,
-    and a token drop decided during the forward (`policy.prefill_token_drop`, FastV) leaves tokens behind after
-    a layer (`token_drop`). Records what the policy asked for; `reduction` says what was done.
+    and token drops decided during the forward (`policy.prefill_token_drops`, FastV; PyramidDrop's stages) leave
+    tokens behind after a layer (`token_drop`). Records what the policy asked for; `reduction` says what was done.
     `turn_image`: the image already through the vision tower (see `prefill`), read instead of a pass of its own."""
     from . import vision_tokens
 
@@ -572,8 +572,8 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
     probe = AttentionProbe(request)
     cache = TrackedCache(num_layers)
-    drop = policy.prefill_token_drop(n, is_image, num_layers)
-    dropping = tokens_dropped(model, drop, cache, probe) if drop is not None else contextlib.nullcontext()
+    drops = policy.prefill_token_drops(n, is_image, num_layers)
+    dropping = tokens_dropped(model, drops, cache, probe) if drops else contextlib.nullcontext()
     with dropping:
         logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds,
                                       rope_inputs=rope_inputs, given_positions=given)

@@ -1,6 +1,7 @@
-"""Tokens leaving a forward after layer K (FastV's and DART's own prefill), for real: layers K and later compute
-only the tokens kept, as those methods' papers do, instead of computing every token and masking the dropped ones
-out of attention.
+"""Tokens leaving a forward after layer K (FastV's and DART's own prefill), or in several stages (PyramidDrop), for
+real: layers K and later compute only the tokens kept, as those methods' papers do, instead of computing every
+token and masking the dropped ones out of attention. At each later stage the tokens still in the forward are cut
+again, the same way.
 
 The text model's code is left as it is. Forward pre-hooks (a public PyTorch extension point) on its decoder layers from K
 on cut what each layer is handed to the kept tokens: at layer K the hidden states, at every layer from K on the
@@ -8,13 +9,14 @@ rotary embeddings and position ids the model built for the whole prompt. The cac
 true positions and image flags before layer K writes, so each later layer holds the kept tokens' entries at
 their own positions; the attention function's causal mask (bottom-right aligned) then orders the kept tokens
 as before. A model that adds visual features to the hidden states after its first layers (Qwen3-VL's DeepStack)
-has them cut in step: after layer K only the kept visual tokens get theirs. The statistics recorded from layer K on cover the kept tokens only, aligned with those layers'
+has them cut in step: after each stage only the kept visual tokens get theirs. The statistics recorded from layer K on cover the kept tokens only, aligned with those layers'
 entries. The last prompt token is always kept, so the logits are the same as a masked forward's.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+from typing import Iterator, Sequence
 
 import torch
 
@@ -26,55 +28,69 @@ _PER_TOKEN_KWARGS = ("position_ids", "cache_position")  # [B, N] or [N]: cut alo
 
 
 @contextlib.contextmanager
-def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: AttentionProbe) -> Iterator[None]:
+def tokens_dropped(model, drops: Sequence[TokenDrop], cache: TrackedCache, probe: AttentionProbe) -> Iterator[None]:
     """While the block runs one forward of a prompt through `cache` (its pending positions and image flags
-    [B, N] set), the text model's layers from `drop.layer` on see only the tokens `drop.choose(stats)` keeps
-    (bool [B, N], the same count in every row), decided when layer K is reached from what `probe` recorded in
-    layers 0 … K-1."""
+    [B, N] set), tokens leave the text model's forward in stages (`drops`, by ascending layer): when the forward
+    reaches a stage's layer K, `choose(stats, kept)` decides from what `probe` recorded so far which of the tokens
+    still in it go on (bool [B, kept], the same count in every row), and layers from K on see only those."""
+    stages = {drop.layer: drop for drop in drops}
+    if len(stages) != len(drops) or list(stages) != sorted(stages):
+        raise ValueError("token drop stages must be at distinct, ascending layers")
     layers = model.get_decoder().layers
-    index: torch.Tensor | None = None  # [B, kept]: the kept tokens of each row, once layer K has chosen
-    handed: dict[str, object] = {}  # the whole-prompt inputs the model hands every layer, cut once at layer K
+    index: torch.Tensor | None = None  # [B, kept]: each row's tokens still in the forward, as prompt positions
+    whole: dict[str, object] = {}  # the whole-prompt inputs the model hands every layer, as the first stage got them
+    handed: dict[str, object] = {}  # those inputs cut to the tokens still in the forward
 
-    def cut(x: torch.Tensor) -> torch.Tensor:
-        """x [B or 1, N, ...] -> [B, kept, ...]."""
-        if x.shape[0] == 1 and index.shape[0] > 1:
-            x = x.expand(index.shape[0], *x.shape[1:])
-        at = index.view(*index.shape, *[1] * (x.dim() - 2)).expand(*index.shape, *x.shape[2:])
-        return x.gather(1, at)
+    def cut(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """x [B or 1, M, ...] -> [B, kept, ...], the tokens `at` [B, kept] (indices along M)."""
+        if x.shape[0] == 1 and at.shape[0] > 1:
+            x = x.expand(at.shape[0], *x.shape[1:])
+        return x.gather(1, at.view(*at.shape, *[1] * (x.dim() - 2)).expand(*at.shape, *x.shape[2:]))
 
-    def cut_flat(x: torch.Tensor) -> torch.Tensor:
+    def cut_flat(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """x [N] (one position per token, every row alike) -> [kept]."""
-        if index.shape[0] > 1 and bool((index != index[0]).any()):
+        if at.shape[0] > 1 and bool((at != at[0]).any()):
             raise ValueError("a per-token input shared by every row cannot follow rows that keep different tokens")
-        return x.index_select(0, index[0])
+        return x.index_select(0, at[0])
 
-    def before_layer(module, args, kwargs):
+    def before_layer(module, args, kwargs, at_layer: int):
         nonlocal index
-        if index is None:  # layer K: the choice, once, from what layers 0 … K-1 recorded
-            mask = drop.choose(probe.stats)
+        drop = stages.get(at_layer)
+        if drop is not None:  # a stage's layer: the choice, once, from what the layers before recorded
+            if index is None:
+                n = cache.pending[0].shape[1]
+                index = torch.arange(n, device=cache.pending[0].device).expand(cache.pending[0].shape[0], n)
+                rotary = kwargs.get("position_embeddings")
+                if rotary is not None:
+                    whole["position_embeddings"] = rotary
+                whole.update({name: kwargs[name] for name in _PER_TOKEN_KWARGS
+                              if isinstance(kwargs.get(name), torch.Tensor)})
+            mask = drop.choose(probe.stats, index)
             counts = mask.sum(dim=1)
             if bool((counts != counts[0]).any()):
                 raise ValueError("a token drop must keep the same number of tokens in every row")
-            index = torch.stack([row.nonzero().flatten() for row in mask])
+            sub = torch.stack([row.nonzero().flatten() for row in mask])  # among the tokens still in
+            index = index.gather(1, sub)
             positions, is_image = cache.pending
-            cache.set_pending(cut(positions), cut(is_image))
+            cache.set_pending(cut(positions, sub), cut(is_image, sub))
             if probe.after_image is not None:
-                probe.after_image = cut(probe.after_image)
-            if args:  # the later layers get layer K's output: the kept tokens already
-                args = (cut(args[0]), *args[1:])
+                probe.after_image = cut(probe.after_image, sub)
+            if args:  # this layer gets the layer before's output: the tokens still in
+                args = (cut(args[0], sub), *args[1:])
             else:
-                kwargs["hidden_states"] = cut(kwargs["hidden_states"])
-            rotary = kwargs.get("position_embeddings")
-            if rotary is not None:
-                handed["position_embeddings"] = tuple(cut(part) for part in rotary)
+                kwargs["hidden_states"] = cut(kwargs["hidden_states"], sub)
+            if "position_embeddings" in whole:
+                handed["position_embeddings"] = tuple(cut(part, index) for part in whole["position_embeddings"])
             for name in _PER_TOKEN_KWARGS:
-                value = kwargs.get(name)
-                if isinstance(value, torch.Tensor):
-                    handed[name] = cut_flat(value) if value.dim() == 1 else cut(value)
+                value = whole.get(name)
+                if value is not None:
+                    handed[name] = cut_flat(value, index) if value.dim() == 1 else cut(value, index)
         kwargs.update(handed)
         return args, kwargs
 
-    handles = [layer.register_forward_pre_hook(before_layer, with_kwargs=True) for layer in layers[drop.layer:]]
+    first = min(stages)
+    handles = [layer.register_forward_pre_hook(functools.partial(before_layer, at_layer=first + i), with_kwargs=True)
+               for i, layer in enumerate(layers[first:])]
     text = model.get_decoder()
     deepstack = getattr(text, "_deepstack_process", None)  # Qwen3-VL: visual features added after the first layers
 
@@ -85,8 +101,8 @@ def tokens_dropped(model, drop: TokenDrop, cache: TrackedCache, probe: Attention
             return deepstack(hidden_states, visual_pos_masks, visual_embeds)
         masks = visual_pos_masks.to(index.device)
         rank = masks.flatten().long().cumsum(0).view(masks.shape) - 1  # [B, N]: row-major, as the features
-        kept_masks = cut(masks)
-        return deepstack(hidden_states, kept_masks, visual_embeds[cut(rank)[kept_masks]])
+        kept_masks = cut(masks, index)
+        return deepstack(hidden_states, kept_masks, visual_embeds[cut(rank, index)[kept_masks]])
 
     own = text.__dict__.get("_deepstack_process")  # an instance's own (else the class's method)
     if deepstack is not None:

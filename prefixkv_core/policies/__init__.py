@@ -1,5 +1,5 @@
-"""The registry of KV-cache policies. Adding a method = one new file (its policy class: knobs, colour,
-facts) + one line in `_BUILT_IN` below (or a call to `register` from outside the package)."""
+"""The registry of KV-cache policies. Adding a built-in method = one new file in this package (its policy class:
+knobs, colour, facts), found and registered here; from outside the package, a call to `register`."""
 from __future__ import annotations
 
 import re
@@ -25,6 +25,7 @@ from .prefixkv import PrefixKVPolicy
 from .pyramidkv import PyramidKVPolicy
 from .random_drop import RandomDropPolicy
 from .random_pruning import RandomPolicy
+from .scored import ScoredPolicy
 from .snapkv import SnapKVPolicy
 from .visionzip import VisionZipPolicy
 from .vlcache import VLCachePolicy
@@ -102,9 +103,30 @@ def unregister(name: str) -> None:
     REGISTRY.pop(name, None)
 
 
-_BUILT_IN = (FullPolicy, LocalPolicy, H2OPolicy, SnapKVPolicy, AdaKVPolicy, PyramidKVPolicy, ElasticPolicy,
-             LookMPolicy, ZipVLPolicy, FastVPolicy, VisionZipPolicy, PrefixKVPolicy,
-             RandomPolicy, DownsamplePolicy, DARTPolicy, VLCachePolicy, RandomDropPolicy)
+# The order the methods are listed in (the app's checkboxes, tables, exports); a method not named here follows them,
+# by name: a new built-in method needs no line anywhere but its own file.
+_LISTED_FIRST = ("full", "local", "h2o", "snapkv", "adakv", "pyramidkv", "elastic", "lookm", "zipvl", "fastv",
+                 "visionzip", "prefixkv", "random", "downsample", "dart", "vlcache", "random_drop")
+
+
+def _built_in() -> list[type[Policy]]:
+    """Every method defined in this package: each module's own Policy subclasses that carry a name (bases such
+    as `scored.ScoredPolicy` carry none), listed as `_LISTED_FIRST` says."""
+    import importlib
+    import pkgutil
+
+    found: dict[str, type[Policy]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Policy) and obj.__module__ == module.__name__ \
+                    and "name" in vars(obj) and obj.name:
+                found[obj.name] = obj
+    order = {name: i for i, name in enumerate(_LISTED_FIRST)}
+    return [found[n] for n in sorted(found, key=lambda n: (order.get(n, len(order)), n))]
+
+
+_BUILT_IN = tuple(_built_in())
 for _cls in _BUILT_IN:
     register(_cls)
 _BUILT_IN_NAMES = frozenset(c.name for c in _BUILT_IN)
@@ -238,7 +260,7 @@ def describe() -> list[dict[str, Any]]:
     return [cls.describe() for cls in REGISTRY.values()]
 
 
-__all__ = ["EqualMemoryHold", "held_in_equal_memory", "BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "role_label", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
+__all__ = ["ScoredPolicy", "EqualMemoryHold", "held_in_equal_memory", "BUDGET_MODES", "STAGES", "ROLES", "role_method", "role_methods", "role_label", "REGISTRY", "METHODS", "register", "unregister", "method_colours", "parse_knobs", "Policy",
            "PolicyError", "PolicyState", "Prefilled", "ResolveContext", "LayerPlan", "Merge", "Quantise", "PrefillView",
            "DecodeView", "Fact", "facts_to_extras", "facts_from_extras", "KnobInfo", "knob", "knob_value",
            "make_policy", "resolve_methods", "describe", "Budget", "check_budget", "DRAW_MARK", "MAX_DRAWS", "draw_row",

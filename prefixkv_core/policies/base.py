@@ -113,12 +113,14 @@ class RangeDrop(LayerPlan):
 
 @dataclass(frozen=True)
 class TokenDrop:
-    """Tokens an own prefill leaves behind after layer `layer` (FastV, DART): layers 0 … K-1 see every token; when
-    the forward reaches layer K, `choose(stats)` says from what layers 0 … K-1 recorded (layer -> statistics)
-    which tokens go on (bool [B, N], the same count in every row). Layers K and later compute those only."""
+    """Tokens an own prefill leaves behind at layer `layer` (FastV, DART; PyramidDrop's stages): when the forward
+    reaches layer K, `choose(stats, kept)` says from what the layers before recorded (layer -> statistics) which
+    of the tokens still in the forward go on. `kept` [B, M]: those tokens' prompt positions (every position
+    before the first stage), the order of their statistics' columns in the layers since the last stage; the
+    answer is bool [B, M], the same count in every row. Layers K and later compute those only."""
 
     layer: int
-    choose: Callable[[dict[int, dict[str, torch.Tensor]]], torch.Tensor]
+    choose: Callable[[dict[int, dict[str, torch.Tensor]], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -275,6 +277,12 @@ class Policy:
         """For an own prefill: the tokens that leave the forward after some layer (`TokenDrop`), chosen from what
         the earlier layers recorded (FastV). None: every layer sees every token."""
         return None
+
+    def prefill_token_drops(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> list[TokenDrop]:
+        """For an own prefill: the stages at which tokens leave the forward, by ascending layer (PyramidDrop's
+        several; by default the one `prefill_token_drop` gives, if any)."""
+        drop = self.prefill_token_drop(prompt_len, is_image, num_layers)
+        return [] if drop is None else [drop]
 
     def vision_plan(self, crops):
         """For an own prefill with an image: how to shrink each crop's vision features before the language model

@@ -128,7 +128,7 @@ class ImageDropPolicy(Policy):
         keep = self._keep(prompt_len, is_image, num_layers)
         if self.layer >= num_layers or keep >= int(is_image[0].sum()):
             return None
-        return TokenDrop(self.layer, lambda stats: self.choose(stats, is_image, keep))
+        return TokenDrop(self.layer, lambda stats, kept: self.choose(stats, is_image, keep))
 
     def prefill(self, view: PrefillView) -> Prefilled:
         n, num_layers = view.prompt_len, view.num_layers

@@ -19,7 +19,7 @@ from . import allocation, prefix_configs, scoring
 from .base import (DecodeView, Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView,
                    ResolveContext, budget_count, fixed_point_decode, knob, note, protected_mask, top_k_keep)
 from .eviction_order import ranked
-from .snapkv import clamp_window
+from .scored import clamp_window
 
 MODES = ("online", "offline")
 DECODES = ("fixed_point", "grow")

@@ -1,17 +1,17 @@
 """SnapKV: an observation window of the last prompt queries votes, per KV head, for the tokens to keep.
 
-Every layer keeps the same count (`allocation.uniform`), ranked per KV head by the window's max-pooled votes;
-the window itself and the sink are always kept."""
+Its scorer is the window's max-pooled votes (ties to the raw vote); every layer keeps the same count and the
+window and the sink are always kept (`scored.ScoredPolicy`, whose allocation knobs make it AdaKV or PyramidKV)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..kv.attention import StatRequest
-from . import allocation, scoring
-from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, budget_count, knob
-from .eviction_order import snap_rank
+from . import scoring, selection
+from .base import PolicyError, PrefillView, knob
+from .scored import WINDOW_HELP, ScoredPolicy, clamp_window  # noqa: F401  (clamp_window: SnapKV's rule, shared)
 
 
 def snap_votes(window_scores: torch.Tensor, window: int, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,37 +31,13 @@ def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel:
     max-pooled window attention (pooled without the sink's vote), ties broken by the raw vote, then by position.
     The first token (attention sink) is always among them.
     """
-    b, h, n = window_scores.shape
+    n = window_scores.shape[-1]
     w = min(window, n)
     capacity = max(min(capacity, n), w + 1 if n > w else n)
     pooled, raw = snap_votes(window_scores, w, kernel)
-    k = min(capacity - w, pooled.shape[-1])
-    chosen = scoring.two_key_order(pooled, raw)[..., :k]
-    tail = torch.arange(n - w, n, device=window_scores.device).view(1, 1, -1).expand(b, h, -1)
-    return torch.cat([chosen.sort(dim=-1).values, tail], dim=-1)
+    return selection.window_select(pooled, raw, capacity, w)
 
 
-def clamp_window(window: int, prompt_len: int, budget: float | None = None) -> tuple[int, str | None]:
-    """The observation window this prompt and budget allow, and a note when the knob had to be shortened.
-
-    At least one earlier token must remain to vote on (window < N), and with a budget the window and the sink
-    must fit in the layer's round(r·N) entries (window < round(r·N)), so the method never holds more than its
-    budget: the published method requires its capacity to exceed its window."""
-    w = max(1, min(window, prompt_len - 1))
-    note = None
-    if w < window:
-        note = f"observation window {window} is not shorter than the prompt ({prompt_len} tokens): used {w}"
-    if budget is not None:
-        capacity = budget_count(budget, prompt_len, min_keep=2)
-        if w > capacity - 1:
-            w = max(1, capacity - 1)
-            note = (f"observation window {window} does not fit in the budget of {capacity} entries per layer "
-                    f"(window + sink): used {w}")
-    return w, note
-
-
-WINDOW_HELP = ("observation window: the last prompt queries that vote (shortened when the prompt or the budget is "
-               "shorter)")
 KERNEL_HELP = "max-pool width over the votes (odd, so pooling keeps the length)"
 
 
@@ -70,14 +46,8 @@ def check_kernel(label: str, kernel: int) -> None:
         raise PolicyError(f"{label} knob kernel must be odd (max pooling keeps the length); got {kernel}")
 
 
-@dataclass
-class SnapState(PolicyState):
-    window: int = 0  # the observation window used on this prompt
-    per_head: list[int] = field(default_factory=list)  # per layer, prompt entries every KV head keeps (window in)
-
-
 @dataclass(frozen=True)
-class SnapKVPolicy(Policy):
+class SnapKVPolicy(ScoredPolicy):
     """SnapKV: the observation window's max-pooled votes choose, per KV head, the prompt entries to keep.
     Paper: "SnapKV: LLM Knows What You are Looking for Before Generation" (Li et al., 2024),
     https://arxiv.org/abs/2404.14469"""
@@ -87,8 +57,6 @@ class SnapKVPolicy(Policy):
     summary = ("The last prompt queries (observation window) vote, per KV head, with max-pooled attention. "
                "Compresses the prompt once; the cache then grows while decoding.")
     colour = "#009E73"
-    schedule = "prompt only"
-    stage = "KV eviction"
 
     # the reference repository's LongBench configuration: window 32, max pooling with kernel 7
     window: int = knob(32, help=WINDOW_HELP, low=1, high=4096, integer=True)
@@ -98,36 +66,14 @@ class SnapKVPolicy(Policy):
         check_kernel(self.label, self.kernel)
 
     def prefill_stats(self, prompt_len: int) -> StatRequest:
-        return StatRequest(window=clamp_window(self.window, prompt_len, self.budget)[0])
+        return StatRequest(window=self.fitted_window(prompt_len))
 
-    def prefill(self, view: PrefillView) -> Prefilled:
-        w, clamped = clamp_window(self.window, view.prompt_len, self.budget)
-        state = self.new_state(w)
-        if clamped:
-            state.notes.append(clamped)
-        capacities = self.layer_capacities(view.prompt_len, view.num_layers, w, state)
-        plans = [LayerPlan(keep=snap_select(view.stats[i]["window"], capacity, w, self.kernel))
-                 for i, capacity in enumerate(capacities)]
-        state.per_head = [int(p.keep.shape[-1]) for p in plans]
-        return Prefilled(plans, state)
+    def score(self, view: PrefillView, layer: int) -> torch.Tensor:
+        w = self.fitted_window(view.prompt_len)
+        return scoring.snap_window(view.stats[layer]["window"], w, self.kernel, sink=1)
 
-    def facts(self, state: PolicyState) -> list[Fact]:
-        out = super().facts(state)
-        if isinstance(state, SnapState) and state.per_head:
-            out.append(Fact("per_head", "entries per KV head (every head the same count, window included)",
-                            list(state.per_head), kind="per-layer", fmt="d"))
-        return out
-
-    def eviction_order(self, view: PrefillView, state: SnapState):
-        return [snap_rank(view.stats[i]["window"], state.window, self.kernel) for i in range(view.num_layers)]
-
-    def new_state(self, window: int) -> SnapState:
-        """The run's state, before the capacities are known (a subclass adds what its schedule finds)."""
-        return SnapState(window=window)
-
-    def layer_capacities(self, prompt_len: int, num_layers: int, window: int, state: SnapState) -> list[int]:
-        """Entries each layer keeps, the observation window included: SnapKV spreads the budget evenly."""
-        return allocation.uniform(self.budget, prompt_len, num_layers, min_keep=window + 1)
+    def tiebreak(self, view: PrefillView, layer: int) -> torch.Tensor:
+        return view.stats[layer]["window"]
 
     def eviction_order_words(self) -> str:
         return "its window votes, the observation window last"
