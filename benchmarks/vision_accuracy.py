@@ -122,7 +122,8 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
              image_rows: bool = False, query_agnostic: bool = False, checkpoint: Path | None = None,
              control_seeds: int = 1, shard: tuple[int, int] = (0, 1)) -> dict:
     """Every question of every scene at every budget. `checkpoint`: a JSON-lines file that gets one line per scene
-    and budget as it finishes; the (scene, budget) pairs already in it are not asked again (a long run resumes).
+    and budget as it finishes; the (scene, budget) pairs already in it are not asked again (a long run resumes),
+    and a run with more methods asks only the methods its lines lack (the rows already there are kept).
     `control_seeds`: the controls that draw at random are asked with draws 0 … N-1 (a record's `draw`).
     `shard` (i, n): only the scenes whose index is i modulo n are asked (n processes share a run)."""
     done = read_checkpoint(checkpoint)
@@ -130,6 +131,7 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
     for line in done.values():
         records += line["records"]
         descriptions += line["descriptions"]
+    reference = role_method("reference")
     # A method without a budget answers alike at every budget: ask it once, with the first budget.
     runs = [(budget, ms) for j, budget in enumerate(budgets)
             if (ms := [m for m in methods if uses_budget(m) or j == 0])]
@@ -138,23 +140,31 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
         scene = render_scene(seed)
         for budget, ms in runs:
             bar.update()
-            if (seed, budget) in done or i % shard[1] != shard[0]:
+            have = done.get((seed, budget), {}).get("methods", set())
+            missing = [m for m in ms if m not in have]  # a line of a run with fewer methods: ask only the others
+            if not missing or i % shard[1] != shard[0]:
                 continue
-            line = {"seed": seed, "budget": budget, "records": [], "descriptions": []}
+            # the reference answers too (the KV shares are measured against it), recorded only when missing
+            asked = missing if reference in missing or reference is None else [reference, *missing]
+            line = {"seed": seed, "budget": budget, "methods": missing, "records": [], "descriptions": []}
             for qa in scene.qa:
-                for group, group_knobs, suffix in sessions(ms, knobs or {}, image_rows):
+                for group, group_knobs, suffix in sessions(asked, knobs or {}, image_rows):
                     outs = ask_with_share(engine, scene.image, qa.question, group, budget, max_new, budget_mode,
                                           group_knobs, query_agnostic, draws=control_seeds)
                     for row, (text, share, kv) in outs.items():
                         m, draw = split_draw(row)
+                        if m not in missing:
+                            continue
                         line["records"].append({
                             "split": split, "seed": seed, "question": qa.question, "answer": qa.answer,
                             "qtype": qa.qtype, "method": m + suffix, "budget": reported_budget(m, budget),
                             "draw": draw, "image_kept_share": share, "kv_share": kv, "output": text,
                             "correct": is_correct(text, qa.answer)})
             if i < describe:
-                outs = ask(engine, scene.image, DESCRIBE_PROMPT, ms, budget, 96, budget_mode, knobs, query_agnostic)
+                outs = ask(engine, scene.image, DESCRIBE_PROMPT, asked, budget, 96, budget_mode, knobs, query_agnostic)
                 for m, text in outs.items():
+                    if m not in missing:
+                        continue
                     line["descriptions"].append({"seed": seed, "method": m, "budget": reported_budget(m, budget),
                                                  "output": text, "reference": scene.description,
                                                  "named": named_share(text, scene)})
@@ -168,8 +178,10 @@ def evaluate(engine: Engine, seeds: list[int], methods: list[str], budgets: list
 
 
 def read_checkpoint(path: Path | None) -> dict[tuple[int, float], dict]:
-    """(seed, budget) -> the line a previous run wrote for it (a torn last line, from a run stopped mid-write, is
-    dropped and asked again)."""
+    """(seed, budget) -> what previous runs wrote for it: their records and descriptions joined, and the methods
+    they asked (`methods`; a line written before lines named them: the methods of its records). Several lines may
+    hold one pair (a later run asked only the methods the earlier lacked). A torn last line, from a run stopped
+    mid-write, is dropped and asked again."""
     done: dict[tuple[int, float], dict] = {}
     if path is None or not path.exists():
         return done
@@ -178,7 +190,13 @@ def read_checkpoint(path: Path | None) -> dict[tuple[int, float], dict]:
             line = json.loads(raw)
         except json.JSONDecodeError:
             continue
-        done[(line["seed"], line["budget"])] = line
+        asked = line.get("methods") or {r["method"].removesuffix(IMAGE_SUFFIX) for r in line["records"]}
+        joined = done.setdefault((line["seed"], line["budget"]),
+                                 {"seed": line["seed"], "budget": line["budget"], "methods": set(), "records": [],
+                                  "descriptions": []})
+        joined["methods"] |= set(asked)
+        joined["records"] += line["records"]
+        joined["descriptions"] += line["descriptions"]
     return done
 
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m prefixkv_core {compare,calibrate,methods}`.
+"""Command line: `python -m prefixkv_core {compare,calibrate,calibrate-heads,methods}`.
 
     python -m prefixkv_core compare --model embedded --image assets/images/scene-0.png \
         --prompt "Describe the image." --methods all --budget 0.3 --json out.json
@@ -95,6 +95,17 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_calibrate_heads(args) -> int:
+    from . import load_model
+    from .calibrate_heads import calibrate_heads
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    path = calibrate_heads(loaded, args.samples, args.max_new_tokens, progress=not args.quiet)
+    if not args.quiet:
+        print(f"visual-head scores of {loaded.num_layers} layers -> {path}")
+    return 0
+
+
 def cmd_methods(args) -> int:
     from .policies import describe
 
@@ -168,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="comma-separated budgets")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("calibrate-heads", help="score each KV head by how often it looks at what the model names in "
+                                               "an image (SparseMM's visual heads) and write the scores to assets/")
+    add_model_args(p)
+    p.add_argument("--samples", type=int, default=200,
+                   help="generated scenes from the end of the train split, disjoint from every evaluation set")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens each scene's description runs to")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_calibrate_heads)
 
     p = sub.add_parser("methods", help="list the methods, what they do and their knobs")
     p.set_defaults(func=cmd_methods)

@@ -16,7 +16,7 @@ from prefixkv_core.models.compat import cache_kwarg
 from prefixkv_core.decoding import runner
 from prefixkv_core.policies import METHODS, REGISTRY, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
-from prefixkv_core.testing import kept_entry_masks, masked_reference_cache
+from prefixkv_core.testing import kept_entry_masks, layered_reference_cache
 
 PROMPT = "describe the picture in detail and name every object you can see in it"
 BUDGETS = (0.1, 0.3, 0.5, 0.9)
@@ -97,7 +97,7 @@ def _planned(loaded, image, method, budget, knobs=None):
     """The uncompressed prefill cache (every token through every layer), and `method`'s plans for a copy of the
     cache it compresses (with the statistics it asked for). A prefill token reduction compresses its own prefill;
     for a token drop (FastV, DART: the later layers never computed the dropped tokens) the uncompressed cache is a
-    plain forward's with the dropped tokens masked from layer K on. Also returns the drop (None without one)."""
+    plain forward's with the dropped tokens masked from layer K on. Also returns the drop's stages (none without one)."""
     inputs = encode(loaded, image, format_prompt(loaded, PROMPT, with_image=image is not None))
     ids = inputs["input_ids"]
     is_image = ids == loaded.image_token_id
@@ -105,18 +105,17 @@ def _planned(loaded, image, method, budget, knobs=None):
     with tracked_attention_enabled(loaded.model):
         shared = runner.prefill_for(loaded.model, policy, ids, is_image, inputs.get("pixel_values"),
                                     loaded.num_layers, loaded.device, loaded.image_token_id)
-        drop = policy.prefill_token_drop(ids.shape[1], is_image, loaded.num_layers)
+        drops = policy.prefill_token_drops(ids.shape[1], is_image, loaded.num_layers)
         full = shared.cache
-        if drop is not None:
-            _, full = masked_reference_cache(loaded, ids, is_image, inputs.get("pixel_values"), drop.layer,
-                                             shared.cache.layers[-1].positions[0, 0])
+        if drops:
+            _, full = layered_reference_cache(loaded, ids, is_image, inputs.get("pixel_values"), shared.cache)
     n = shared.prompt_len
     compressed = shared.cache.clone()
     view = PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
                        policy.prefill_stats(n).window, shared.reduction)
     plans, state = policy.prefill(view)
     only_evicts = all(p is None or (p.merge is None and p.quantise is None) for p in plans)
-    return full, compressed, plans, only_evicts, n, state, drop
+    return full, compressed, plans, only_evicts, n, state, drops
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -240,7 +239,7 @@ def test_offline_prefixkv_uses_given_ratios(tiny_llama, noise_image):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_metadata_stays_aligned_after_gathers(tiny_qwen2, noise_image, method):
     """Keys of an entry must be the keys computed for its position: compare to the full prefill cache."""
-    cache, c, plans, only_evicts, n, _, drop = _planned(tiny_qwen2, noise_image, method, 0.4)
+    cache, c, plans, only_evicts, n, _, drops = _planned(tiny_qwen2, noise_image, method, 0.4)
     if not only_evicts:
         pytest.skip(f"{method} merges or quantises entries: they are not copies of prefill entries")
     apply_plans(c, plans)
@@ -250,7 +249,7 @@ def test_metadata_stays_aligned_after_gathers(tiny_qwen2, noise_image, method):
         expect = full_layer.keys.gather(2, idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
         torch.testing.assert_close(layer.keys[held], expect[held], atol=1e-5, rtol=1e-5)
         assert torch.equal(layer.is_image[held], full_layer.is_image.gather(2, idx)[held])
-        if drop is None or i < drop.layer:  # after a token drop only the kept tokens' queries add to the scores
+        if not drops or i < drops[0].layer:  # after a token drop only the kept tokens' queries add to the scores
             assert torch.equal(layer.scores[held], full_layer.scores.gather(2, idx)[held])
 
 

@@ -17,7 +17,7 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.policies.zipvl import probe_queries
-from prefixkv_core.testing import LLAVA_FAMILIES, kept_entry_masks, masked_reference_cache, save_tiny_family
+from prefixkv_core.testing import LLAVA_FAMILIES, kept_entry_masks, layered_reference_cache, save_tiny_family
 
 PROMPT = "describe the picture in detail"
 
@@ -179,7 +179,7 @@ def test_full_equals_generate_over_two_turns(lm, picture):
 
 @pytest.mark.parametrize("method,budget", [("h2o", 0.3), ("snapkv", 0.3), ("adakv", 0.3), ("pyramidkv", 0.3),
                                            ("prefixkv", 0.3), ("fastv", 0.8), ("random", 0.3),
-                                           ("dart", 0.8), ("vlcache", 0.3)])
+                                           ("dart", 0.8), ("vlcache", 0.3), ("pyramiddrop", 0.8)])
 def test_eviction_equals_masking(lm, picture, method, budget):
     """A compressed cache gives the logits of its prefill's cache with the evicted entries masked. FastV and DART:
     their own prefill, whose layers from K on never computed the dropped image tokens, gives the logits of a plain
@@ -200,13 +200,14 @@ def test_eviction_equals_masking(lm, picture, method, budget):
     token = torch.tensor([[7]])
     uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):
-        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
-        if drop is not None:  # the reference: every token through every layer, the dropped ones masked from K on
-            kept = compressed.layers[-1].positions[0, 0]
-            logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+        drops = policy.prefill_token_drops(n, is_image, lm.num_layers)
+        if drops:  # the reference: every token through every layer, the dropped ones masked where they left
+            logits, uncompressed = layered_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), shared.cache)
             torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
-            assert [layer.length for layer in shared.cache.layers[drop.layer:]] == [len(kept)] * (
-                lm.num_layers - drop.layer)
+            stages = [drop.layer for drop in drops] + [lm.num_layers]
+            for start, end in zip(stages, stages[1:]):  # a stage's layers computed the same tokens
+                assert len({tuple(layer.positions[0, 0].tolist()) for layer in shared.cache.layers[start:end]}) == 1
+            assert shared.cache.layers[-1].length < n
         evicted = engine.forward(compressed, token, n, AttentionProbe())
         masks = kept_entry_masks(compressed, n)
         masked = engine.forward(uncompressed, token, n, AttentionProbe(key_masks=masks))

@@ -15,7 +15,7 @@ from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.models.families import FAMILY_INFO, hooks
 from prefixkv_core.policies import METHODS, make_policy
-from prefixkv_core.testing import (kept_entry_masks, masked_reference_cache, prefill_and_compress, save_tiny_family,
+from prefixkv_core.testing import (kept_entry_masks, layered_reference_cache, prefill_and_compress, save_tiny_family,
                                    wide_noise_picture)
 
 PROMPT = "describe the picture in detail"
@@ -181,7 +181,8 @@ def test_eviction_equals_masking(lm, square, method, budget):
     torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1)])
+@pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1),
+                                          ("pyramiddrop", None)])
 def test_token_drop_equals_the_masked_forward(lm, square, method, layer):
     """FastV's and DART's own prefill, whose layers from K on never compute the dropped image tokens, gives the
     logits of a plain forward with those tokens masked out of layers K and later, and so does the next token."""
@@ -193,11 +194,11 @@ def test_token_drop_equals_the_masked_forward(lm, square, method, layer):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)
         n = own.prompt_len
-        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
-        assert layer is None or drop.layer == layer
+        drops = policy.prefill_token_drops(n, is_image, lm.num_layers)
+        assert layer is None or [d.layer for d in drops] == [layer]
         kept = own.cache.layers[-1].positions[0, 0]
         assert len(kept) < n
-        logits, reference = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+        logits, reference = layered_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), own.cache)
         torch.testing.assert_close(own.logits, logits, atol=1e-4, rtol=1e-4)
         token = torch.tensor([[7]])
         engine = Engine(lm)

@@ -54,6 +54,13 @@ CASES = {
     "dart": ("dart", {"layer": 1, "budget_of": "image"}),
     "vlcache": ("vlcache", {}),
     "vlcache-window0": ("vlcache", {"recent_window": 0.0}),  # the sink and the last token only
+    # the scoring contract's allocations over other scorers, and the methods built on them
+    "snapkv-avg5": ("snapkv", {"pooling": "avg", "kernel": 5}),
+    "pyramidkv-adaptive": ("pyramidkv", {"head_budget": "adaptive"}),  # Ada-PyramidKV
+    "adakv-mixkv": ("adakv", {"mix": "mixkv"}),
+    "mixkv": ("mixkv", {}),
+    "sparsemm": ("sparsemm", {"head_scores": [3.0, 1.0, 0.5, 0.2, 2.0, 0.0]}),
+    "sparsemm-unscored": ("sparsemm", {}),  # no scores: every head the same count
 }
 
 # The one place a registered method may be left out of the record, and why. Both plan nothing on the cache: they
@@ -64,6 +71,7 @@ EXEMPT = {
     "visionzip": "a prefill token reduction in the vision tower (tests/test_visionzip.py)",
     "downsample": "a prefill token reduction in the vision tower (tests/test_downsample.py)",
     "random_drop": "a prefill token reduction: FastV's own prefill with a draw (tests/test_random_seed.py)",
+    "pyramiddrop": "a prefill token reduction in stages: image tokens leave its own prefill (tests/test_pyramiddrop.py)",
 }
 
 

@@ -201,13 +201,14 @@ def test_image_markers_place_the_images(lm, picture):
         lm.image_tokens(*size) for size in (picture.size, (48, 48)))
 
 
-@pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1)])
+@pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1),
+                                          ("pyramiddrop", None)])
 def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
     """FastV's and DART's own prefill, whose layers from K on never compute the dropped image tokens (their 3-D
     rotary embeddings cut with them), gives the logits of a plain forward with those tokens masked out of layers K
     and later, and so does the next token at its logical position. Dropping after layer 1 on Qwen3-VL cuts the
     DeepStack features of layer 1's output in step."""
-    from prefixkv_core.testing import masked_reference_cache
+    from prefixkv_core.testing import layered_reference_cache
 
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
@@ -218,13 +219,13 @@ def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)
         n = own.prompt_len
-        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
-        assert layer is None or drop.layer == layer
+        drops = policy.prefill_token_drops(n, is_image, lm.num_layers)
+        assert layer is None or [d.layer for d in drops] == [layer]
         kept = own.cache.layers[-1].positions[0, 0]
         image_at = set(is_image[0].nonzero().flatten().tolist())
         kept_image = image_at & set(kept.tolist())
         assert 0 < len(kept_image) < len(image_at), (len(kept_image), len(image_at))
-        logits, reference = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+        logits, reference = layered_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), own.cache)
         torch.testing.assert_close(own.logits, logits, atol=1e-4, rtol=1e-4)
         token = torch.tensor([[7]])
         engine = Engine(lm)

@@ -21,7 +21,7 @@ from prefixkv_core.models.families import hooks
 from prefixkv_core.models.video import video_inputs, video_token_count
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.session.video_input import write_video
-from prefixkv_core.testing import kept_entry_masks, masked_reference_cache, moving_dot_frames, prefill_and_compress
+from prefixkv_core.testing import kept_entry_masks, layered_reference_cache, moving_dot_frames, prefill_and_compress
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 PROMPT = "what moves in the clip?"
@@ -233,7 +233,7 @@ def test_vlcaches_post_vision_queries_follow_the_video(lm):
     assert after.nonzero().flatten().tolist() == list(range(last + 1, ids.shape[1]))
 
 
-@pytest.mark.parametrize("method", ["fastv", "dart"])
+@pytest.mark.parametrize("method", ["fastv", "dart", "pyramiddrop"])
 def test_token_drop_equals_the_masked_forward_with_a_video(lm, method):
     inputs = encoded(lm, 4)
     ids = inputs["input_ids"]
@@ -243,11 +243,10 @@ def test_token_drop_equals_the_masked_forward_with_a_video(lm, method):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)
         n = own.prompt_len
-        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
         kept = own.cache.layers[-1].positions[0, 0]
         video = set((ids[0] == lm.video_token_id).nonzero().flatten().tolist())
         assert video - set(kept.tolist())  # the drop reached the video's tokens
-        logits, reference = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+        logits, reference = layered_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), own.cache)
         torch.testing.assert_close(own.logits, logits, atol=1e-4, rtol=1e-4)
         engine = Engine(lm)
         token = torch.tensor([[7]])

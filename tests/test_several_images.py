@@ -18,7 +18,7 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.policies import METHODS, make_policy
 from prefixkv_core.policies.base import PrefillView, apply_plans
 from prefixkv_core.session.video_input import write_video
-from prefixkv_core.testing import (LLAVA_FAMILIES, build_tiny_family, kept_entry_masks, masked_reference_cache,
+from prefixkv_core.testing import (LLAVA_FAMILIES, build_tiny_family, kept_entry_masks, layered_reference_cache,
                                    prefill_and_compress)
 
 PROMPT = "describe the pictures in detail"
@@ -105,7 +105,8 @@ def test_more_images_than_the_context_holds_are_refused_before_the_prefill(famil
 
 # -- every method sees every image -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "vlcache", "prefixkv", "random", "fastv", "dart"])
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "vlcache", "prefixkv", "random", "fastv", "dart",
+                                    "pyramiddrop"])
 def test_eviction_equals_masking_with_several_images(lm, method):
     """As test_families' single-image check, with three images (text between them): a compressed cache gives the
     logits of its prefill's cache with the evicted entries masked; FastV's and DART's own prefill gives those of
@@ -116,7 +117,8 @@ def test_eviction_equals_masking_with_several_images(lm, method):
     is_image = ids == lm.image_token_id
     budget = 0.3
     # a token drop's budget as a share of the image tokens, so it keeps some of every image and drops the rest
-    policy = make_policy(method, budget, **({"budget_of": "image"} if method in ("fastv", "dart") else {}))
+    policy = make_policy(method, budget, **({"budget_of": "image"} if method in ("fastv", "dart") else
+                                            {"budget_of": "image", "stages": 2} if method == "pyramiddrop" else {}))
     with tracked_attention_enabled(lm.model):
         shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
                                     lm.device, lm.image_token_id)
@@ -129,8 +131,7 @@ def test_eviction_equals_masking_with_several_images(lm, method):
     token = torch.tensor([[7]])
     uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):
-        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
-        if drop is not None:
+        if policy.prefill_token_drops(n, is_image, lm.num_layers):
             kept = compressed.layers[-1].positions[0, 0]
             dropped = set(np.flatnonzero(is_image[0].numpy()).tolist()) - set(kept.tolist())
             runs = image_runs(is_image[0])
@@ -139,7 +140,7 @@ def test_eviction_equals_masking_with_several_images(lm, method):
             touched = {int(np.searchsorted(starts, np.flatnonzero(image_at == p)[0], side="right")) for p in dropped}
             assert len(touched) >= 2  # the drop reached more than one image
             assert set(kept.tolist()) & set(image_at.tolist())  # and kept some image tokens, whose positions count
-            logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+            logits, uncompressed = layered_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), shared.cache)
             torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
         evicted = engine.forward(compressed, token, n, AttentionProbe())
         masked = engine.forward(uncompressed, token, n, AttentionProbe(key_masks=kept_entry_masks(compressed, n)))
@@ -410,7 +411,7 @@ def test_a_checkpoints_video_settings_are_read(tmp_path):
     assert lm.processor.prefixkv_video_settings == {"size": 32, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 
 
-@pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache", "prefixkv", "fastv", "dart"])
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache", "prefixkv", "fastv", "dart", "pyramiddrop"])
 def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method):
     from prefixkv_core.session.video_input import load_video
 
@@ -420,12 +421,11 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
     inputs = M.encode(lm, pictures(1), text, video=frames)
     ids = inputs["input_ids"]
     is_image = lm.visual_mask(ids)
-    policy = make_policy(method, 0.3, **({"budget_of": "image"} if method in ("fastv", "dart") else {}))
+    policy = make_policy(method, 0.3, **({"budget_of": "image"} if method in ("fastv", "dart", "pyramiddrop") else {}))
     shared, compressed, n = prefill_and_compress(lm, policy, inputs, 0.3)
     uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):
-        drop = policy.prefill_token_drop(n, is_image, lm.num_layers)
-        if drop is not None:
+        if policy.prefill_token_drops(n, is_image, lm.num_layers):
             kept = compressed.layers[-1].positions[0, 0]
             video_dropped = set(np.flatnonzero((ids[0] == lm.video_token_id).numpy()).tolist()) - set(kept.tolist())
             assert video_dropped  # the drop reached the video's tokens
@@ -433,7 +433,7 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
             video_kept = set(np.flatnonzero((ids[0] == lm.video_token_id).numpy()).tolist()) & visual_kept
             assert visual_kept and (video_kept or method == "dart")  # kept tokens whose positions count (DART
             # drops the static clip's tokens as duplicates of its pivots)
-            logits, uncompressed = masked_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), drop.layer, kept)
+            logits, uncompressed = layered_reference_cache(lm, ids, is_image, M.vision_inputs(inputs), shared.cache)
             torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=1e-4)
         engine = Engine(lm)
         evicted = engine.forward(compressed, torch.tensor([[7]]), n, AttentionProbe())

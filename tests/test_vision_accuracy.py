@@ -221,3 +221,39 @@ def test_the_report_has_a_loyalty_table(tmp_path, monkeypatch):
     h2o = next(p for p in load_leaderboard(tmp_path / "lb").points if p.method == "h2o")
     assert h2o.accuracy == pytest.approx(100 * res["summary"]["h2o@0.4"]["all"]["accuracy"])
     assert h2o.kv_share == pytest.approx(res["summary"]["h2o@0.4"]["kv_share"], abs=1e-4)
+
+
+def test_a_run_with_more_methods_asks_only_the_new_ones_and_keeps_the_rows_there(tmp_path, monkeypatch):
+    """The headline files grow by a method without asking the others again: a line of the earlier run keeps its
+    rows, the new method is asked beside the reference (the KV shares are measured against it), and the records
+    are those of one run with every method."""
+    monkeypatch.setattr(va, "figure", lambda *a: "figure skipped in tests")
+    asked = []
+    real = va.ask_with_share
+
+    def spy(engine, image, prompt, methods, budget, max_new, budget_mode="published", knobs=None,
+            query_agnostic=False, draws=1):
+        asked.append(list(methods))
+        return real(engine, image, prompt, methods, budget, max_new, budget_mode, knobs, query_agnostic, draws=draws)
+
+    monkeypatch.setattr(va, "ask_with_share", spy)
+    base = ["--model", "tiny-llama", "--device", "cpu", "--scenes", "1", "--budgets", "0.4", "--max-new-tokens", "2"]
+    checkpoint = tmp_path / "run.jsonl"
+    assert va.main(base + ["--methods", "full,snapkv", "--checkpoint", str(checkpoint), "--out",
+                           str(tmp_path / "a")]) == 0
+    first = checkpoint.read_text()
+    asked.clear()
+    assert va.main(base + ["--methods", "full,snapkv,mixkv", "--checkpoint", str(checkpoint), "--out",
+                           str(tmp_path / "b")]) == 0
+    assert asked and all(methods == ["full", "mixkv"] for methods in asked)
+    assert checkpoint.read_text().startswith(first)  # the earlier rows stay as they were
+    grown = json.loads((tmp_path / "b").with_suffix(".json").read_text())
+    asked.clear()
+    assert va.main(base + ["--methods", "full,snapkv,mixkv", "--out", str(tmp_path / "c")]) == 0
+    whole = json.loads((tmp_path / "c").with_suffix(".json").read_text())
+    key = lambda r: (r["seed"], r["question"], r["method"], r["budget"], r["output"])  # noqa: E731
+    assert sorted(map(key, grown["records"])) == sorted(map(key, whole["records"]))
+    asked.clear()
+    assert va.main(base + ["--methods", "full,snapkv,mixkv", "--checkpoint", str(checkpoint), "--out",
+                           str(tmp_path / "d")]) == 0
+    assert not asked  # every method of every line there: nothing asked

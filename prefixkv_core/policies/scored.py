@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..report.lorenz import distribute
 from . import allocation, selection
 from .base import Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, budget_count, knob
+from .diversity import MIXES, mixkv_scores
 from .eviction_order import ranked
 
 LAYER_BUDGETS = ("uniform", "pyramid")
@@ -84,6 +86,9 @@ class ScoredPolicy(Policy):
     floor_alpha: float = knob(0.2, help="head budget = adaptive: the share of the per-head budget every KV head "
                                         "keeps whatever the ranking (AdaKV's safeguard; 0 = purely adaptive)",
                               low=0.0, high=1.0)
+    mix: str = knob("none", choices=MIXES, help="none = rank by the scores; mixkv = MixKV's per-head mix of them "
+                                                "(with the value norms) with the keys' diversity, weighed by how "
+                                                "redundant the head's keys are (head budgets stay the scores')")
 
     # -- what a scoring method says ----------------------------------------------------------------------------
     def score(self, view: PrefillView, layer: int) -> torch.Tensor:
@@ -134,8 +139,10 @@ class ScoredPolicy(Policy):
             state.notes.append(clamped)
         state.capacities = self.layer_capacities(n, view.num_layers, w, state)
         plans: list[LayerPlan | None] = []
+        weighted = self._weighted_counts(view, w, state.capacities) if self.head_budget == WEIGHTED else None
         for i, capacity in enumerate(state.capacities):
-            prefix, tiebreak = self._ranked_prefix(view, i, w)
+            scores, tiebreak = self._ranked_prefix(view, i, w)
+            prefix = self._mixed(view, i, scores)
             if self.head_budget == "uniform" or prefix.shape[1] == 1:
                 keep = selection.window_select(prefix, tiebreak, max(min(capacity, n), w + 1), w)
                 state.per_head.append(int(keep.shape[-1]))
@@ -146,7 +153,8 @@ class ScoredPolicy(Policy):
                 state.head_counts.append([n - w] * heads)
                 plans.append(None)
                 continue
-            counts = self._head_counts(view, i, prefix, tiebreak, heads * (capacity - w), n - w)
+            counts = weighted[i] if weighted is not None else self._adaptive_counts(scores, tiebreak,
+                                                                                      heads * (capacity - w), n - w)
             state.head_counts.append(counts)
             plans.append(LayerPlan(keep=selection.heads_select(prefix, tiebreak, counts, w),
                                    empty_slots=min(counts) < max(counts)))
@@ -160,12 +168,41 @@ class ScoredPolicy(Policy):
         tiebreak = self.tiebreak(view, i)
         return prefix, None if tiebreak is None else tiebreak[..., : n - w].float()
 
-    def _head_counts(self, view: PrefillView, i: int, prefix: torch.Tensor, tiebreak: torch.Tensor | None,
-                     total: int, high: int) -> list[int]:
-        if self.head_budget == "adaptive":
-            adaptive = selection.flattened_counts(prefix, total, tiebreak)[0].tolist()
-            return selection.floored_counts(adaptive, total, self.floor_alpha, high=high)
-        return selection.share_counts(self.head_weights(view, i), total, self.head_share(), high=high)
+    def _mixed(self, view: PrefillView, i: int, prefix: torch.Tensor) -> torch.Tensor:
+        """The scores the entries are chosen by: `prefix` itself, or MixKV's mix of it (the sink kept at +inf)."""
+        if self.mix == "none":
+            return prefix
+        s = min(self.sink_tokens, prefix.shape[-1])
+        finite = prefix.clone()
+        finite[..., :s] = prefix[..., s:].amax(dim=-1, keepdim=True) if prefix.shape[-1] > s else 0.0
+        layer = view.layer(i)
+        mixed = mixkv_scores(finite, layer.keys, layer.values)
+        mixed[..., :s] = float("inf")
+        return mixed
+
+    def _adaptive_counts(self, prefix: torch.Tensor, tiebreak: torch.Tensor | None, total: int, high: int
+                         ) -> list[int]:
+        """AdaKV: the layer's heads ranked together, then floored."""
+        adaptive = selection.flattened_counts(prefix, total, tiebreak)[0].tolist()
+        return selection.floored_counts(adaptive, total, self.floor_alpha, high=high)
+
+    def _weighted_counts(self, view: PrefillView, w: int, capacities: list[int]) -> list[list[int]]:
+        """SparseMM: the whole model's scored entries (every layer's heads × its capacity less the window) shared
+        among all heads of all layers, a share `head_share()` of each layer's per-head count evenly, the rest in
+        proportion to the heads' weights normalised over the model; each head at most N - W."""
+        heads = view.layer(0).n_kv
+        per_head = [max(0, c - w) for c in capacities]
+        floors = [int(b * self.head_share()) for b in per_head]
+        total = heads * sum(per_head)
+        weights = [max(0.0, float(x)) for i in range(view.num_layers) for x in self.head_weights(view, i)]
+        if len(weights) != heads * view.num_layers:
+            raise ValueError(f"{self.label}: {len(weights)} head weights for {view.num_layers} layers of {heads} "
+                             "KV heads")
+        mass = sum(weights) or 1.0
+        pool = total - heads * sum(floors)
+        shares = [floors[j // heads] + pool * x / mass for j, x in enumerate(weights)]
+        flat = distribute(total, shares, low=max(1, min(floors)), high=view.prompt_len - w)  # the sink at least
+        return [flat[i * heads:(i + 1) * heads] for i in range(view.num_layers)]
 
     def eviction_order(self, view: PrefillView, state: ScoredState):
         """Its own scores, the window last of all prompt entries (ranked across heads when heads keep their own
@@ -173,7 +210,11 @@ class ScoredPolicy(Policy):
         n = view.prompt_len
         out = []
         for i in range(view.num_layers):
-            scores = self.score(view, i)
+            scores = self.score(view, i).float()
+            if self.mix != "none":  # the entries before the window go by the mixed scores
+                w = min(state.window, n)
+                mixed = self._mixed(view, i, scores[..., : n - w])
+                scores = torch.cat([mixed, scores[..., n - w:].expand(-1, mixed.shape[1], -1)], dim=-1)
             rank = ranked(scores, torch.arange(n, device=scores.device).view(1, 1, -1) >= n - min(state.window, n))
             rank.across_heads = self.head_budget != "uniform"
             out.append(rank)

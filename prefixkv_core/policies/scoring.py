@@ -47,12 +47,17 @@ def accumulated(scores: torch.Tensor, per_head: bool = False) -> torch.Tensor:
     return scores if per_head else scores.mean(dim=1, keepdim=True)
 
 
-def snap_window(window_votes: torch.Tensor, window: int, kernel: int = SNAP_KERNEL, sink: int = 0) -> torch.Tensor:
+POOLINGS = ("max", "avg")  # how SnapKV's family smooths the window's votes: max pooling (SnapKV's runs), average
+
+
+def snap_window(window_votes: torch.Tensor, window: int, kernel: int = SNAP_KERNEL, sink: int = 0,
+                pooling: str = "max") -> torch.Tensor:
     """SnapKV's scores per KV head. window_votes [B, Hkv, N]: attention of the last `window` prompt queries
-    summed over them. The tokens before the window get their votes max-pooled (width `kernel`, stride 1,
-    same length, pooled among themselves only); the window's own tokens keep their raw votes (SnapKV keeps
-    them whatever they score). The first `sink` tokens (kept whatever they score) are left out of the pool:
-    their votes do not lift their neighbours, and they keep their raw votes. -> [B, Hkv, N] fp32."""
+    summed over them. The tokens before the window get their votes pooled (width `kernel`, stride 1, same
+    length, among themselves only: `max`, or `avg` with the edges padded by zeros as torch's average pooling
+    counts them); the window's own tokens keep their raw votes (SnapKV keeps them whatever they score). The
+    first `sink` tokens (kept whatever they score) are left out of the pool: their votes do not lift their
+    neighbours (they count as padding), and they keep their raw votes. -> [B, Hkv, N] fp32."""
     b, h, n = window_votes.shape
     w = min(window, n)
     raw = window_votes[..., : n - w].float()
@@ -60,8 +65,13 @@ def snap_window(window_votes: torch.Tensor, window: int, kernel: int = SNAP_KERN
     if kernel > 1 and prefix.shape[-1] > 0:
         s = min(sink, prefix.shape[-1])
         masked = raw.clone()
-        masked[..., :s] = float("-inf")
-        prefix = F.max_pool1d(masked.reshape(b * h, 1, -1), kernel, stride=1, padding=kernel // 2).view(b, h, -1)
+        flat = masked.reshape(b * h, 1, -1)
+        if pooling == "avg":
+            masked[..., :s] = 0.0
+            prefix = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(b, h, -1)
+        else:
+            masked[..., :s] = float("-inf")
+            prefix = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(b, h, -1)
         prefix[..., :s] = raw[..., :s]
     return torch.cat([prefix, window_votes[..., n - w:].float()], dim=-1)
 

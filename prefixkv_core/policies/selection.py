@@ -4,7 +4,6 @@ scoring method shares (`scored.ScoredPolicy` calls them; tests compare them with
 - `window_select`: the last W prompt tokens always kept, the best of the rest per KV head (SnapKV's selection).
 - `flattened_counts`: how many entries each KV head gets when all heads of a layer compete in one ranking (AdaKV).
 - `floored_counts`: those counts with a floor every head keeps (AdaKV's safeguard).
-- `share_counts`: a layer's entries shared out among its heads in proportion to given weights (SparseMM).
 - `heads_select`: per KV head its own count of best entries, the shorter heads padded with empty slots.
 """
 from __future__ import annotations
@@ -54,17 +53,6 @@ def floored_counts(adaptive: list[int], total: int, floor_alpha: float, high: in
     floor = int(floor_alpha * total / heads)
     weights = [c * (1.0 - floor_alpha) + floor for c in adaptive]
     return distribute(total, weights, low=min(low, high), high=high)
-
-
-def share_counts(weights: list[float], total: int, uniform_share: float, high: int, low: int = 1) -> list[int]:
-    """`total` entries shared out among heads: a share `uniform_share` evenly, the rest in proportion to the
-    heads' `weights` (>= 0; all zero: evenly), summing to exactly `total` (largest remainders), each in
-    [low, high]."""
-    heads = len(weights)
-    mass = float(sum(max(0.0, w) for w in weights))
-    even = total * uniform_share / heads
-    shares = [even + (total - even * heads) * (max(0.0, w) / mass if mass > 0 else 1.0 / heads) for w in weights]
-    return distribute(total, shares, low=min(low, high), high=high)
 
 
 def heads_select(prefix: torch.Tensor, tiebreak: torch.Tensor | None, counts: list[int], window: int

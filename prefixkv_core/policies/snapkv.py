@@ -38,7 +38,9 @@ def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel:
     return selection.window_select(pooled, raw, capacity, w)
 
 
-KERNEL_HELP = "max-pool width over the votes (odd, so pooling keeps the length)"
+KERNEL_HELP = "pooling width over the votes (odd, so pooling keeps the length)"
+POOLING_HELP = ("how the votes are smoothed over neighbouring tokens: max (SnapKV's published runs) or avg (the "
+                "pooling the SparseMM and MixKV code bases run SnapKV's family with)")
 
 
 def check_kernel(label: str, kernel: int) -> None:
@@ -61,6 +63,7 @@ class SnapKVPolicy(ScoredPolicy):
     # the reference repository's LongBench configuration: window 32, max pooling with kernel 7
     window: int = knob(32, help=WINDOW_HELP, low=1, high=4096, integer=True)
     kernel: int = knob(7, help=KERNEL_HELP, low=1, high=63, integer=True)
+    pooling: str = knob("max", choices=scoring.POOLINGS, help=POOLING_HELP)
 
     def check(self) -> None:
         check_kernel(self.label, self.kernel)
@@ -70,7 +73,7 @@ class SnapKVPolicy(ScoredPolicy):
 
     def score(self, view: PrefillView, layer: int) -> torch.Tensor:
         w = self.fitted_window(view.prompt_len)
-        return scoring.snap_window(view.stats[layer]["window"], w, self.kernel, sink=1)
+        return scoring.snap_window(view.stats[layer]["window"], w, self.kernel, sink=1, pooling=self.pooling)
 
     def tiebreak(self, view: PrefillView, layer: int) -> torch.Tensor:
         return view.stats[layer]["window"]
