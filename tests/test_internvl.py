@@ -317,7 +317,8 @@ def test_downsample_resizes_the_image_before_the_tower(lm, square):
     torch.testing.assert_close(state.first_logits, own, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,knobs", [("visionzip", {}), ("downsample", {"where": "projector_out"}),
+@pytest.mark.parametrize("method,knobs", [("visionzip", {}), ("vispruner", {}), ("prumerge_plus", {}),
+                                          ("downsample", {"where": "projector_out"}),
                                           ("downsample", {"where": "projector_in"})])
 def test_vision_side_reductions_run_on_the_tower(lm, picture, method, knobs):
     """VisionZip and Downsample's grid pooling read InternVL's tower per pixel-shuffled image token and feed the

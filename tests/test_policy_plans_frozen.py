@@ -72,6 +72,8 @@ EXEMPT = {
     "downsample": "a prefill token reduction in the vision tower (tests/test_downsample.py)",
     "random_drop": "a prefill token reduction: FastV's own prefill with a draw (tests/test_random_seed.py)",
     "pyramiddrop": "a prefill token reduction in stages: image tokens leave its own prefill (tests/test_pyramiddrop.py)",
+    "vispruner": "a prefill token reduction in the vision tower (tests/test_vispruner.py)",
+    "prumerge_plus": "a prefill token reduction in the vision tower (tests/test_prumerge.py)",
 }
 
 

@@ -181,7 +181,7 @@ def test_query_agnostic_holds_back_the_text_after_the_last_marker(families):
 
 # -- the vision-side reductions, per image --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["visionzip", "downsample"])
+@pytest.mark.parametrize("method", ["visionzip", "downsample", "vispruner", "prumerge_plus"])
 def test_vision_reductions_reduce_each_image_with_its_share(lm, method):
     images = pictures()
     session = Engine(lm).new_session(images, PROMPT, [method], 0.4, GenerationSettings(max_new_tokens=2),
@@ -460,7 +460,7 @@ def test_a_native_video_batched_equals_alone(families, tmp_path, query_agnostic,
     assert answers[0] == answers[1]
 
 
-@pytest.mark.parametrize("method", ["visionzip", "downsample"])
+@pytest.mark.parametrize("method", ["visionzip", "downsample", "vispruner", "prumerge_plus"])
 def test_vision_reductions_reduce_every_frame_of_a_native_video(families, tmp_path, method):
     """On OneVision's own video path VisionZip and Downsample plan each frame from the tower's feature layer (their
     tokens replace the frame's pooled grid), keep the video's newline token, and leave the image alone but for

@@ -28,7 +28,7 @@ import torch
 
 from ..models.layout import CropPatches, crop_patches
 from ..policies.base import Policy
-from ..policies.reduction import KINDS, ImageTokenSources, VisionCrops, VisionPlan, join_records
+from ..policies.reduction import KEPT_AS_IS, KINDS, ImageTokenSources, VisionCrops, VisionPlan, join_records
 from .vision_tower import TurnImage, vision_features
 
 
@@ -58,7 +58,7 @@ def _order(plan: VisionPlan, views: tuple[int, ...], raster: tuple[np.ndarray, .
         dominant = []
         for c in crops:
             for k, kind in enumerate(plan.crops[c].kinds):
-                if kind in ("dominant", "pooled"):
+                if kind in (*KEPT_AS_IS, "pooled"):
                     patch = int(plan.crops[c].sources(k)[0]) - int(has_cls)
                     dominant.append((int(raster[c][patch]), c, k))
         order += [(c, k) for _, c, k in sorted(dominant)]

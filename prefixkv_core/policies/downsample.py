@@ -35,7 +35,7 @@ import torch
 
 from ..models.embedded import EMBEDDED_SLUG
 from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, ResolveContext, knob, note
-from .fastv import BUDGET_OF
+from .image_budget import BUDGET_OF, fed_image_tokens
 from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
 
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache (text included), as for every "
@@ -133,9 +133,7 @@ class DownsamplePolicy(Policy):
 
     def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
         """Image tokens asked for: `cache`, r·N minus the text; `image`, r of the image tokens."""
-        if self.budget_of == "image":
-            return int(round(self.budget * image_tokens))
-        return int(round(self.budget * prompt_len)) - (prompt_len - image_tokens)
+        return fed_image_tokens(self.budget, self.budget_of, prompt_len, image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
         if self.where == "image":

@@ -23,8 +23,8 @@ from ..kv.attention import StatRequest
 from ..models.embedded import EMBEDDED_SLUG
 from .base import (Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, ResolveContext, TokenDrop,
                    draw_seed, knob)
+from .image_budget import BUDGET_OF
 
-BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache averaged over layers, as for every "
                   "method (image tokens are dropped after layer K until the mean reaches r); image: the image tokens "
                   "kept after layer K (R; the paper's R is the share dropped)")

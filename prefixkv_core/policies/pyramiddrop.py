@@ -28,8 +28,8 @@ import torch
 from ..kv.attention import StatRequest
 from .base import Fact, LayerPlan, Policy, PolicyError, PolicyState, Prefilled, PrefillView, TokenDrop, knob
 from .fastv import kept_tokens_plan
+from .image_budget import BUDGET_OF
 
-BUDGET_OF = ("cache", "image")
 BUDGET_OF_HELP = ("what the budget r sets. cache: the prompt's KV cache averaged over layers (λ found so the mean "
                   "holds at most r·N entries, as for every method); image: λ = r, the share of the image tokens each "
                   "stage keeps of the stage before (the paper's knob)")

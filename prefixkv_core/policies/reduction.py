@@ -17,7 +17,10 @@ import torch
 
 from .facts import Fact
 
-KINDS = ("cls", "dominant", "contextual", "pooled")  # pooled: the mean of a block of the patch grid
+# dominant: a patch kept as it is for what it gets (its attention); diverse: one kept as it is for being unlike the
+# others (VisPruner); contextual: a merge of patches; pooled: the mean of a block of the patch grid
+KINDS = ("cls", "dominant", "diverse", "contextual", "pooled")
+KEPT_AS_IS = ("dominant", "diverse")  # kinds that stand for their own patch
 
 
 @dataclass
@@ -93,7 +96,7 @@ class VisionPlan:
 class ImageTokenSources:
     """What each image token the language model saw stands for. `cells[k]`: the prompt's original image tokens
     (indices into its image block) that LM image token k covers: one for a dominant patch token, every merged
-    patch for a contextual one, every patch of its block for a pooled one, none for a CLS token (or a patch in
+    patch for a contextual one, every patch of its block for a pooled one (a diverse token: one, as a dominant), none for a CLS token (or a patch in
     anyres padding)."""
 
     kinds: list[str]
@@ -118,7 +121,7 @@ class ImageTokenSources:
         for kind, cells, s in zip(self.kinds, self.cells, share):
             if cells.size == 0 or kind == "cls":
                 continue
-            target = kept if kind == "dominant" else merged
+            target = kept if kind in KEPT_AS_IS else merged
             target[cells] = np.maximum(target[cells], float(s))
         return kept, merged
 

@@ -20,24 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, knob
-from .fastv import BUDGET_OF
+from .crop_ranking import dominant_scores, first_best, per_crop_counts  # noqa: F401  (shared)
+from .image_budget import BUDGET_OF, fed_image_tokens
 from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
 
 CONTEXTUAL_HELP = ("share of each crop's kept tokens that are contextual (merged) tokens; the paper's settings keep "
                    "10 of 64, 20 of 128 and 30 of 192")
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache (text included), as for every "
                   "method; image: the prompt's image tokens (the paper's 64, 128 or 192 of 576)")
-
-
-def first_best(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k highest scores (ties to the lower index), ascending."""
-    return torch.argsort(scores.float(), descending=True, stable=True)[:k].sort().values
-
-
-def dominant_scores(attention: torch.Tensor, has_cls: bool) -> torch.Tensor:
-    """attention [T, T] of one crop (averaged over heads) -> [T] how much each token matters: the CLS token's
-    attention to it, or, without a CLS token, the attention it receives averaged over every query."""
-    return attention[0] if has_cls else attention.mean(dim=0)
 
 
 def contextual_merge(keys: torch.Tensor, rest: torch.Tensor, count: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -88,13 +78,6 @@ def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, domin
     return CropMerge(torch.stack(rows), kinds, at)
 
 
-def per_crop_counts(total: int, crops: int, limit: int) -> list[int]:
-    """`total` tokens over `crops` crops as evenly as possible (the first ones take the remainder), each in
-    [1, limit]."""
-    base, extra = divmod(total, crops)
-    return [max(1, min(limit, base + (1 if c < extra else 0))) for c in range(crops)]
-
-
 @dataclass
 class VisionZipState(PolicyState):
     image_tokens: int = 0  # in the prompt
@@ -122,9 +105,7 @@ class VisionZipPolicy(Policy):
 
     def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
         """Image tokens the language model sees: `cache`, r·N minus the text; `image`, r of the image tokens."""
-        if self.budget_of == "image":
-            return int(round(self.budget * image_tokens))
-        return int(round(self.budget * prompt_len)) - (prompt_len - image_tokens)
+        return fed_image_tokens(self.budget, self.budget_of, prompt_len, image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
         wanted = crops.wanted(self.kept_image_tokens)
