@@ -569,8 +569,11 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     if embeds is not None or own_features is not None:
         vision_inputs = own_features
     n = ids.shape[1]
-    request = StatRequest.union([StatRequest(colsum=True), policy.prefill_stats(n)])
-    probe = AttentionProbe(request)
+    sparse = policy.prefill_sparsity(n)
+    # a sparse prefill records the probe queries' sums only: the column sums of every query would cost the dense
+    # attention it saves
+    request = StatRequest.union([StatRequest(colsum=sparse is None), policy.prefill_stats(n)])
+    probe = AttentionProbe(request, sparse=sparse)
     cache = TrackedCache(num_layers)
     drops = policy.prefill_token_drops(n, is_image, num_layers)
     dropping = tokens_dropped(model, drops, cache, probe) if drops else contextlib.nullcontext()
@@ -578,7 +581,7 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
         logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds,
                                       rope_inputs=rope_inputs, given_positions=given)
     seconds = now(device) - t0
-    cache.add_scores({l: s["colsum"] for l, s in stats.items()})
+    cache.add_scores({l: s["colsum"] if "colsum" in s else s["subset"] for l, s in stats.items()})
     return Prefill(cache, stats, logits, n, seconds, reduction)
 
 
@@ -608,7 +611,7 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
     asked = policy.prefill_stats(prompt_len)
     out = {}
     for layer, s in stats.items():
-        mine = {"colsum": s["colsum"]}
+        mine = {name: s[name] for name in ("colsum", "important") if name in s}  # "important": a sparse prefill's
         if asked.window > 0:
             mine["window"] = s[f"window:{asked.window}"]
         if asked.query_subset is not None:

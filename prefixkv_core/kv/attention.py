@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .sparse_prefill import SparsePrefill, sparse_attention
+
 ATTN_NAME = "prefixkv_tracked"
 # Bytes of fp32 attention probabilities computed at once; bounds peak memory of statistics capture.
 _CHUNK_BYTES = 64 * 2**20
@@ -101,6 +103,8 @@ class AttentionProbe:
     # bool [B, Tq]: the queries after each row's last image token (the post-vision statistics' queries); the
     # runner sets it from the image flags when the request asks for them
     after_image: torch.Tensor | None = None
+    # a prefill whose attention runs on each layer's important tokens only (ZipVL, `sparse_prefill`); None: dense
+    sparse: SparsePrefill | None = None
 
     def key_mask(self, layer: int) -> torch.Tensor | None:
         return self.key_masks.get(layer)
@@ -130,7 +134,9 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     if request is not None:
         _check_rows(request)
     groups = probe.row_groups.get(layer) if probe is not None else None
-    if groups:
+    if probe is not None and probe.sparse is not None and q_len > 1:
+        out, probe.stats[layer] = sparse_attention(query, key, value, scale, probe.sparse)
+    elif groups:
         out = _grouped_decode(query, groups, scale, probe, layer)
     elif request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)

@@ -284,6 +284,11 @@ class Policy:
         drop = self.prefill_token_drop(prompt_len, is_image, num_layers)
         return [] if drop is None else [drop]
 
+    def prefill_sparsity(self, prompt_len: int):
+        """For an own prefill: a `kv.sparse_prefill.SparsePrefill` when the prefill's attention should run on each
+        layer's important tokens only (ZipVL), else None (dense attention)."""
+        return None
+
     def vision_plan(self, crops):
         """For an own prefill with an image: how to shrink each crop's vision features before the language model
         sees them (`reduction.VisionPlan`, from the crops' `reduction.VisionCrops`), or None to feed the image as

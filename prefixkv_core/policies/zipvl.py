@@ -7,20 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.attention import StatRequest
+from ..kv.sparse_prefill import SparsePrefill, adaptive_count, important_tokens, visibility_counts  # noqa: F401
 from .base import DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, Quantise, knob
-
-
-def adaptive_count(scores: torch.Tensor, tau: float) -> int:
-    """scores [N] >= 0 -> smallest p with the top-p scores summing to at least tau of the total."""
-    s, _ = torch.sort(scores.float().clamp_min(0), descending=True)
-    total = float(s.sum())
-    if total <= 0:
-        return s.numel()
-    cum = torch.cumsum(s, dim=0) / total
-    found = int(torch.searchsorted(cum, torch.tensor(tau - 1e-9, device=cum.device)).item()) + 1
-    # fp32 rounding can leave the last cumulative value just under tau (often at tau = 1): then every
-    # token is needed, never N + 1 of them
-    return min(found, s.numel())
 
 
 def probe_queries(n: int, fraction: float = 0.05, seed: int = 0) -> torch.Tensor:
@@ -33,17 +21,11 @@ def probe_queries(n: int, fraction: float = 0.05, seed: int = 0) -> torch.Tensor
     return torch.cat([sampled.sort().values, torch.arange(rest, n)])
 
 
-def visibility_counts(n: int, queries: torch.Tensor) -> torch.Tensor:
-    """[N]: how many of the probe queries can see token j (query i sees j <= i)."""
-    hist = torch.zeros(n)
-    hist.index_add_(0, queries, torch.ones(queries.numel()))
-    return torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])
-
-
 @dataclass
 class ZipVLState(PolicyState):
     probe_queries: torch.Tensor | None = None  # prompt query indices whose attention ranked the tokens
     important_ratios: list[float] = field(default_factory=list)  # share of each layer's tokens at high precision
+    attended: list[float] = field(default_factory=list)  # sparse prefill: share of each layer's tokens that attended
 
 
 BITS = (2, 4, 8)
@@ -76,6 +58,17 @@ class ZipVLPolicy(Policy):
     decode_block: int = knob(100, help="re-quantise the newest tokens every this many generated tokens",
                              low=1, high=100000, integer=True)
     seed: int = knob(0, help="seed of the probe-query sample", low=0, high=2**31 - 1, integer=True)
+    sparse_prefill: bool = knob(True, help="the prefill's attention runs on each layer's important tokens only (the "
+                                           "paper's sparse prefill, a prefill of its own); false: the shared dense "
+                                           "prefill, only the cache is quantised", label="sparse prefill")
+
+    def own_prefill(self) -> bool:
+        return self.sparse_prefill
+
+    def prefill_sparsity(self, prompt_len: int) -> SparsePrefill | None:
+        if not self.sparse_prefill:
+            return None
+        return SparsePrefill(self.tau, probe_queries(prompt_len, self.probe_fraction, self.seed))
 
     def plans_rows_together(self) -> bool:
         return False  # the adaptive share and the quantisation are planned for one row
@@ -89,9 +82,8 @@ class ZipVLPolicy(Policy):
     def _plan(self, scores: torch.Tensor, normaliser: torch.Tensor | None) -> tuple[LayerPlan, int]:
         """scores [B, 1, T] over the full-precision entries -> quantise them, the top-p at high precision."""
         flat = scores[0, 0]
-        p = adaptive_count(flat, self.tau)
-        ranked = flat / normaliser.clamp_min(1.0) if normaliser is not None else flat
-        top = torch.topk(ranked, p).indices
+        top = important_tokens(flat, normaliser, self.tau)
+        p = top.numel()
         important = torch.zeros_like(flat, dtype=torch.bool)
         important[top] = True
         group = self.group_size or None
@@ -109,7 +101,9 @@ class ZipVLPolicy(Policy):
             plan, p = self._plan(scores, counts)
             plans.append(plan)
             ratios.append(p / n)
-        return Prefilled(plans, ZipVLState(probe_queries=queries, important_ratios=ratios))
+        attended = [float(view.stats[i]["important"].numel()) / n for i in range(view.num_layers)
+                    if "important" in view.stats[i]]
+        return Prefilled(plans, ZipVLState(probe_queries=queries, important_ratios=ratios, attended=attended))
 
     def decode(self, view: DecodeView, state: ZipVLState):
         plans = []
@@ -126,4 +120,7 @@ class ZipVLPolicy(Policy):
     def facts(self, state: ZipVLState) -> list[Fact]:
         share = [Fact("important_ratios", f"{self.bits_hi}-bit share", [round(r, 4) for r in state.important_ratios],
                       kind="per-layer", fmt=".0%")]
+        if state.attended:
+            share.append(Fact("attended", "prefill tokens that attended (sparse prefill)",
+                              [round(r, 4) for r in state.attended], kind="per-layer", fmt=".0%"))
         return (share if state.important_ratios else []) + super().facts(state)

@@ -1,0 +1,82 @@
+"""ZipVL's sparse prefill attention: in each layer, only the important tokens attend, to the important tokens.
+
+The probe queries' attention (`query_subset`: the last ones and a sample, computed first and cheaply) ranks the
+layer's tokens; the fewest holding τ of it are important (the adaptive ratio, `adaptive_count`), chosen by their
+normalised scores (the sum over the probe queries that see a token, divided by how many do). Attention is then
+computed for the important queries over the important keys only, with one fused kernel on that shorter sequence;
+the other tokens' attention outputs are zero (the paper pads them), their keys and values still enter the cache.
+The last prompt token is always important: its output gives the first generated token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SparsePrefill:
+    """A prefill whose attention runs on each layer's important tokens only (ZipVL)."""
+
+    tau: float  # the share of the probe queries' attention the important tokens hold
+    queries: torch.Tensor  # the probe queries (prompt indices, ascending)
+
+
+def adaptive_count(scores: torch.Tensor, tau: float) -> int:
+    """scores [N] >= 0 -> smallest p with the top-p scores summing to at least tau of the total."""
+    s, _ = torch.sort(scores.float().clamp_min(0), descending=True)
+    total = float(s.sum())
+    if total <= 0:
+        return s.numel()
+    cum = torch.cumsum(s, dim=0) / total
+    found = int(torch.searchsorted(cum, torch.tensor(tau - 1e-9, device=cum.device)).item()) + 1
+    # fp32 rounding can leave the last cumulative value just under tau (often at tau = 1): then every
+    # token is needed, never N + 1 of them
+    return min(found, s.numel())
+
+
+def visibility_counts(n: int, queries: torch.Tensor) -> torch.Tensor:
+    """[N]: how many of the probe queries can see token j (query i sees j <= i)."""
+    hist = torch.zeros(n)
+    hist.index_add_(0, queries.cpu(), torch.ones(queries.numel()))
+    return torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])
+
+
+def important_tokens(scores: torch.Tensor, normaliser: torch.Tensor | None, tau: float) -> torch.Tensor:
+    """scores [T] (a layer's attention sums, averaged over heads) -> the important tokens' indices (ascending): the
+    adaptive count of them, chosen by `scores / normaliser` (the normalised scores; None: the scores)."""
+    p = adaptive_count(scores, tau)
+    ranked = scores / normaliser.to(scores.device).clamp_min(1.0) if normaliser is not None else scores
+    return torch.topk(ranked, p).indices.sort().values
+
+
+def probe_sums(query: torch.Tensor, key: torch.Tensor, scale: float, queries: torch.Tensor) -> torch.Tensor:
+    """The probe queries' attention, summed over them: [B, Hkv, N] fp32, each KV head the mean of its query heads
+    (what `StatRequest.query_subset` records)."""
+    bsz, n_heads, n, head_dim = query.shape
+    n_kv = key.shape[1]
+    idx = queries.to(query.device)
+    q = query[:, :, idx].float().reshape(bsz, n_kv, n_heads // n_kv, idx.numel(), head_dim)
+    scores = torch.matmul(q, key.float().transpose(-1, -2).unsqueeze(2)) * scale  # [B, Hkv, g, P, N]
+    causal = torch.arange(n, device=query.device).view(1, -1) > idx.view(-1, 1)
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    return probs.sum(dim=3).mean(dim=2)
+
+
+def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     plan: SparsePrefill) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A prefill's attention (query [1, H, N, D], key and value [1, Hkv, N, D]) on the important tokens only ->
+    (out [1, H, N, D], {"subset": the probe sums [1, Hkv, N], "important": the important tokens' indices})."""
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        raise ValueError("the sparse prefill runs on one prompt's whole prefill (batch 1)")
+    n = query.shape[2]
+    sums = probe_sums(query, key, scale, plan.queries)
+    chosen = important_tokens(sums[0].mean(dim=0), visibility_counts(n, plan.queries), plan.tau)
+    last = torch.tensor([n - 1], device=chosen.device)
+    chosen = torch.unique(torch.cat([chosen, last]))  # sorted: their causal order is the prompt's
+    q, k, v = query[:, :, chosen], key[:, :, chosen], value[:, :, chosen]
+    inner = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = torch.zeros_like(query)
+    out[:, :, chosen] = inner
+    return out, {"subset": sums, "important": chosen}
