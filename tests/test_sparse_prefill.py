@@ -52,7 +52,14 @@ def test_sparse_attention_equals_the_naive_loops(tau):
     queries = torch.tensor([3, 7, 10, 11])
     out, stats = sparse_attention(query, key, value, 8 ** -0.5, SparsePrefill(tau, queries))
     want_out, want_sums, chosen = _naive(query, key, value, 8 ** -0.5, queries, tau)
-    assert stats["important"].tolist() == chosen and len(chosen) < 12
+    assert stats["important"][0].tolist() == chosen and len(chosen) < 12
+    # two rows at once: each its own important tokens, as alone
+    both, two = sparse_attention(torch.cat([query, query.flip(2)]), torch.cat([key, key.flip(2)]),
+                                 torch.cat([value, value.flip(2)]), 8 ** -0.5, SparsePrefill(tau, queries))
+    torch.testing.assert_close(both[:1], out)
+    flipped, alone = sparse_attention(query.flip(2), key.flip(2), value.flip(2), 8 ** -0.5, SparsePrefill(tau, queries))
+    torch.testing.assert_close(both[1:], flipped)
+    assert [x for x in two["important"][1].tolist() if x >= 0] == alone["important"][0].tolist()
     torch.testing.assert_close(stats["subset"][0], want_sums, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
 

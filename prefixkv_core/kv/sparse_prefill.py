@@ -66,17 +66,24 @@ def probe_sums(query: torch.Tensor, key: torch.Tensor, scale: float, queries: to
 
 def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                      plan: SparsePrefill) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A prefill's attention (query [1, H, N, D], key and value [1, Hkv, N, D]) on the important tokens only ->
-    (out [1, H, N, D], {"subset": the probe sums [1, Hkv, N], "important": the important tokens' indices})."""
-    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-        raise ValueError("the sparse prefill runs on one prompt's whole prefill (batch 1)")
+    """A prefill's attention (query [B, H, N, D], key and value [B, Hkv, N, D], the whole prompts) on each row's
+    important tokens only -> (out [B, H, N, D], {"subset": the probe sums [B, Hkv, N], "important": [B, p_max] the
+    important tokens' indices, -1 after a row's last})."""
+    if query.shape[2] != key.shape[2]:
+        raise ValueError("the sparse prefill runs on whole prompts (as many queries as keys)")
     n = query.shape[2]
     sums = probe_sums(query, key, scale, plan.queries)
-    chosen = important_tokens(sums[0].mean(dim=0), visibility_counts(n, plan.queries), plan.tau)
-    last = torch.tensor([n - 1], device=chosen.device)
-    chosen = torch.unique(torch.cat([chosen, last]))  # sorted: their causal order is the prompt's
-    q, k, v = query[:, :, chosen], key[:, :, chosen], value[:, :, chosen]
-    inner = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    seen = visibility_counts(n, plan.queries)
     out = torch.zeros_like(query)
-    out[:, :, chosen] = inner
-    return out, {"subset": sums, "important": chosen}
+    kept = []
+    for b in range(query.shape[0]):  # each row's important tokens are its own
+        chosen = important_tokens(sums[b].mean(dim=0), seen, plan.tau)
+        chosen = torch.unique(torch.cat([chosen, torch.tensor([n - 1], device=chosen.device)]))  # sorted
+        q, k, v = query[b:b + 1, :, chosen], key[b:b + 1, :, chosen], value[b:b + 1, :, chosen]
+        out[b:b + 1, :, chosen] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                 enable_gqa=q.shape[1] != k.shape[1])
+        kept.append(chosen)
+    important = torch.full((len(kept), max(c.numel() for c in kept)), -1, dtype=torch.long, device=query.device)
+    for b, chosen in enumerate(kept):
+        important[b, :chosen.numel()] = chosen
+    return out, {"subset": sums, "important": important}

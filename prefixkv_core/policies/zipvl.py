@@ -101,7 +101,7 @@ class ZipVLPolicy(Policy):
             plan, p = self._plan(scores, counts)
             plans.append(plan)
             ratios.append(p / n)
-        attended = [float(view.stats[i]["important"].numel()) / n for i in range(view.num_layers)
+        attended = [float((view.stats[i]["important"][0] >= 0).sum()) / n for i in range(view.num_layers)
                     if "important" in view.stats[i]]
         return Prefilled(plans, ZipVLState(probe_queries=queries, important_ratios=ratios, attended=attended))
 
