@@ -120,7 +120,9 @@ def visual_head_scores(loaded, samples: int = 100, max_new_tokens: int = 48, pro
                           "top-1 attention lands on the object"}
 
 
-def calibrate_heads(loaded, samples: int = 100, max_new_tokens: int = 48, progress: bool = True):
-    """Measure and write the model's visual-head scores; returns the file written."""
+def calibrate_heads(loaded, samples: int = 100, max_new_tokens: int = 48, progress: bool = True, root=None):
+    """Measure and write the model's visual-head scores (to `root`, default assets/visual_heads); returns the file."""
     scores, extra = visual_head_scores(loaded, samples, max_new_tokens, progress)
-    return write_head_scores(loaded.slug, loaded.name, scores.tolist(), extra)
+    if root is None:
+        return write_head_scores(loaded.slug, loaded.name, scores.tolist(), extra)
+    return write_head_scores(loaded.slug, loaded.name, scores.tolist(), extra, root=root)

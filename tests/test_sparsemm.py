@@ -122,3 +122,17 @@ def test_without_scores_it_says_so_and_runs_as_snapkv_with_average_pooling(tiny_
     for a, b in zip(mm.cache.layers, snap.cache.layers):
         assert torch.equal(a.positions, b.positions)
     assert mm.turn_ids == snap.turn_ids
+
+
+def test_calibration_writes_what_sparsemm_reads(tiny_llama, tmp_path):
+    from prefixkv_core.__main__ import build_parser
+    from prefixkv_core.calibrate_heads import calibrate_heads
+
+    path = calibrate_heads(tiny_llama, samples=2, max_new_tokens=6, progress=False, root=tmp_path)
+    saved = json.loads(path.read_text())
+    assert saved["num_samples"] == 2 and saved["calibration_samples"][0].startswith("scene:")
+    found = visual_heads.load_head_scores(tiny_llama.slug, tiny_llama.num_layers, root=tmp_path)
+    assert found is not None and len(found.scores) == tiny_llama.num_layers
+    assert all(x >= 0 for row in found.scores for x in row)
+    args = build_parser().parse_args(["calibrate-heads", "--model", "embedded", "--samples", "3"])
+    assert args.samples == 3 and args.func.__name__ == "cmd_calibrate_heads"
