@@ -6,7 +6,7 @@ import torch
 from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.report.lorenz import (bisect_threshold, counts_for_threshold, distribute, gini, lorenz_curves,
                                   retention_curves)
-from prefixkv_core.policies import METHODS, PolicyError, describe, make_policy, resolve_methods
+from prefixkv_core.policies import METHODS, REGISTRY, PolicyError, describe, make_policy, resolve_methods
 from prefixkv_core.policies.base import (DecodeView, LayerPlan, PolicyState, PrefillView, RangeDrop, apply_plans,
                                          fixed_point_decode, top_k_keep)
 from prefixkv_core.policies.elastic import merge_into_nearest, nearest_anchor
@@ -298,6 +298,21 @@ def test_zipvl_quantised_layer_dequantises_within_bound():
 
 
 # -- registry -----------------------------------------------------------------------------------------------
+STAGE_OF = {
+    "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
+    "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
+    "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction",
+    "random": "KV eviction", "downsample": "prefill token reduction",
+    "dart": "prefill token reduction", "vlcache": "KV eviction", "random_drop": "prefill token reduction",
+    "mixkv": "KV eviction", "sparsemm": "KV eviction", "pyramiddrop": "prefill token reduction",
+    "vispruner": "prefill token reduction", "prumerge_plus": "prefill token reduction"}
+CONTROL_OF = {
+    **{m: "random" for m in ("local", "h2o", "snapkv", "adakv", "pyramidkv", "elastic", "lookm", "prefixkv",
+                             "vlcache", "mixkv", "sparsemm")},
+    **{m: "random_drop" for m in ("fastv", "dart", "visionzip", "pyramiddrop", "vispruner", "prumerge_plus")},
+    **{m: None for m in ("full", "zipvl", "random", "downsample", "random_drop")}}
+
+
 def test_registry_and_errors():
     assert resolve_methods("all") == list(METHODS) and len(set(METHODS)) == len(describe())
     assert resolve_methods("full, prefixkv") == ["full", "prefixkv"]
@@ -312,18 +327,13 @@ def test_registry_and_errors():
     names = [d["name"] for d in describe()]
     assert names == list(METHODS)
     assert {d["name"] for d in describe() if not d["uses_budget"]} == {"full", "zipvl"}
-    assert {d["name"]: d["stage"] for d in describe()} == {
-        "full": "none", "local": "KV eviction", "h2o": "KV eviction", "snapkv": "KV eviction", "adakv": "KV eviction",
-        "pyramidkv": "KV eviction", "elastic": "KV merging", "lookm": "KV merging", "zipvl": "quantisation",
-        "fastv": "prefill token reduction", "visionzip": "prefill token reduction", "prefixkv": "KV eviction",
-        "random": "KV eviction", "downsample": "prefill token reduction",
-        "dart": "prefill token reduction", "vlcache": "KV eviction", "random_drop": "prefill token reduction"}
+    stages = {d["name"]: d["stage"] for d in describe()}
+    assert {name: stages[name] for name in STAGE_OF} == STAGE_OF
+    controls = {d["name"]: d["control"] for d in describe()}
     # each method names the chance control of its own kind; the controls name none
-    assert {d["name"]: d["control"] for d in describe()} == {
-        **{m: "random" for m in ("local", "h2o", "snapkv", "adakv", "pyramidkv", "elastic", "lookm", "prefixkv",
-                                 "vlcache")},
-        **{m: "random_drop" for m in ("fastv", "dart", "visionzip")},
-        **{m: None for m in ("full", "zipvl", "random", "downsample", "random_drop")}}
+    assert {name: controls[name] for name in CONTROL_OF} == CONTROL_OF
+    assert all(controls[m] == ("random_drop" if stages[m] == "prefill token reduction" else "random")
+               for m in METHODS if m not in CONTROL_OF and REGISTRY[m].uses_budget and not REGISTRY[m].is_control)
     assert {d["name"] for d in describe() if d["is_control"]} == {"random", "random_drop", "downsample"}
 
 
