@@ -5,15 +5,11 @@ import pytest
 import torch
 
 from prefixkv_core import Engine, GenerationSettings
-from prefixkv_core import models as M
-from prefixkv_core.decoding.vision_tokens import reduce_image
-from prefixkv_core.kv.attention import tracked_attention_enabled
-from prefixkv_core.models.layout import crop_patches
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.prumerge import prumerge_crop
-from prefixkv_core.testing import WIDE_PICTURE_SIZE, build_tiny_family
+from prefixkv_core.testing import build_tiny_family
 
-from test_visionzip import _naive_tower
+from test_visionzip import reduced_beside_the_tower
 
 PROMPT = "describe the picture in detail"
 
@@ -76,16 +72,8 @@ def test_a_crop_is_the_naive_outliers_samples_and_merges(keep):
 
 
 def test_fed_tokens_are_the_naive_merges_of_the_towers_features(lm, picture):
-    inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
-    ids = inputs["input_ids"]
-    is_image = ids == lm.image_token_id
     policy = make_policy("prumerge_plus", 0.5, budget_of="image", neighbours=6)
-    with tracked_attention_enabled(lm.model):
-        reduced = reduce_image(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.image_token_id)
-    patches = crop_patches(lm.model.config, *WIDE_PICTURE_SIZE)
-    hidden, attention, keys = _naive_tower(lm, inputs, len(patches.tokens))
-    side = lm.model.config.vision_config.image_size // lm.model.config.vision_config.patch_size
-    has_cls = hidden.shape[1] == side * side + 1
+    reduced, is_image, patches, hidden, attention, keys, has_cls = reduced_beside_the_tower(lm, picture, policy)
     record = reduced.record
     n_img = int(is_image.sum())
     assert record.tokens == round(0.5 * n_img)

@@ -14,6 +14,8 @@ from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.base import PrefillView
 from prefixkv_core.policies.pyramiddrop import lambda_for, mean_cache, stage_counts, stage_layers
 
+from test_fastv import _eager_last_query
+
 PROMPT = "describe the picture in detail and name every object you can see in it"
 
 
@@ -42,16 +44,6 @@ def test_lambda_is_the_largest_whose_pyramid_fits_the_budget(budget):
         assert max(fits) - 1e-3 <= lam and _naive_mean(n, image, layers, num_layers, lam) <= budget * n
     else:
         assert lam == 0.0
-
-
-def _eager_last_query(lm, inputs, layer):
-    lm.model.set_attn_implementation("eager")
-    try:
-        with torch.inference_mode():
-            out = lm.model(**inputs, output_attentions=True)
-    finally:
-        lm.model.set_attn_implementation("sdpa")
-    return out.attentions[layer][0, :, -1].float().mean(dim=0)
 
 
 def test_every_stage_keeps_the_image_tokens_the_last_query_attends_to_most(tiny, noise_image):

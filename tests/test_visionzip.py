@@ -67,16 +67,23 @@ def _inputs(lm, picture):
     return inputs, inputs["input_ids"], inputs["input_ids"] == lm.image_token_id
 
 
-def test_dominant_and_contextual_tokens_equal_the_naive_reference(lm, picture):
-    """Every crop: which tokens are dominant, how the rest is merged, and the features the language model gets."""
+def reduced_beside_the_tower(lm, picture, policy):
+    """A vision-side reduction of `picture` by `policy`, and what a naive read of the tower gives for its crops:
+    (reduced, is_image, patches, hidden, attention, keys, has_cls)."""
     inputs, ids, is_image = _inputs(lm, picture)
-    policy = make_policy("visionzip", 0.5, budget_of="image", contextual=0.3)
     with tracked_attention_enabled(lm.model):
         reduced = reduce_image(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.image_token_id)
     patches = crop_patches(lm.model.config, *WIDE_PICTURE_SIZE)
     hidden, attention, keys = _naive_tower(lm, inputs, len(patches.tokens))
     side = lm.model.config.vision_config.image_size // lm.model.config.vision_config.patch_size
-    has_cls = hidden.shape[1] == side * side + 1
+    return reduced, is_image, patches, hidden, attention, keys, hidden.shape[1] == side * side + 1
+
+
+def test_dominant_and_contextual_tokens_equal_the_naive_reference(lm, picture):
+    """Every crop: which tokens are dominant, how the rest is merged, and the features the language model gets."""
+    policy = make_policy("visionzip", 0.5, budget_of="image", contextual=0.3)
+    reduced, is_image, patches, hidden, attention, keys, has_cls = reduced_beside_the_tower(lm, picture, policy)
+    ids = _inputs(lm, picture)[1]
     assert has_cls == (lm.model.config.vision_config.model_type == "clip_vision_model")
     record = reduced.record
     n_img = int(is_image.sum())

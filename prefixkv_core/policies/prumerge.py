@@ -23,16 +23,16 @@ stays on their scale; a crop with no outlier keeps its best patch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, knob
+from .base import knob
 from .crop_ranking import crop_scores, per_crop_counts
-from .image_budget import fed_image_tokens
-from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
+from .reduction import CropMerge, VisionCrops, VisionPlan
+from .vision_reduction import VisionReductionPolicy
 
 BUDGET_OF = ("cache", "image", "adaptive")
 BUDGET_OF_HELP = ("what sets the image tokens fed. cache: r of the prompt's KV cache (text included), as for every "
@@ -94,14 +94,8 @@ def prumerge_crop(scores: torch.Tensor, keys: torch.Tensor, has_cls: bool, keep:
     return CropMerge(torch.stack(rows), kinds, at)
 
 
-@dataclass
-class PruMergeState(PolicyState):
-    image_tokens: int = 0
-    sources: ImageTokenSources | None = None
-
-
 @dataclass(frozen=True)
-class PruMergePlusPolicy(Policy):
+class PruMergePlusPolicy(VisionReductionPolicy):
     """LLaVA-PruMerge+: CLS-attention outliers (interquartile rule) and spatial samples kept, each merged with its
     most similar tokens, one token for the pruned rest. Paper: "LLaVA-PruMerge: Adaptive Token Reduction for
     Efficient Large Multimodal Models" (Shang et al., ICCV 2025), https://arxiv.org/abs/2403.15388"""
@@ -111,16 +105,9 @@ class PruMergePlusPolicy(Policy):
     summary = ("Prefill token reduction in the vision tower: the patches the CLS token attends to unusually much "
                "(interquartile rule) and evenly spaced ones, each merged with its most similar tokens.")
     colour = "#6D4C41"
-    schedule = "prompt only"
-    stage = "prefill token reduction"
-    control = "random_drop"
-
     neighbours: int = knob(32, help="tokens merged into each kept patch: those with the most similar keys (the "
                                     "reference's 32)", low=0, high=4096, integer=True)
     budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF, label="budget of")
-
-    def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
-        return fed_image_tokens(self.budget, self.budget_of, prompt_len, image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
         keys = crops.keys.float().cpu()
@@ -137,20 +124,3 @@ class PruMergePlusPolicy(Policy):
         merges = [prumerge_crop(crop_scores(crops, c), keys[c], crops.has_cls, k, self.neighbours, crops.merged)
                   for c, k in enumerate(counts)]
         return VisionPlan(merges, projected=crops.merged)
-
-    def prefill(self, view: PrefillView) -> Prefilled:
-        sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None
-        fed = int(view.layer(0).is_image[0, 0].sum())
-        state = PruMergeState(image_tokens=sources.original_tokens if sources else fed, sources=sources)
-        if sources is None and fed:
-            state.notes.append("every image token is kept at this budget")
-        return Prefilled([None] * view.num_layers, state)
-
-    def image_token_sources(self, state: PolicyState | None) -> ImageTokenSources | None:
-        return state.sources if isinstance(state, PruMergeState) else None
-
-    def facts(self, state: PolicyState) -> list[Fact]:
-        out = super().facts(state)
-        if isinstance(state, PruMergeState) and state.sources is not None:
-            out += state.sources.fed_facts()
-        return out

@@ -15,14 +15,15 @@ attention pooled over each group (`VisionCrops.cls_attention`), merged before th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, knob
+from .base import Fact, PolicyState, Prefilled, PrefillView, knob
 from .crop_ranking import dominant_scores, first_best, per_crop_counts  # noqa: F401  (shared)
-from .image_budget import BUDGET_OF, fed_image_tokens
-from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
+from .image_budget import BUDGET_OF
+from .reduction import CropMerge, VisionCrops, VisionPlan
+from .vision_reduction import VisionReductionPolicy, VisionReductionState
 
 CONTEXTUAL_HELP = ("share of each crop's kept tokens that are contextual (merged) tokens; the paper's settings keep "
                    "10 of 64, 20 of 128 and 30 of 192")
@@ -78,34 +79,20 @@ def crop_merge(attention: torch.Tensor, keys: torch.Tensor, has_cls: bool, domin
     return CropMerge(torch.stack(rows), kinds, at)
 
 
-@dataclass
-class VisionZipState(PolicyState):
-    image_tokens: int = 0  # in the prompt
-    sources: ImageTokenSources | None = None  # what the language model's image tokens stand for (None: unreduced)
-    counts: dict[str, int] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
-class VisionZipPolicy(Policy):
+class VisionZipPolicy(VisionReductionPolicy):
     """VisionZip: dominant image tokens kept and the rest merged into contextual tokens in the vision tower, so the
     language model sees fewer image tokens. Paper: "VisionZip: Longer is Better but Not Necessary in Vision
     Language Models" (Yang et al., CVPR 2025), https://arxiv.org/abs/2412.04467"""
 
     name = "visionzip"
-    control = "random_drop"
     label = "VisionZip"
     summary = ("Prefill token reduction in the vision tower: per crop, the most attended tokens stay and the rest "
                "are merged into a few contextual tokens, so the language model sees fewer image tokens.")
     colour = "#A6761D"
-    schedule = "prompt only"
-    stage = "prefill token reduction"
 
     contextual: float = knob(10 / 64, help=CONTEXTUAL_HELP, low=0.0, high=1.0, high_open=True)
     budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF)
-
-    def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
-        """Image tokens the language model sees: `cache`, r·N minus the text; `image`, r of the image tokens."""
-        return fed_image_tokens(self.budget, self.budget_of, prompt_len, image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
         wanted = crops.wanted(self.kept_image_tokens)
@@ -123,28 +110,20 @@ class VisionZipPolicy(Policy):
         return VisionPlan(merges, projected=crops.merged)
 
     def prefill(self, view: PrefillView) -> Prefilled:
-        sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None
-        fed = int(view.layer(0).is_image[0, 0].sum())
-        state = VisionZipState(image_tokens=sources.original_tokens if sources else fed, sources=sources,
-                               counts=dict(sources.counts) if sources else {})
-        if sources is None and fed:
-            state.notes.append("every image token is kept at this budget")
+        plans, state = super().prefill(view)
+        sources = state.sources
         if sources is not None:
             full_prompt = view.prompt_len - sources.tokens + sources.original_tokens
             wanted = self.kept_image_tokens(full_prompt, sources.original_tokens)
             if wanted < sources.tokens:  # the budget asked for less than one token per crop
                 state.notes.append(f"at least one image token per crop: {sources.tokens} fed where r = "
                                    f"{self.budget:.0%} leaves room for {max(0, wanted)}")
-        return Prefilled([None] * view.num_layers, state)
-
-    def image_token_sources(self, state: PolicyState | None) -> ImageTokenSources | None:
-        return state.sources if isinstance(state, VisionZipState) else None
+        return Prefilled(plans, state)
 
     def facts(self, state: PolicyState) -> list[Fact]:
         out = super().facts(state)
-        if isinstance(state, VisionZipState) and state.sources is not None:
+        if isinstance(state, VisionReductionState) and state.sources is not None:
             s = state.sources
-            out += s.fed_facts()
             kept = s.counts.get("dominant", 0) + s.counts.get("cls", 0)
             out.append(Fact("dominant", "dominant", kept, fmt="d",
                             unit=" (CLS included)" if s.counts.get("cls") else ""))

@@ -18,15 +18,16 @@ prompt's cache by default (`budget_of = image`: r of the image tokens, the paper
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .base import Fact, Policy, PolicyState, Prefilled, PrefillView, knob
+from .base import Fact, PolicyState, knob
 from .crop_ranking import crop_scores, per_crop_counts
-from .image_budget import BUDGET_OF, fed_image_tokens
-from .reduction import CropMerge, ImageTokenSources, VisionCrops, VisionPlan
+from .image_budget import BUDGET_OF
+from .reduction import CropMerge, VisionCrops, VisionPlan
+from .vision_reduction import VisionReductionPolicy, VisionReductionState
 
 ROUND = 8  # duplicates dropped per round (the reference's)
 BUDGET_OF_HELP = ("what the budget r is a share of. cache: the prompt's KV cache (text included), as for every "
@@ -68,15 +69,8 @@ def vispruner_crop(scores: torch.Tensor, keys: torch.Tensor, has_cls: bool, keep
     return CropMerge(weights, [kinds[i] for i in at], at)
 
 
-@dataclass
-class VisPrunerState(PolicyState):
-    image_tokens: int = 0
-    sources: ImageTokenSources | None = None
-    counts: dict[str, int] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
-class VisPrunerPolicy(Policy):
+class VisPrunerPolicy(VisionReductionPolicy):
     """VisPruner: the patches the vision tower's CLS token attends to most, then diverse ones by removing duplicates,
     are the image tokens the language model sees. Paper: "Beyond Text-Visual Attention: Exploiting Visual Cues for
     Effective Token Pruning in VLMs" (Zhang et al., ICCV 2025), https://arxiv.org/abs/2412.01818"""
@@ -86,16 +80,9 @@ class VisPrunerPolicy(Policy):
     summary = ("Prefill token reduction in the vision tower: per crop, the patches its CLS token attends to most, "
                "then patches unlike the rest (duplicates removed), are the image tokens the language model sees.")
     colour = "#3949AB"
-    schedule = "prompt only"
-    stage = "prefill token reduction"
-    control = "random_drop"
-
     important: float = knob(0.5, help="share of each crop's kept tokens chosen by the CLS token's attention, the rest "
                                       "for diversity (the reference's important_ratio)", low=0.0, high=1.0)
     budget_of: str = knob("cache", help=BUDGET_OF_HELP, choices=BUDGET_OF, label="budget of")
-
-    def kept_image_tokens(self, prompt_len: int, image_tokens: int) -> int:
-        return fed_image_tokens(self.budget, self.budget_of, prompt_len, image_tokens)
 
     def vision_plan(self, crops: VisionCrops) -> VisionPlan | None:
         wanted = crops.wanted(self.kept_image_tokens)
@@ -108,23 +95,10 @@ class VisPrunerPolicy(Policy):
                   for c, k in enumerate(counts)]
         return VisionPlan(merges, projected=crops.merged)
 
-    def prefill(self, view: PrefillView) -> Prefilled:
-        sources = view.reduction if isinstance(view.reduction, ImageTokenSources) else None
-        fed = int(view.layer(0).is_image[0, 0].sum())
-        state = VisPrunerState(image_tokens=sources.original_tokens if sources else fed, sources=sources,
-                               counts=dict(sources.counts) if sources else {})
-        if sources is None and fed:
-            state.notes.append("every image token is kept at this budget")
-        return Prefilled([None] * view.num_layers, state)
-
-    def image_token_sources(self, state: PolicyState | None) -> ImageTokenSources | None:
-        return state.sources if isinstance(state, VisPrunerState) else None
-
     def facts(self, state: PolicyState) -> list[Fact]:
         out = super().facts(state)
-        if isinstance(state, VisPrunerState) and state.sources is not None:
+        if isinstance(state, VisionReductionState) and state.sources is not None:
             s = state.sources
-            out += s.fed_facts()
             out.append(Fact("important", "important (CLS attention)", s.counts.get("dominant", 0), fmt="d"))
             out.append(Fact("diverse", "diverse (duplicates removed)", s.counts.get("diverse", 0), fmt="d",
                             unit=f" over {s.crops} crops" if s.crops > 1 else ""))
