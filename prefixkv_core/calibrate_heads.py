@@ -78,7 +78,6 @@ def scene_scores(loaded, seed: int, prompt: str = HEAD_PROMPT, max_new_tokens: i
     image_positions = is_image[0].nonzero().flatten()
     targets = object_tokens(loaded.image_layout(*scene.image.size), scene.objects, image_positions)
     eos = {int(x) for x in np.atleast_1d(loaded.processor.tokenizer.eos_token_id or [])}
-    scores = np.zeros((loaded.num_layers, 0))
     named = 0
     with torch.inference_mode(), tracked_attention_enabled(loaded.model):
         cache = TrackedCache(loaded.num_layers)

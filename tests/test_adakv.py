@@ -8,7 +8,7 @@ import torch
 from prefixkv_core import Engine, GenerationSettings
 from prefixkv_core.kv.cache import TrackedCache, TrackedLayer
 from prefixkv_core.policies import make_policy
-from prefixkv_core.policies.adakv import floored_counts
+from prefixkv_core.policies.selection import floored_counts
 from prefixkv_core.policies.base import PrefillView, apply_plans
 
 N, HEADS, DIM, LAYERS = 48, 4, 8, 3

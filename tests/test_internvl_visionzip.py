@@ -17,7 +17,7 @@ from prefixkv_core.decoding.vision_tokens import reduce_image
 from prefixkv_core.decoding.vision_tower import vision_features
 from prefixkv_core.kv.attention import tracked_attention_enabled
 from prefixkv_core.policies import make_policy
-from prefixkv_core.policies.visionzip import per_crop_counts
+from prefixkv_core.policies.crop_ranking import per_crop_counts
 from prefixkv_core.testing import save_tiny_family, wide_noise_picture
 
 PROMPT = "describe the pictures in detail"

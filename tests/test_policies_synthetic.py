@@ -13,8 +13,8 @@ from prefixkv_core.policies.elastic import merge_into_nearest, nearest_anchor
 from prefixkv_core.policies.lookm import lookm_keep, similarity_merge
 from prefixkv_core.policies.pyramidkv import pyramid_capacities
 from prefixkv_core.policies import scoring
-from prefixkv_core.policies.snapkv import snap_select
-from prefixkv_core.policies.zipvl import adaptive_count, probe_queries, visibility_counts
+from prefixkv_core.kv.sparse_prefill import adaptive_count, visibility_counts
+from prefixkv_core.policies.zipvl import probe_queries
 from prefixkv_core.testing import synthetic_extra_stats
 
 
@@ -104,10 +104,25 @@ def _naive_snap(scores, capacity, window, kernel):
     return out
 
 
+def snapkv_keep(votes, capacity, window, kernel):
+    """SnapKV's prefill plan for one layer whose window votes are `votes` [1, H, N], at a budget of `capacity`
+    entries per KV head: its kept indices [1, H, capacity]."""
+    _, h, n = votes.shape
+    layer = TrackedLayer()
+    layer.update(torch.zeros(1, h, n, 2), torch.zeros(1, h, n, 2))
+    layer.append_meta(torch.arange(n)[None], torch.zeros(1, n, dtype=torch.bool), h)
+    cache = TrackedCache(1)
+    cache.layers[0] = layer
+    policy = make_policy("snapkv", capacity / n, window=window, kernel=kernel)
+    plans, state = policy.prefill(PrefillView(cache, {0: {"window": votes}}, n, capacity / n, window))
+    assert state.window == window
+    return plans[0].keep
+
+
 def test_snap_select_matches_naive():
     torch.manual_seed(3)
     scores = torch.rand(1, 3, 40)
-    got = snap_select(scores, 15, 4, 7)[0]
+    got = snapkv_keep(scores, 15, 4, 7)[0]
     assert got.tolist() == _naive_snap(scores, 15, 4, 7)
 
 
@@ -116,7 +131,7 @@ def test_snap_ties_on_pooled_votes_go_to_the_raw_vote():
     not its left neighbour (position order would pick that)."""
     votes = torch.full((1, 1, 20), 0.01)
     votes[0, 0, 9] = 0.9  # neighbours 6..12 all pool to 0.9
-    keep = snap_select(votes, 2 + 4, 4, 7)[0, 0].tolist()  # sink + 1 voted + window 4
+    keep = snapkv_keep(votes, 2 + 4, 4, 7)[0, 0].tolist()  # sink + 1 voted + window 4
     assert keep == [0, 9, 16, 17, 18, 19]
 
 
@@ -126,7 +141,7 @@ def test_snap_sink_vote_lifts_no_neighbour():
     votes[0, 0, 0] = 5.0  # the sink
     votes[0, 0, 12] = 0.5
     votes[0, 0, 1] = 0.02
-    keep = snap_select(votes, 1 + 2 + 4, 4, 7)[0, 0].tolist()  # sink + 2 voted + window 4
+    keep = snapkv_keep(votes, 1 + 2 + 4, 4, 7)[0, 0].tolist()  # sink + 2 voted + window 4
     assert keep == [0, 9, 12, 20, 21, 22, 23]  # 12, then the earliest of its pooled neighbours (raw votes tie)
     pooled = scoring.snap_window(votes, 4, 7, sink=1)[0, 0]
     assert float(pooled[0]) == 5.0 and float(pooled[1]) == pytest.approx(0.02)

@@ -23,7 +23,8 @@ from prefixkv_core.kv.attention import AttentionProbe, tracked_attention_enabled
 from prefixkv_core.models.families import hooks
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.reduction import CropMerge, VisionPlan
-from prefixkv_core.policies.visionzip import VisionZipPolicy, dominant_scores
+from prefixkv_core.policies.crop_ranking import dominant_scores
+from prefixkv_core.policies.visionzip import VisionZipPolicy
 from prefixkv_core.testing import QWEN_FAMILIES, moving_dot_frames, wide_noise_picture
 
 PROMPT = "describe the pictures in detail"

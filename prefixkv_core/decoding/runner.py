@@ -611,7 +611,8 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
     asked = policy.prefill_stats(prompt_len)
     out = {}
     for layer, s in stats.items():
-        mine = {name: s[name] for name in ("colsum", "important") if name in s}  # "important": a sparse prefill's
+        # "important": the tokens a sparse prefill attended with (a prefill of its own records no column sums)
+        mine = {name: s[name] for name in ("colsum", "important") if name in s}
         if asked.window > 0:
             mine["window"] = s[f"window:{asked.window}"]
         if asked.query_subset is not None:

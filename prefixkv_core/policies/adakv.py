@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from .base import knob
 from .scored import HEAD_BUDGETS
-from .selection import best_first, flattened_counts, floored_counts, padded_keep  # noqa: F401  (AdaKV's pieces)
 from .snapkv import SnapKVPolicy
 
 

@@ -9,33 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.attention import StatRequest
-from . import scoring, selection
+from . import scoring
 from .base import PolicyError, PrefillView, knob
-from .scored import WINDOW_HELP, ScoredPolicy, clamp_window  # noqa: F401  (clamp_window: SnapKV's rule, shared)
-
-
-def snap_votes(window_scores: torch.Tensor, window: int, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two keys SnapKV's family ranks the tokens before the window by, per KV head: (max-pooled votes with the
-    sink's pooled out and the sink itself at +inf, raw votes), each [B, Hkv, N - window]."""
-    n = window_scores.shape[-1]
-    pooled = scoring.snap_window(window_scores, window, kernel, sink=1)[..., : n - window].clone()
-    if pooled.shape[-1] > 0:
-        pooled[..., 0] = float("inf")  # the sink
-    return pooled, window_scores[..., : n - window].float()
-
-
-def snap_select(window_scores: torch.Tensor, capacity: int, window: int, kernel: int) -> torch.Tensor:
-    """window_scores [B, Hkv, N] -> kept indices [B, Hkv, capacity] (ascending).
-
-    The last `window` tokens are always kept; from the rest, the top `capacity - window` per KV head by
-    max-pooled window attention (pooled without the sink's vote), ties broken by the raw vote, then by position.
-    The first token (attention sink) is always among them.
-    """
-    n = window_scores.shape[-1]
-    w = min(window, n)
-    capacity = max(min(capacity, n), w + 1 if n > w else n)
-    pooled, raw = snap_votes(window_scores, w, kernel)
-    return selection.window_select(pooled, raw, capacity, w)
+from .scored import WINDOW_HELP, ScoredPolicy
 
 
 KERNEL_HELP = "pooling width over the votes (odd, so pooling keeps the length)"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Fact, PolicyState, Prefilled, PrefillView, knob
-from .crop_ranking import dominant_scores, first_best, per_crop_counts  # noqa: F401  (shared)
+from .crop_ranking import dominant_scores, first_best, per_crop_counts
 from .image_budget import BUDGET_OF
 from .reduction import CropMerge, VisionCrops, VisionPlan
 from .vision_reduction import VisionReductionPolicy, VisionReductionState

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.attention import StatRequest
-from ..kv.sparse_prefill import SparsePrefill, adaptive_count, important_tokens, visibility_counts  # noqa: F401
+from ..kv.sparse_prefill import SparsePrefill, important_tokens, visibility_counts
 from .base import DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, Quantise, knob
 
 
