@@ -114,7 +114,8 @@ def _planned(loaded, image, method, budget, knobs=None):
     view = PrefillView(compressed, runner.policy_stats(policy, shared.stats, n), n, budget,
                        policy.prefill_stats(n).window, shared.reduction)
     plans, state = policy.prefill(view)
-    only_evicts = all(p is None or (p.merge is None and p.quantise is None) for p in plans)
+    only_evicts = all(p is None or (p.merge is None and p.quantise is None) for p in plans) and \
+        not any(drop.recycles for drop in drops)
     return full, compressed, plans, only_evicts, n, state, drops
 
 

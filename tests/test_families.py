@@ -179,7 +179,8 @@ def test_full_equals_generate_over_two_turns(lm, picture):
 
 @pytest.mark.parametrize("method,budget", [("h2o", 0.3), ("snapkv", 0.3), ("adakv", 0.3), ("pyramidkv", 0.3),
                                            ("prefixkv", 0.3), ("fastv", 0.8), ("random", 0.3),
-                                           ("dart", 0.8), ("vlcache", 0.3), ("pyramiddrop", 0.8)])
+                                           ("dart", 0.8), ("vlcache", 0.3), ("pyramiddrop", 0.8),
+                                           ("sparsevlm", 0.8)])
 def test_eviction_equals_masking(lm, picture, method, budget):
     """A compressed cache gives the logits of its prefill's cache with the evicted entries masked. FastV and DART:
     their own prefill, whose layers from K on never computed the dropped image tokens, gives the logits of a plain
@@ -187,7 +188,8 @@ def test_eviction_equals_masking(lm, picture, method, budget):
     inputs = M.encode(lm, picture, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
     is_image = ids == lm.image_token_id
-    policy = make_policy(method, budget, **({"window": 8} if method == "adakv" else {}))
+    policy = make_policy(method, budget, **({"window": 8} if method == "adakv" else
+                                            {"recycle": False} if method == "sparsevlm" else {}))
     with tracked_attention_enabled(lm.model):
         shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
                                     lm.device, lm.image_token_id)

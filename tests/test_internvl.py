@@ -182,14 +182,15 @@ def test_eviction_equals_masking(lm, square, method, budget):
 
 
 @pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1),
-                                          ("pyramiddrop", None)])
+                                          ("pyramiddrop", None), ("sparsevlm", None)])
 def test_token_drop_equals_the_masked_forward(lm, square, method, layer):
     """FastV's and DART's own prefill, whose layers from K on never compute the dropped image tokens, gives the
     logits of a plain forward with those tokens masked out of layers K and later, and so does the next token."""
     inputs = M.encode(lm, square, M.format_prompt(lm, PROMPT, with_image=True))
     ids = inputs["input_ids"]
     is_image = ids == lm.image_token_id
-    policy = make_policy(method, 0.8, **({"layer": layer} if layer is not None else {}))
+    policy = make_policy(method, 0.8, **({"layer": layer} if layer is not None else {}),
+                         **({"recycle": False} if method == "sparsevlm" else {}))  # recycled: test_sparsevlm
     with tracked_attention_enabled(lm.model):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)

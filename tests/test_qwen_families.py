@@ -202,7 +202,7 @@ def test_image_markers_place_the_images(lm, picture):
 
 
 @pytest.mark.parametrize("method,layer", [("fastv", None), ("dart", None), ("fastv", 1), ("dart", 1),
-                                          ("pyramiddrop", None)])
+                                          ("pyramiddrop", None), ("sparsevlm", None)])
 def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
     """FastV's and DART's own prefill, whose layers from K on never compute the dropped image tokens (their 3-D
     rotary embeddings cut with them), gives the logits of a plain forward with those tokens masked out of layers K
@@ -214,7 +214,8 @@ def test_token_drop_equals_the_masked_forward(lm, picture, method, layer):
     ids = inputs["input_ids"]
     is_image = ids == lm.image_token_id
     # the budget as a share of the image tokens: half of them are kept, so their 3-D positions are tested too
-    policy = make_policy(method, 0.5, budget_of="image", **({"layer": layer} if layer is not None else {}))
+    policy = make_policy(method, 0.5, budget_of="image", **({"layer": layer} if layer is not None else {}),
+                         **({"recycle": False} if method == "sparsevlm" else {}))  # recycled: test_sparsevlm
     with tracked_attention_enabled(lm.model):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)

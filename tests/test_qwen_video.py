@@ -233,12 +233,12 @@ def test_vlcaches_post_vision_queries_follow_the_video(lm):
     assert after.nonzero().flatten().tolist() == list(range(last + 1, ids.shape[1]))
 
 
-@pytest.mark.parametrize("method", ["fastv", "dart", "pyramiddrop"])
+@pytest.mark.parametrize("method", ["fastv", "dart", "pyramiddrop", "sparsevlm"])
 def test_token_drop_equals_the_masked_forward_with_a_video(lm, method):
     inputs = encoded(lm, 4)
     ids = inputs["input_ids"]
     is_image = lm.visual_mask(ids)
-    policy = make_policy(method, 0.7)
+    policy = make_policy(method, 0.7, **({"recycle": False} if method == "sparsevlm" else {}))
     with tracked_attention_enabled(lm.model):
         own = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers, lm.device,
                                  lm.image_token_id)

@@ -106,7 +106,7 @@ def test_more_images_than_the_context_holds_are_refused_before_the_prefill(famil
 # -- every method sees every image -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "vlcache", "prefixkv", "random", "fastv", "dart",
-                                    "pyramiddrop"])
+                                    "pyramiddrop", "sparsevlm"])
 def test_eviction_equals_masking_with_several_images(lm, method):
     """As test_families' single-image check, with three images (text between them): a compressed cache gives the
     logits of its prefill's cache with the evicted entries masked; FastV's and DART's own prefill gives those of
@@ -118,7 +118,8 @@ def test_eviction_equals_masking_with_several_images(lm, method):
     budget = 0.3
     # a token drop's budget as a share of the image tokens, so it keeps some of every image and drops the rest
     policy = make_policy(method, budget, **({"budget_of": "image"} if method in ("fastv", "dart") else
-                                            {"budget_of": "image", "stages": 2} if method == "pyramiddrop" else {}))
+                                            {"budget_of": "image", "stages": 2} if method == "pyramiddrop" else
+                                            {"budget_of": "image", "recycle": False} if method == "sparsevlm" else {}))
     with tracked_attention_enabled(lm.model):
         shared = runner.prefill_for(lm.model, policy, ids, is_image, M.vision_inputs(inputs), lm.num_layers,
                                     lm.device, lm.image_token_id)
@@ -411,7 +412,8 @@ def test_a_checkpoints_video_settings_are_read(tmp_path):
     assert lm.processor.prefixkv_video_settings == {"size": 32, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 
 
-@pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache", "prefixkv", "fastv", "dart", "pyramiddrop"])
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "vlcache", "prefixkv", "fastv", "dart", "pyramiddrop",
+                                    "sparsevlm"])
 def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method):
     from prefixkv_core.session.video_input import load_video
 
@@ -421,7 +423,10 @@ def test_eviction_equals_masking_with_a_native_video(families, tmp_path, method)
     inputs = M.encode(lm, pictures(1), text, video=frames)
     ids = inputs["input_ids"]
     is_image = lm.visual_mask(ids)
-    policy = make_policy(method, 0.3, **({"budget_of": "image"} if method in ("fastv", "dart", "pyramiddrop") else {}))
+    # SparseVLM's last stage keeps 6 % of the image tokens at r = 0.3, all of them the photo's here
+    policy = make_policy(method, 0.6 if method == "sparsevlm" else 0.3,
+                         **({"budget_of": "image"} if method in ("fastv", "dart", "pyramiddrop") else
+                            {"budget_of": "image", "recycle": False} if method == "sparsevlm" else {}))
     shared, compressed, n = prefill_and_compress(lm, policy, inputs, 0.3)
     uncompressed = shared.cache.clone()
     with tracked_attention_enabled(lm.model):

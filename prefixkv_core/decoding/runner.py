@@ -37,7 +37,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..kv.attention import AttentionProbe, StatRequest, hidden_states_recorded, post_vision_queries
+from ..kv.attention import (AttentionProbe, StatRequest, StepSubset, hidden_states_recorded, post_vision_queries,
+                            raters_chosen)
 from ..kv.cache import TrackedCache, TrackedLayer, per_head_meta
 from ..kv.stores import SPARE_ENTRIES
 from ..models.compat import cache_kwarg
@@ -424,19 +425,25 @@ def last_query(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Ten
 @torch.inference_mode()
 def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                  want_attention: Sequence[bool], device: torch.device,
-                 buffers: StepBuffers | None = None) -> StepOutput:
+                 buffers: StepBuffers | None = None, subsets: Sequence[Any] | None = None) -> StepOutput:
     """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
     rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
-    scoring), aligned with that row's entries. Pass the same `buffers` to every step of a turn to reuse the
-    padded tensors."""
+    scoring), aligned with that row's entries. `subsets[r]`: (L, choose) when, in a decode step, row r's layers
+    from L on attend to a subset of its entries (`Policy.step_subset`; the row must want attention). Pass the same
+    `buffers` to every step of a turn to reuse the padded tensors."""
     b = len(caches)
     if min(len(c) for c in chunks) < 1:
         raise ValueError("every row needs at least one token to feed")
+    subsets = list(subsets) if subsets is not None else [None] * b
+    if any(s is not None and not want for s, want in zip(subsets, want_attention)):
+        raise ValueError("a row that attends to a subset of its entries must want its attention")
     order = _row_order(want_attention)
     if order == list(range(b)):
-        return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers)
+        return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers,
+                                     subsets)
     out = _forward_ordered_rows(model, [caches[r] for r in order], [chunks[r] for r in order],
-                                [starts[r] for r in order], sum(map(bool, want_attention)), device, buffers)
+                                [starts[r] for r in order], sum(map(bool, want_attention)), device, buffers,
+                                [subsets[r] for r in order])
     at = {r: k for k, r in enumerate(order)}
     back = torch.tensor([at[r] for r in range(b)], device=out.logits.device)
     return StepOutput(out.logits.index_select(0, back), [out.attention[at[r]] for r in range(b)])
@@ -461,7 +468,7 @@ def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], b
 
 def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]],
                           starts: Sequence[int], wanted: int, device: torch.device,
-                          buffers: StepBuffers | None) -> StepOutput:
+                          buffers: StepBuffers | None, subsets: Sequence[Any] = ()) -> StepOutput:
     """`forward_rows` with the rows that want attention first (the first `wanted` rows): the attention function
     then computes their statistic on a view of the batch."""
     b = len(caches)
@@ -471,13 +478,16 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
     if 0 < wanted < b:
         request.last_query_rows = wanted
     probe = AttentionProbe(request)
+    if q == 1 and any(s is not None for s in subsets):  # DyCoke's per-step subsets, from their layers on
+        probe.subset = StepSubset([(r, first, choose) for r, s in enumerate(subsets) if s is not None
+                                   for first, choose in (s,)])
     # built as lists and made one tensor each: a step's operators do not grow with its rows
     ids = torch.tensor([[0] * (q - len(chunk)) + [int(t) for t in chunk] for chunk in chunks], device=device)
     # padding: masked as keys, never stored; any position will do
     positions = torch.tensor([[start] * (q - len(chunk)) + list(range(start, start + len(chunk)))
                               for chunk, start in zip(chunks, starts)], device=device)
     if b == 1:
-        logits, stats = forward_group(model, caches[0], ids, starts[0], request)
+        logits, stats = forward_group(model, caches[0], ids, starts[0], probe)
         return StepOutput(logits, [last_query(stats) if wanted else None])
     buffers = buffers if buffers is not None else StepBuffers()
     if q == 1:  # a decode step: rows append in place in the shared stores
@@ -542,12 +552,13 @@ def prefill(model, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: Vis
 @torch.inference_mode()
 def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor, vision_inputs: VisionInputs,
                 num_layers: int, device: torch.device, image_token_id: int | None = None,
-                turn_image: TurnImage | None = None) -> Prefill:
+                turn_image: TurnImage | None = None, frames=None) -> Prefill:
     """The prefill of a method that changes the prefill itself (stage "prefill token reduction"), run for it
     alone: a vision-side reduction (`policy.vision_plan`, VisionZip) feeds the language model a shorter prompt,
     and token drops decided during the forward (`policy.prefill_token_drops`, FastV; PyramidDrop's stages) leave
     tokens behind after a layer (`token_drop`). Records what the policy asked for; `reduction` says what was done.
-    `turn_image`: the image already through the vision tower (see `prefill`), read instead of a pass of its own."""
+    `turn_image`: the image already through the vision tower (see `prefill`), read instead of a pass of its own.
+    `frames`: where a video's frames lie among the image tokens (`ImageLayout.frame_tokens`), for the token drops."""
     from . import vision_tokens
 
     t0 = now(device)
@@ -575,9 +586,10 @@ def own_prefill(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
     request = StatRequest.union([StatRequest(colsum=sparse is None), policy.prefill_stats(n)])
     probe = AttentionProbe(request, sparse=sparse)
     cache = TrackedCache(num_layers)
-    drops = policy.prefill_token_drops(n, is_image, num_layers)
+    drops = policy.prefill_token_drops(n, is_image, num_layers, frames=frames)
     dropping = tokens_dropped(model, drops, cache, probe) if drops else contextlib.nullcontext()
-    with dropping:
+    rating = raters_chosen(model, probe, policy.choose_raters, is_image) if request.rated else contextlib.nullcontext()
+    with dropping, rating:
         logits, stats = forward_group(model, cache, ids, 0, probe, is_image, vision_inputs, inputs_embeds=embeds,
                                       rope_inputs=rope_inputs, given_positions=given)
     seconds = now(device) - t0
@@ -607,7 +619,8 @@ def prefill_for(model, policy: Policy, ids: torch.Tensor, is_image: torch.Tensor
 def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prompt_len: int,
                  row: slice | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """The statistics `policy` asked for, under the names it reads ("colsum", "window", "subset",
-    "last_query", "post_vision" and "post_vision_sparse", and "keys" and "hidden" in the layers that asked), cut to `row` when the prefill ran several prompts at once."""
+    "last_query", "rated", "post_vision" and "post_vision_sparse", and "keys" and "hidden" in the layers that
+    asked), cut to `row` when the prefill ran several prompts at once."""
     asked = policy.prefill_stats(prompt_len)
     out = {}
     for layer, s in stats.items():
@@ -619,6 +632,8 @@ def policy_stats(policy: Policy, stats: dict[int, dict[str, torch.Tensor]], prom
             mine["subset"] = s["subset"]
         if asked.last_query:
             mine["last_query"] = s["last_query"]
+        if asked.rated and "rated" in s:
+            mine["rated"] = s["rated"]
         if asked.post_vision is not None:
             mine["post_vision"], mine["post_vision_sparse"] = s["post_vision"], s["post_vision_sparse"]
         mine.update({name: s[name] for name, layers in (("keys", asked.keys), ("hidden", asked.hidden))

@@ -10,7 +10,11 @@ true positions and image flags before layer K writes, so each later layer holds 
 their own positions; the attention function's causal mask (bottom-right aligned) then orders the kept tokens
 as before. A model that adds visual features to the hidden states after its first layers (Qwen3-VL's DeepStack)
 has them cut in step: after each stage only the kept visual tokens get theirs. The statistics recorded from layer K on cover the kept tokens only, aligned with those layers'
-entries. The last prompt token is always kept, so the logits are the same as a masked forward's.
+entries (and the probe's raters are cut with them). The last prompt token is always kept, so the logits are the
+same as a masked forward's.
+
+A stage may also recycle tokens (SparseVLM, `Recycled`): some of the tokens it keeps are handed, instead of their
+own hidden state, the mean of a group of the tokens before the stage (its own among them), at their own positions.
 """
 from __future__ import annotations
 
@@ -22,9 +26,22 @@ import torch
 
 from ..kv.attention import AttentionProbe
 from ..kv.cache import TrackedCache
-from ..policies.base import TokenDrop
+from ..policies.base import Recycled, TokenDrop
 
 _PER_TOKEN_KWARGS = ("position_ids", "cache_position")  # [B, N] or [N]: cut along the token axis
+
+
+def with_recycled(going_on: torch.Tensor, before: torch.Tensor, mask: torch.Tensor, recycled: Recycled) -> torch.Tensor:
+    """going_on [B, kept, D] (the hidden states of the tokens `mask` [B, M] keeps, in order) with each of
+    `recycled`'s slots handed the mean of its members' hidden states in `before` [B, M, D] (in fp32)."""
+    members = recycled.members.to(before.device)
+    if members.shape[1] == 0:
+        return going_on
+    means = (members.float() @ before.float()) / members.sum(dim=-1, keepdim=True).clamp(min=1).float()
+    at = (mask.long().cumsum(dim=1) - 1).gather(1, recycled.slots.to(mask.device))  # each slot among the kept
+    out = going_on.clone()
+    out.scatter_(1, at.unsqueeze(-1).expand(*at.shape, out.shape[-1]), means.to(out.dtype))
+    return out
 
 
 @contextlib.contextmanager
@@ -32,7 +49,8 @@ def tokens_dropped(model, drops: Sequence[TokenDrop], cache: TrackedCache, probe
     """While the block runs one forward of a prompt through `cache` (its pending positions and image flags
     [B, N] set), tokens leave the text model's forward in stages (`drops`, by ascending layer): when the forward
     reaches a stage's layer K, `choose(stats, kept)` decides from what `probe` recorded so far which of the tokens
-    still in it go on (bool [B, kept], the same count in every row), and layers from K on see only those."""
+    still in it go on (bool [B, kept], the same count in every row; with a `Recycled`, some of them carry merged
+hidden states), and layers from K on see only those."""
     stages = {drop.layer: drop for drop in drops}
     if len(stages) != len(drops) or list(stages) != sorted(stages):
         raise ValueError("token drop stages must be at distinct, ascending layers")
@@ -65,7 +83,9 @@ def tokens_dropped(model, drops: Sequence[TokenDrop], cache: TrackedCache, probe
                     whole["position_embeddings"] = rotary
                 whole.update({name: kwargs[name] for name in _PER_TOKEN_KWARGS
                               if isinstance(kwargs.get(name), torch.Tensor)})
-            mask = drop.choose(probe.stats, index)
+            hidden = args[0] if args else kwargs["hidden_states"]
+            answer = drop.choose(probe.stats, index, hidden) if drop.reads_hidden else drop.choose(probe.stats, index)
+            mask, recycled = answer if isinstance(answer, tuple) else (answer, None)
             counts = mask.sum(dim=1)
             if bool((counts != counts[0]).any()):
                 raise ValueError("a token drop must keep the same number of tokens in every row")
@@ -73,12 +93,17 @@ def tokens_dropped(model, drops: Sequence[TokenDrop], cache: TrackedCache, probe
             index = index.gather(1, sub)
             positions, is_image = cache.pending
             cache.set_pending(cut(positions, sub), cut(is_image, sub))
-            if probe.after_image is not None:
-                probe.after_image = cut(probe.after_image, sub)
-            if args:  # this layer gets the layer before's output: the tokens still in
-                args = (cut(args[0], sub), *args[1:])
+            for name in ("after_image", "raters"):
+                flags = getattr(probe, name)
+                if flags is not None:
+                    setattr(probe, name, cut(flags, sub))
+            going_on = cut(hidden, sub)  # this layer gets the layer before's output: the tokens still in
+            if recycled is not None:
+                going_on = with_recycled(going_on, hidden, mask, recycled)
+            if args:
+                args = (going_on, *args[1:])
             else:
-                kwargs["hidden_states"] = cut(kwargs["hidden_states"], sub)
+                kwargs["hidden_states"] = going_on
             if "position_embeddings" in whole:
                 handed["position_embeddings"] = tuple(cut(part, index) for part in whole["position_embeddings"])
             for name in _PER_TOKEN_KWARGS:

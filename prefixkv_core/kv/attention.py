@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +53,13 @@ class StatRequest:
     # layers whose output hidden states, through the text model's final norm, are kept as stats[layer]["hidden"],
     # [B, T, D] fp32 (DART); recorded by `hidden_states_recorded`, not by the attention function
     hidden: tuple[int, ...] = ()
+    # the attention of the probe's `raters` (each row's own queries, chosen while the forward runs) summed over
+    # them, as stats["rated"] (SparseVLM's text raters)
+    rated: bool = False
 
     def any(self) -> bool:
         return (self.colsum or bool(self.all_windows()) or self.query_subset is not None or self.last_query
-                or self.post_vision is not None)
+                or self.post_vision is not None or self.rated)
 
     def last_query_count(self, batch: int) -> int:
         """How many of a batch's first rows want the last query's row (0 when none is asked for)."""
@@ -73,6 +77,7 @@ class StatRequest:
         for r in requests:
             out.colsum |= r.colsum
             out.last_query |= r.last_query
+            out.rated |= r.rated
             out.windows = tuple(sorted(set(out.windows) | set(r.all_windows())))
             out.keys = tuple(sorted(set(out.keys) | set(r.keys)))
             out.hidden = tuple(sorted(set(out.hidden) | set(r.hidden)))
@@ -105,6 +110,11 @@ class AttentionProbe:
     after_image: torch.Tensor | None = None
     # a prefill whose attention runs on each layer's important tokens only (ZipVL, `sparse_prefill`); None: dense
     sparse: SparsePrefill | None = None
+    # a decode step's key subsets for some rows from a layer on (DyCoke's dynamic pruning); None: every key
+    subset: "StepSubset | None" = None
+    # bool [B, Tq]: the queries whose attention the "rated" statistic sums (set before the first layer runs, e.g.
+    # by `raters_chosen`; cut with the tokens a token drop leaves behind)
+    raters: torch.Tensor | None = None
 
     def key_mask(self, layer: int) -> torch.Tensor | None:
         return self.key_masks.get(layer)
@@ -112,6 +122,41 @@ class AttentionProbe:
     def reset(self, request: StatRequest | None = None) -> None:
         self.request = request or StatRequest()
         self.stats = {}
+
+
+@dataclass
+class StepSubset:
+    """The keys some rows of a decode step attend to from a layer on (DyCoke's dynamic pruning). `rows`: (batch
+    row, first layer, choose): from that layer on, the row attends only to the entries choose(attention) keeps
+    (bool [n] over its first n entries), where attention [Hkv, T] is the row's last-query statistic in the layer
+    before, so the row must be one of those that want it (the batch's first rows). Chosen once a step per row;
+    the batch's mask made once per key length."""
+
+    rows: list[tuple[int, int, Any]]
+    _keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, stats: dict, layer: int, bsz: int, k_len: int, device) -> torch.Tensor | None:
+        """[B, 1, k_len]: the key mask of `layer` (True outside the subsets), None where no row's subset applies."""
+        active = tuple(r for r, first, _ in self.rows if layer >= first)
+        if not active:
+            return None
+        found = self._masks.get((active, k_len))
+        if found is None:
+            found = torch.ones(bsz, 1, k_len, dtype=torch.bool, device=device)
+            for r, first, choose in self.rows:
+                if layer < first:
+                    continue
+                keep = self._keep.get(r)
+                if keep is None:
+                    rated = stats.get(first - 1, {}).get("last_query")
+                    if rated is None or rated.shape[0] <= r:
+                        raise ValueError("a step subset needs its row's last-query statistic in the layer before")
+                    keep = self._keep[r] = choose(rated[r])
+                n = min(int(keep.shape[0]), k_len)
+                found[r, 0, :n] = keep[:n]
+            self._masks[(active, k_len)] = found
+        return found
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
@@ -130,6 +175,11 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = scaling if scaling is not None else head_dim**-0.5
     extra_mask = probe.key_mask(layer) if probe is not None else None
     request = probe.request if probe is not None else None
+    chosen = None
+    if probe is not None and probe.subset is not None and q_len == 1:
+        chosen = probe.subset.mask(probe.stats, layer, bsz, k_len, query.device)
+        if chosen is not None:
+            extra_mask = chosen if extra_mask is None else (extra_mask & chosen)
 
     if request is not None:
         _check_rows(request)
@@ -137,7 +187,7 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
     if probe is not None and probe.sparse is not None and q_len > 1:
         out, probe.stats[layer] = sparse_attention(query, key, value, scale, probe.sparse)
     elif groups:
-        out = _grouped_decode(query, groups, scale, probe, layer)
+        out = _grouped_decode(query, groups, scale, probe, layer, chosen)
     elif request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
     elif _only_last_query(request) and q_len == 1:
@@ -151,7 +201,8 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
         probe.stats[layer] = {"last_query": _last_query_probs(query[:rows], key[:rows], scale,
                                                               _leading(extra_mask, rows)).mean(dim=2)}
     else:
-        out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request, probe.after_image)
+        out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request, probe.after_image,
+                                           probe.raters)
         probe.stats[layer] = stats
     if request is not None and layer in request.keys:
         probe.stats.setdefault(layer, {})["keys"] = key.float()
@@ -204,10 +255,10 @@ def _decode_with_statistic(query, key, value, scale, extra_mask, rows: int) -> t
     return out, probs.mean(dim=2)
 
 
-def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> torch.Tensor:
+def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int, chosen=None) -> torch.Tensor:
     """A decode step whose rows live in groups (`AttentionProbe.row_groups`): each group attends over its own
     keys; the rows that want the last query's statistic (the batch's first rows, so each group's first ones)
-    get it zero-padded to the longest group."""
+    get it zero-padded to the longest group. `chosen` [B, 1, T]: the step's key subsets (`StepSubset`), if any."""
     request = probe.request
     if query.shape[2] != 1 or (request.any() and not _only_last_query(request)):
         raise ValueError("rows in groups are for decode steps that at most ask for the last query's row")
@@ -219,6 +270,9 @@ def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> 
         stat = query.new_zeros(wanted, groups[0][1].shape[1], longest, dtype=torch.float32)
     for rows, keys, values, mask in groups:
         q = query.index_select(0, rows)
+        if chosen is not None:
+            mine_chosen = _fitted(chosen.index_select(0, rows), keys.shape[2])
+            mask = mine_chosen if mask is None else (mask & mine_chosen)
         mine = int((rows < wanted).sum()) if wanted else 0
         if mine:
             found, statistic = _decode_with_statistic(q, keys, values, scale, mask, mine)
@@ -231,9 +285,16 @@ def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int) -> 
     return out
 
 
+def _fitted(mask: torch.Tensor, k_len: int) -> torch.Tensor:
+    """A key mask [..., T] cut or padded (with True) to k_len keys."""
+    if mask.shape[-1] >= k_len:
+        return mask[..., :k_len]
+    return torch.cat([mask, mask.new_ones(*mask.shape[:-1], k_len - mask.shape[-1])], dim=-1)
+
+
 def _only_last_query(req: StatRequest) -> bool:
     return req.last_query and not (req.colsum or req.all_windows() or req.query_subset is not None
-                                   or req.post_vision is not None)
+                                   or req.post_vision is not None or req.rated)
 
 
 def _check_rows(req: StatRequest) -> None:
@@ -261,9 +322,10 @@ def _expand_heads(mask: torch.Tensor, n_heads: int) -> torch.Tensor:
     return mask.repeat_interleave(n_heads // mask.shape[1], dim=1)
 
 
-def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest, after_image=None):
+def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest, after_image=None, raters=None):
     """Chunked exact attention in fp32 that also returns the requested per-KV-head statistics (`after_image`
-    [B, Tq]: the post-vision queries, when the request asks for their statistics)."""
+    [B, Tq]: the post-vision queries, when the request asks for their statistics; `raters` [B, Tq]: the queries
+    the "rated" statistic sums over)."""
     bsz, n_heads, q_len, head_dim = query.shape
     n_kv, k_len = key.shape[1], key.shape[2]
     group = n_heads // n_kv
@@ -286,6 +348,10 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
             raise ValueError("post-vision statistics need the probe's after_image flags, one per query of each row")
         for name in ("post_vision", "post_vision_sparse"):
             acc[name] = torch.zeros(bsz, n_kv, k_len, device=query.device)
+    if req.rated:
+        if raters is None or raters.shape != (bsz, q_len):
+            raise ValueError("the rated statistic needs the probe's raters, one flag per query of each row")
+        acc["rated"] = torch.zeros(bsz, n_kv, k_len, device=query.device)
     subset_flags = None
     if req.query_subset is not None:
         subset_flags = torch.zeros(q_len, dtype=torch.bool, device=query.device)
@@ -325,6 +391,9 @@ def _attention_with_stats(query, key, value, scale, extra_mask, req: StatRequest
                 acc["subset"][..., :visible] += probs[:, :, :, rows].sum(dim=3).mean(dim=2)
         if req.post_vision is not None:
             _add_post_vision(acc, scores, probs, after_image[:, start:stop], req.post_vision)
+        if req.rated:
+            weight = raters[:, start:stop].to(probs.dtype).view(bsz, 1, 1, tc, 1)
+            acc["rated"][..., :visible] += (probs * weight).sum(dim=3).mean(dim=2)
         if want["last_query"] and stop == q_len:
             acc["last_query"][..., :visible] = probs[:, :, :, -1].mean(dim=2)
     if req.window > 0:
@@ -441,3 +510,22 @@ def _current_implementations(model) -> dict[str, str]:
 
 def is_registered() -> bool:
     return ATTN_NAME in AttentionInterface._global_mapping
+
+
+@contextlib.contextmanager
+def raters_chosen(model, probe: "AttentionProbe", choose, is_image: torch.Tensor):
+    """While the block runs one forward of a prompt, the text model's first decoder layer hands its input hidden
+    states (the prompt's embeddings as the language model reads them, [B, N, D] fp32) and `is_image` [B, N] to
+    `choose`, whose answer (bool [B, N]) becomes the probe's raters before any attention runs."""
+    first = model.get_decoder().layers[0]
+
+    def before_first(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        probe.raters = choose(hidden.float(), is_image.to(hidden.device))
+        return None
+
+    handle = first.register_forward_pre_hook(before_first, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

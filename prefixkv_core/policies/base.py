@@ -117,10 +117,25 @@ class TokenDrop:
     reaches layer K, `choose(stats, kept)` says from what the layers before recorded (layer -> statistics) which
     of the tokens still in the forward go on. `kept` [B, M]: those tokens' prompt positions (every position
     before the first stage), the order of their statistics' columns in the layers since the last stage; the
-    answer is bool [B, M], the same count in every row. Layers K and later compute those only."""
+    answer is bool [B, M], the same count in every row. Layers K and later compute those only. `reads_hidden`:
+    `choose(stats, kept, hidden)` is also handed the hidden states layer K gets ([B, M, D]), and may answer
+    (mask, `Recycled`) to merge some of the tokens into others (SparseVLM), which it says by `recycles`: its cache
+    is then not a masked forward's."""
 
     layer: int
-    choose: Callable[[dict[int, dict[str, torch.Tensor]], torch.Tensor], torch.Tensor]
+    choose: Callable[..., Any]
+    reads_hidden: bool = False
+    recycles: bool = False
+
+
+@dataclass
+class Recycled:
+    """Tokens a stage makes from others (SparseVLM's recycled clusters): each of `slots` [B, C] (indices among the
+    tokens still in before the stage, each one the stage keeps) goes on with the mean of the hidden states of its
+    `members` (bool [B, C, M], the same count C in every row) instead of its own, at its own position."""
+
+    slots: torch.Tensor
+    members: torch.Tensor
 
 
 @dataclass
@@ -278,16 +293,31 @@ class Policy:
         the earlier layers recorded (FastV). None: every layer sees every token."""
         return None
 
-    def prefill_token_drops(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> list[TokenDrop]:
+    def prefill_token_drops(self, prompt_len: int, is_image: torch.Tensor, num_layers: int,
+                            frames: Any = None) -> list[TokenDrop]:
         """For an own prefill: the stages at which tokens leave the forward, by ascending layer (PyramidDrop's
-        several; by default the one `prefill_token_drop` gives, if any)."""
+        several; by default the one `prefill_token_drop` gives, if any). `frames` [F, P]: where a video's frames lie
+        among the prompt's image tokens (`ImageLayout.frame_tokens`: column j the same patch of every frame), None
+        without one (DyCoke compares frames)."""
         drop = self.prefill_token_drop(prompt_len, is_image, num_layers)
         return [] if drop is None else [drop]
+
+    def step_subset(self, state: PolicyState, cache: TrackedCache):
+        """For a decode step: (L, choose) when layers L and later should attend to a subset of this row's entries
+        that step (DyCoke's dynamic pruning): choose(attention [Hkv, T]), handed the new token's attention in layer
+        L - 1, answers bool [n] over the row's n entries. Needs `decode_needs_attention`. None: every entry."""
+        return None
 
     def prefill_sparsity(self, prompt_len: int):
         """For an own prefill: a `kv.sparse_prefill.SparsePrefill` when the prefill's attention should run on each
         layer's important tokens only (ZipVL), else None (dense attention)."""
         return None
+
+    def choose_raters(self, embeds: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+        """For an own prefill asking for the "rated" statistic (`StatRequest.rated`): the queries whose attention it
+        sums (bool [B, N]), chosen from the prompt as the language model reads it (embeds [B, N, D] fp32, the
+        first layer's input; is_image [B, N]) before any layer runs (SparseVLM's text raters)."""
+        raise PolicyError(f"{self.name} asks for the rated statistic but chooses no raters")
 
     def vision_plan(self, crops):
         """For an own prefill with an image: how to shrink each crop's vision features before the language model

@@ -133,7 +133,8 @@ class PyramidDropPolicy(Policy):
             raise PolicyError(f"layer {layer - 1} recorded {last.shape[-1]} tokens, {kept.shape[1]} are still in")
         return stage_keep(last.float().mean(dim=1), is_image.gather(1, kept), keep)
 
-    def prefill_token_drops(self, prompt_len: int, is_image: torch.Tensor, num_layers: int) -> list[TokenDrop]:
+    def prefill_token_drops(self, prompt_len: int, is_image: torch.Tensor, num_layers: int,
+                            frames=None) -> list[TokenDrop]:
         state = self.plan(prompt_len, is_image, num_layers)
         if not state.image_tokens:
             return []

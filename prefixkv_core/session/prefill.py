@@ -50,6 +50,9 @@ class EncodedPrompt:
     frames_at: int = 0  # how many of `images` come before it
     video_fps: float | None = None  # its sampled frames' rate
     video_times: tuple | None = None  # its frames' seconds in the stream
+    # [F, P]: each video frame's patch tokens among the image tokens (`ImageLayout.frame_tokens`), for the methods
+    # that compare frames (DyCoke); None without two or more frames of one size
+    frame_tokens: Any = None
 
     @property
     def n(self) -> int:
@@ -84,10 +87,13 @@ def encode_prompt(loaded: LoadedModel, visuals: TurnVisuals, *, chat_template: b
             f"over the model's context of {loaded.max_context}: shorten the prompt, send fewer images or frames, "
             "or lower max new tokens")
     split = question_start(loaded, visuals, text, ids, is_image) if query_agnostic else n
+    layout = image_token_layout(loaded, visuals, ids[0], is_image[0])
+    is_frame = [kind == "frame" for kind, _, _ in visuals.layout_order()]
+    frame_tokens = layout.frame_tokens(is_frame) if layout is not None and len(is_frame) == layout.n_images else None
     return EncodedPrompt(ids, is_image, inputs, split, int(is_image[0].nonzero()[0]) if n_image else None,
-                         image_token_layout(loaded, visuals, ids[0], is_image[0]), images=list(images), text=text,
+                         layout, images=list(images), text=text,
                          video=bool(visuals.frames), frames=list(visuals.frames), frames_at=visuals.frames_at,
-                         video_fps=visuals.video_fps, video_times=visuals.video_times)
+                         video_fps=visuals.video_fps, video_times=visuals.video_times, frame_tokens=frame_tokens)
 
 
 def shared_prefill_ticket(prompt: EncodedPrompt, states: list[MethodState]) -> PrefillTicket | None:
@@ -198,7 +204,8 @@ class Prefiller:
         elif policy.own_prefill():
             prefilled = runner.own_prefill(self.loaded.model, policy, p.ids[:, :p.split],
                                            p.is_image[:, :p.split], vision_inputs(p.inputs), self.loaded.num_layers,
-                                           self.loaded.device, self.loaded.image_token_id, self.image)
+                                           self.loaded.device, self.loaded.image_token_id, self.image,
+                                           frames=p.frame_tokens)
             state.cache = prefilled.cache
         elif shared is None:
             prefilled = self._prefill([state.policy])

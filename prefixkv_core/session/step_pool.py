@@ -65,7 +65,8 @@ def advance_rows(loaded: LoadedModel, buffers: runner.StepBuffers, states: list[
     start = watch.mark()
     try:
         out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
-                                  [s.policy.decode_needs_attention() for s in states], device, buffers)
+                                  [s.policy.decode_needs_attention() for s in states], device, buffers,
+                                  [s.policy.step_subset(s.policy_state, s.cache) for s in states])
     except Exception as exc:
         for state in states:
             state.fail(exc)
