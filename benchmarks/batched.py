@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from prefixkv_core.decoding import runner
-from prefixkv_core.kv.attention import StatRequest, tracked_attention_enabled
+from prefixkv_core.kv.attention import AttentionProbe, StatRequest, StepSubset, tracked_attention_enabled
 from prefixkv_core.kv.cache import TrackedCache
 from prefixkv_core.models import LoadedModel
 from prefixkv_core.models.compat import cache_kwarg
@@ -140,14 +140,21 @@ class MethodRun:
         """Feed chunk [B, T] (row r to prompt r) at the next positions, then let the policy compress; logits [B, V]."""
         sm, policy = self.sm, self.policy
         needs = policy.decode_needs_attention()
-        if self.shared_plan:
-            logits, stats = runner.forward_group(sm.model, self.caches[0], chunk, self.true_len,
-                                                 StatRequest(last_query=needs))
+        decoding = chunk.shape[1] == 1
+        if self.shared_plan:  # every row in one cache: the step's request and key subsets (DyCoke's) for all rows
+            layers = policy.decode_attention_layers(self.states[0]) if needs and decoding else None
+            probe = AttentionProbe(StatRequest(last_query=needs, last_query_layers=layers))
+            subset = policy.step_subset(self.states[0], self.caches[0]) if decoding else None
+            if subset is not None:
+                probe.subset = StepSubset([(tuple(range(chunk.shape[0])), *subset)])
+            logits, stats = runner.forward_group(sm.model, self.caches[0], chunk, self.true_len, probe)
             attention = [runner.last_query(stats) if needs else None]
         else:
             chunks = chunk.tolist()
-            out = runner.forward_rows(sm.model, self.caches, chunks, [self.true_len] * len(chunks),
-                                      [needs] * len(chunks), sm.device, self.buffers)
+            wants = [(policy.decode_attention_layers(state) or True) if needs else False for state in self.states]
+            out = runner.forward_rows(sm.model, self.caches, chunks, [self.true_len] * len(chunks), wants, sm.device,
+                                      self.buffers, [policy.step_subset(state, cache)
+                                                     for state, cache in zip(self.states, self.caches)])
             logits, attention = out.logits, out.attention
         self.true_len += chunk.shape[1]
         rows = [runner.DecodeRow(policy, state, cache, self.true_len, self.prompt_len, step, att, self.reduced_by)

@@ -15,6 +15,7 @@ from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import AttentionProbe, StatRequest, tracked_attention_enabled
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.dycoke import compared_frames, dp_keep, ttm_keep
+from prefixkv_core.session.step_pool import attention_wanted
 from prefixkv_core.testing import (build_tiny_family, layered_reference_cache, moving_dot_frames, save_tiny_family,
                                    wide_noise_picture)
 
@@ -73,11 +74,13 @@ def test_dynamic_pruning_keeps_the_most_attended_image_entries_and_every_other()
     gen = torch.Generator().manual_seed(0)
     attention = torch.rand(2, 14, generator=gen)  # 2 KV heads, 12 entries + 2 slots of padding
     slots = torch.tensor([1, 2, 3, 5, 6, 8, 9])
+    attention = torch.stack([attention, torch.rand(2, 14, generator=gen)])  # two rows of one cache
     got = dp_keep(attention, slots, 12, 3)
-    mean = attention[:, :12].mean(dim=0).tolist()
-    best = sorted(slots.tolist(), key=lambda s: -mean[s])[:3]
-    assert got.tolist() == [s not in slots.tolist() or s in best for s in range(12)]
-    assert dp_keep(attention, slots, 12, 0).tolist() == [s not in slots.tolist() for s in range(12)]
+    for r in range(2):
+        mean = attention[r, :, :12].mean(dim=0).tolist()
+        best = sorted(slots.tolist(), key=lambda s: -mean[s])[:3]
+        assert got[r].tolist() == [s not in slots.tolist() or s in best for s in range(12)]
+    assert dp_keep(attention, slots, 12, 0).tolist() == [[s not in slots.tolist() for s in range(12)]] * 2
 
 
 # -- its own prefill on every way a video is read -----------------------------------------------------------------
@@ -209,8 +212,11 @@ def test_a_decode_step_attends_to_the_subset_the_naive_rule_picks(onevision, dec
     assert first == min(3, onevision.num_layers - 1)
     with tracked_attention_enabled(onevision.model):
         cache = state.cache.clone()
-        out = runner.forward_rows(onevision.model, [cache], [[7]], [state.true_len], [True], onevision.device,
+        wanted = attention_wanted(state)
+        assert wanted == (first - 1,)  # the step records the one layer DP rates with
+        out = runner.forward_rows(onevision.model, [cache], [[7]], [state.true_len], [wanted], onevision.device,
                                   subsets=[policy.step_subset(state.policy_state, cache)])
+        assert set(out.attention[0]) == {first - 1}
         expected = masked_step(onevision, state.cache, state.true_len, 7, first, policy.prune)
         plain, _ = runner.forward_group(onevision.model, state.cache.clone(), torch.tensor([[7]]), state.true_len,
                                         StatRequest())
@@ -226,7 +232,8 @@ def test_a_batched_step_prunes_only_the_dycoke_row(onevision, decoded):
                                              StatRequest())
         expected = masked_step(onevision, dy.cache, dy.true_len, 7, dy.policy_state.pruning_layer, dy.policy.prune)
         rows = [full.cache.clone(), dy.cache.clone()]
-        out = runner.forward_rows(onevision.model, rows, [[9], [7]], [full.true_len, dy.true_len], [False, True],
+        out = runner.forward_rows(onevision.model, rows, [[9], [7]], [full.true_len, dy.true_len],
+                                  [False, attention_wanted(dy)],
                                   onevision.device, runner.StepBuffers(),
                                   [None, dy.policy.step_subset(dy.policy_state, rows[1])])
     torch.testing.assert_close(out.logits[0], alone_full[0], atol=1e-4, rtol=1e-4)

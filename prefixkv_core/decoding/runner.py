@@ -428,7 +428,8 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
                  buffers: StepBuffers | None = None, subsets: Sequence[Any] | None = None) -> StepOutput:
     """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
     rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
-    scoring), aligned with that row's entries. `subsets[r]`: (L, choose) when, in a decode step, row r's layers
+    scoring), aligned with that row's entries: True for every layer's, a tuple of layers for those layers' only
+    (a decode step then records the others for no row, when no row wants them all). `subsets[r]`: (L, choose) when, in a decode step, row r's layers
     from L on attend to a subset of its entries (`Policy.step_subset`; the row must want attention). Pass the same
     `buffers` to every step of a turn to reuse the padded tensors."""
     b = len(caches)
@@ -438,12 +439,15 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     if any(s is not None and not want for s, want in zip(subsets, want_attention)):
         raise ValueError("a row that attends to a subset of its entries must want its attention")
     order = _row_order(want_attention)
+    layers = None
+    if any(want_attention) and not any(want is True for want in want_attention):
+        layers = tuple(sorted({int(i) for want in want_attention if want for i in want}))
     if order == list(range(b)):
         return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers,
-                                     subsets)
+                                     subsets, layers)
     out = _forward_ordered_rows(model, [caches[r] for r in order], [chunks[r] for r in order],
                                 [starts[r] for r in order], sum(map(bool, want_attention)), device, buffers,
-                                [subsets[r] for r in order])
+                                [subsets[r] for r in order], layers)
     at = {r: k for k, r in enumerate(order)}
     back = torch.tensor([at[r] for r in range(b)], device=out.logits.device)
     return StepOutput(out.logits.index_select(0, back), [out.attention[at[r]] for r in range(b)])
@@ -468,7 +472,8 @@ def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], b
 
 def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]],
                           starts: Sequence[int], wanted: int, device: torch.device,
-                          buffers: StepBuffers | None, subsets: Sequence[Any] = ()) -> StepOutput:
+                          buffers: StepBuffers | None, subsets: Sequence[Any] = (),
+                          layers: tuple[int, ...] | None = None) -> StepOutput:
     """`forward_rows` with the rows that want attention first (the first `wanted` rows): the attention function
     then computes their statistic on a view of the batch."""
     b = len(caches)
@@ -477,9 +482,11 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
     request = StatRequest(last_query=wanted > 0)
     if 0 < wanted < b:
         request.last_query_rows = wanted
+    if q == 1:
+        request.last_query_layers = layers
     probe = AttentionProbe(request)
     if q == 1 and any(s is not None for s in subsets):  # DyCoke's per-step subsets, from their layers on
-        probe.subset = StepSubset([(r, first, choose) for r, s in enumerate(subsets) if s is not None
+        probe.subset = StepSubset([((r,), first, choose) for r, s in enumerate(subsets) if s is not None
                                    for first, choose in (s,)])
     # built as lists and made one tensor each: a step's operators do not grow with its rows
     ids = torch.tensor([[0] * (q - len(chunk)) + [int(t) for t in chunk] for chunk in chunks], device=device)
@@ -502,7 +509,7 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
         if q == 1:
             for r in range(wanted):  # row r's entries are the first ones of its row
                 attention[r] = {i: probe.stats[i]["last_query"][r:r + 1, :, :layer.new_lengths[r]]
-                                for i, layer in enumerate(step.layers)}
+                                for i, layer in enumerate(step.layers) if i in probe.stats}
         else:
             old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
             for r in range(wanted):

@@ -44,6 +44,9 @@ class StatRequest:
     # How many batch rows, counted from the first, want the last-query statistic (None = every row); the
     # statistic then has one row each. The runner puts those rows first, so they are a view of the batch.
     last_query_rows: int | None = None
+    # The layers whose last-query statistic is recorded (None: every layer); the others attend as if nothing were
+    # asked (DyCoke's rows read one layer's)
+    last_query_layers: tuple[int, ...] | None = None
     # The post-vision queries (each row's queries after its last image token; the last query alone when the image
     # ends the prompt): stats["post_vision"], their attention summed over them, and stats["post_vision_sparse"],
     # per key how many of them give it less than `post_vision` times their row's largest probability (counting
@@ -127,34 +130,37 @@ class AttentionProbe:
 @dataclass
 class StepSubset:
     """The keys some rows of a decode step attend to from a layer on (DyCoke's dynamic pruning). `rows`: (batch
-    row, first layer, choose): from that layer on, the row attends only to the entries choose(attention) keeps
-    (bool [n] over its first n entries), where attention [Hkv, T] is the row's last-query statistic in the layer
-    before, so the row must be one of those that want it (the batch's first rows). Chosen once a step per row;
-    the batch's mask made once per key length."""
+    rows, first layer, choose): from that layer on, those rows (consecutive) attend only to the entries
+    choose(attention) keeps (bool [R, n] over their first n entries), where attention [R, Hkv, T] is their
+    last-query statistic in the layer before, so the rows must be among those that want it (the batch's first
+    rows). Chosen once a step; the batch's mask made once per key length."""
 
-    rows: list[tuple[int, int, Any]]
-    _keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    rows: list[tuple[tuple[int, ...], int, Any]]
+    _keep: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, stats: dict, layer: int, bsz: int, k_len: int, device) -> torch.Tensor | None:
         """[B, 1, k_len]: the key mask of `layer` (True outside the subsets), None where no row's subset applies."""
-        active = tuple(r for r, first, _ in self.rows if layer >= first)
+        active = tuple(rows for rows, first, _ in self.rows if layer >= first)
         if not active:
             return None
         found = self._masks.get((active, k_len))
         if found is None:
             found = torch.ones(bsz, 1, k_len, dtype=torch.bool, device=device)
-            for r, first, choose in self.rows:
+            for rows, first, choose in self.rows:
                 if layer < first:
                     continue
-                keep = self._keep.get(r)
+                at = slice(rows[0], rows[-1] + 1)
+                if list(rows) != list(range(at.start, at.stop)):
+                    raise ValueError("a step subset's rows must be consecutive")
+                keep = self._keep.get(rows)
                 if keep is None:
                     rated = stats.get(first - 1, {}).get("last_query")
-                    if rated is None or rated.shape[0] <= r:
-                        raise ValueError("a step subset needs its row's last-query statistic in the layer before")
-                    keep = self._keep[r] = choose(rated[r])
-                n = min(int(keep.shape[0]), k_len)
-                found[r, 0, :n] = keep[:n]
+                    if rated is None or rated.shape[0] < at.stop:
+                        raise ValueError("a step subset needs its rows' last-query statistic in the layer before")
+                    keep = self._keep[rows] = choose(rated[at])
+                n = min(int(keep.shape[-1]), k_len)
+                found[at, 0, :n] = keep[:, :n]
             self._masks[(active, k_len)] = found
         return found
 
@@ -181,13 +187,16 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
         if chosen is not None:
             extra_mask = chosen if extra_mask is None else (extra_mask & chosen)
 
+    if request is not None and request.last_query_layers is not None and layer not in request.last_query_layers \
+            and _only_last_query(request):
+        request = None  # this layer records nothing
     if request is not None:
         _check_rows(request)
     groups = probe.row_groups.get(layer) if probe is not None else None
     if probe is not None and probe.sparse is not None and q_len > 1:
         out, probe.stats[layer] = sparse_attention(query, key, value, scale, probe.sparse)
     elif groups:
-        out = _grouped_decode(query, groups, scale, probe, layer, chosen)
+        out = _grouped_decode(query, groups, scale, probe, layer, chosen, request)
     elif request is None or not request.any():
         out = _sdpa_output(query, key, value, scale, extra_mask)
     elif _only_last_query(request) and q_len == 1:
@@ -255,11 +264,12 @@ def _decode_with_statistic(query, key, value, scale, extra_mask, rows: int) -> t
     return out, probs.mean(dim=2)
 
 
-def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int, chosen=None) -> torch.Tensor:
+def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int, chosen=None,
+                    request: StatRequest | None = None) -> torch.Tensor:
     """A decode step whose rows live in groups (`AttentionProbe.row_groups`): each group attends over its own
     keys; the rows that want the last query's statistic (the batch's first rows, so each group's first ones)
     get it zero-padded to the longest group. `chosen` [B, 1, T]: the step's key subsets (`StepSubset`), if any."""
-    request = probe.request
+    request = request or StatRequest()  # None: this layer records nothing
     if query.shape[2] != 1 or (request.any() and not _only_last_query(request)):
         raise ValueError("rows in groups are for decode steps that at most ask for the last query's row")
     wanted = request.last_query_count(query.shape[0])

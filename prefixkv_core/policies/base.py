@@ -302,10 +302,16 @@ class Policy:
         drop = self.prefill_token_drop(prompt_len, is_image, num_layers)
         return [] if drop is None else [drop]
 
+    def decode_attention_layers(self, state: PolicyState | None) -> tuple[int, ...] | None:
+        """With `decode_needs_attention`: the layers whose attention a decode step must record for this row (None:
+        every layer's, as H2O accumulates them); a step records no layer nobody asked for."""
+        return None
+
     def step_subset(self, state: PolicyState, cache: TrackedCache):
         """For a decode step: (L, choose) when layers L and later should attend to a subset of this row's entries
-        that step (DyCoke's dynamic pruning): choose(attention [Hkv, T]), handed the new token's attention in layer
-        L - 1, answers bool [n] over the row's n entries. Needs `decode_needs_attention`. None: every entry."""
+        that step (DyCoke's dynamic pruning): choose(attention [R, Hkv, T]), handed the new token's attention in
+        layer L - 1 (R: the rows the cache holds), answers bool [R, n] over their n entries. Needs
+        `decode_needs_attention`. None: every entry."""
         return None
 
     def prefill_sparsity(self, prompt_len: int):

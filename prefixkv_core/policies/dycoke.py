@@ -16,7 +16,7 @@ Two stages.
 
 Defaults as published (the reference's README: dycoke_l=3, dycoke_p=0.7, dycoke_k=0.7): L = 3, p = 0.7, and the
 budget r is the share of a compared frame's tokens kept, the reference's 1 - K (the tool's default r = 0.3 is its
-K = 0.7).
+K = 0.7). At r = 1 both stages are off: it is Full.
 
 Where the reference leaves room or this tool departs (docs/methods.md):
 - the kept tokens keep their own positions and order; the reference feeds the kept features as a shorter sequence
@@ -67,13 +67,15 @@ def ttm_keep(features: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 def dp_keep(attention: torch.Tensor, image_slots: torch.Tensor, length: int, keep: int) -> torch.Tensor:
-    """attention [Hkv, T] (the new token's, T >= length), image_slots [I] (where the image entries lie) -> bool
-    [length]: every entry but the image entries outside the `keep` most attended (averaged over heads)."""
-    scores = attention[:, :length].float().mean(dim=0).index_select(0, image_slots)
-    best = torch.topk(scores, keep, sorted=False).indices if keep > 0 else image_slots[:0]
-    out = torch.ones(length, dtype=torch.bool, device=attention.device)
-    out[image_slots] = False
-    out[image_slots.index_select(0, best)] = True
+    """attention [R, Hkv, T] (the new token's in each of R rows, T >= length), image_slots [I] (where the image
+    entries lie, the same in every row) -> bool [R, length]: every entry but the image entries outside each row's
+    `keep` most attended (averaged over heads)."""
+    scores = attention[..., :length].float().mean(dim=1).index_select(1, image_slots)  # [R, I]
+    out = torch.ones(attention.shape[0], length, dtype=torch.bool, device=attention.device)
+    out[:, image_slots] = False
+    if keep > 0:
+        best = torch.topk(scores, keep, dim=1, sorted=False).indices
+        out.scatter_(1, image_slots[best], True)
     return out
 
 
@@ -132,8 +134,10 @@ class DyCokePolicy(Policy):
         return mask
 
     def pruning_layer(self, num_layers: int) -> int:
-        """L clamped to the model's layers (0: no layer after one to rate with)."""
-        return min(int(self.layer), num_layers - 1) if num_layers > 1 and self.prune > 0 else 0
+        """L clamped to the model's layers (0: DP off: no layer after one to rate with, p = 0, or r = 1, which is
+        Full)."""
+        on = num_layers > 1 and self.prune > 0 and float(self.budget) < 1.0
+        return min(int(self.layer), num_layers - 1) if on else 0
 
     def new_state(self) -> DyCokeState:
         return DyCokeState()
@@ -154,7 +158,12 @@ class DyCokePolicy(Policy):
         return Prefilled([None] * view.num_layers, state)
 
     def decode_needs_attention(self) -> bool:
-        return self.prune > 0  # DP reads the new token's attention in layer L − 1 (every layer's is recorded)
+        return self.prune > 0 and float(self.budget) < 1.0  # DP reads the new token's attention in layer L − 1
+
+    def decode_attention_layers(self, state: PolicyState | None) -> tuple[int, ...] | None:
+        if isinstance(state, DyCokeState) and state.pruning_layer:
+            return (state.pruning_layer - 1,)  # the one layer DP rates with
+        return None
 
     def step_subset(self, state: PolicyState, cache):
         if not isinstance(state, DyCokeState) or not state.pruning_layer or state.image_slots is None:
@@ -163,7 +172,7 @@ class DyCokePolicy(Policy):
         keep = int(slots.numel() * (1.0 - float(self.prune)))
         rating = cache.layers[state.pruning_layer - 1]
 
-        def choose(attention: torch.Tensor) -> torch.Tensor:
+        def choose(attention: torch.Tensor) -> torch.Tensor:  # [R, Hkv, T] -> [R, n]
             return dp_keep(attention, slots.to(attention.device), rating.length, keep)
 
         return state.pruning_layer, choose
