@@ -72,15 +72,16 @@ def test_temporal_merging_keeps_the_patches_least_like_the_compared_frame(num_fr
 
 def test_dynamic_pruning_keeps_the_most_attended_image_entries_and_every_other():
     gen = torch.Generator().manual_seed(0)
-    attention = torch.rand(2, 14, generator=gen)  # 2 KV heads, 12 entries + 2 slots of padding
-    slots = torch.tensor([1, 2, 3, 5, 6, 8, 9])
-    attention = torch.stack([attention, torch.rand(2, 14, generator=gen)])  # two rows of one cache
-    got = dp_keep(attention, slots, 12, 3)
+    attention = torch.rand(2, 2, 14, generator=gen)  # two rows of one cache, 2 KV heads, 12 entries + 2 of padding
+    slots = [1, 2, 3, 5, 6, 8, 9]
+    is_image = torch.tensor([[s in slots for s in range(12)]] * 2)
+    got = dp_keep(attention, is_image, 3)
     for r in range(2):
         mean = attention[r, :, :12].mean(dim=0).tolist()
-        best = sorted(slots.tolist(), key=lambda s: -mean[s])[:3]
-        assert got[r].tolist() == [s not in slots.tolist() or s in best for s in range(12)]
-    assert dp_keep(attention, slots, 12, 0).tolist() == [[s not in slots.tolist() for s in range(12)]] * 2
+        best = sorted(slots, key=lambda s: -mean[s])[:3]
+        assert got[r].tolist() == [s not in slots or s in best for s in range(12)]
+    assert dp_keep(attention, is_image, 0).tolist() == [[s not in slots for s in range(12)]] * 2
+    assert dp_keep(attention, is_image, 20).all()  # more than there are: every entry
 
 
 # -- its own prefill on every way a video is read -----------------------------------------------------------------
@@ -246,3 +247,13 @@ def test_a_row_with_a_subset_must_want_its_attention(onevision, decoded):
     with pytest.raises(ValueError, match="want its attention"):
         runner.forward_rows(onevision.model, [cache], [[7]], [state.true_len], [False], onevision.device,
                             subsets=[state.policy.step_subset(state.policy_state, cache)])
+
+
+def test_with_equal_memory_the_hold_evicts_and_dynamic_pruning_follows(onevision):
+    """The equal-memory hold evicts the prompt every step; DP then ranks the image entries that are left."""
+    session = Engine(onevision).new_session(None, PROMPT, ["full", "dycoke"], 0.3, GenerationSettings(max_new_tokens=5),
+                                            video=moving_dot_frames(8), frames=8, budget_mode="equal_memory")
+    list(session.run())
+    state = session.states["dycoke"]
+    assert state.error is None and len(state.turn_ids) == 5
+    assert state.cache.layers[0].length <= round(0.3 * state.true_len) + 1

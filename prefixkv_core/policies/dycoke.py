@@ -66,16 +66,15 @@ def ttm_keep(features: torch.Tensor, keep: int) -> torch.Tensor:
     return kept
 
 
-def dp_keep(attention: torch.Tensor, image_slots: torch.Tensor, length: int, keep: int) -> torch.Tensor:
-    """attention [R, Hkv, T] (the new token's in each of R rows, T >= length), image_slots [I] (where the image
-    entries lie, the same in every row) -> bool [R, length]: every entry but the image entries outside each row's
-    `keep` most attended (averaged over heads)."""
-    scores = attention[..., :length].float().mean(dim=1).index_select(1, image_slots)  # [R, I]
-    out = torch.ones(attention.shape[0], length, dtype=torch.bool, device=attention.device)
-    out[:, image_slots] = False
+def dp_keep(attention: torch.Tensor, is_image: torch.Tensor, keep: int) -> torch.Tensor:
+    """attention [R, Hkv, T] (the new token's in each of R rows, T >= n), is_image [R, n] (which of their n
+    entries are image entries) -> bool [R, n]: every entry but the image entries outside each row's `keep` most
+    attended (averaged over heads)."""
+    n = is_image.shape[1]
+    scores = attention[..., :n].float().mean(dim=1).masked_fill(~is_image, float("-inf"))
+    out = ~is_image
     if keep > 0:
-        best = torch.topk(scores, keep, dim=1, sorted=False).indices
-        out.scatter_(1, image_slots[best], True)
+        out.scatter_(1, torch.topk(scores, min(keep, n), dim=1, sorted=False).indices, True)
     return out
 
 
@@ -83,7 +82,6 @@ def dp_keep(attention: torch.Tensor, image_slots: torch.Tensor, length: int, kee
 class DyCokeState(PolicyState):
     image_tokens: int = 0  # the prompt's image tokens
     image_kept: int = 0  # those that reached the first layer
-    image_slots: torch.Tensor | None = None  # [I]: where the cache's image entries lie (the same in every layer)
     pruning_layer: int = 0  # L: the first layer that attends to DP's subset (0: DP off)
 
 
@@ -143,15 +141,14 @@ class DyCokePolicy(Policy):
         return DyCokeState()
 
     def prefill(self, view: PrefillView) -> Prefilled:
-        """Plans nothing: TTM acted in its own prefill. Finds what DP needs (where the image entries lie) and what
-        TTM did (the prompt's tokens that never reached a layer were its)."""
+        """Plans nothing: TTM acted in its own prefill. Finds what it did (the prompt's tokens that never reached a
+        layer were its)."""
         state = self.new_state()
         first = view.layer(0)
         flags = first.is_image[0, 0]
         state.image_kept = int(flags.sum())
         dropped = view.prompt_len - first.length
         state.image_tokens = state.image_kept + dropped
-        state.image_slots = flags.nonzero().flatten()
         state.pruning_layer = self.pruning_layer(view.num_layers) if state.image_kept else 0
         if not dropped and float(self.budget) < 1.0:
             state.notes.append("no two video frames of one size to merge: temporal merging kept every token")
@@ -166,14 +163,13 @@ class DyCokePolicy(Policy):
         return None
 
     def step_subset(self, state: PolicyState, cache):
-        if not isinstance(state, DyCokeState) or not state.pruning_layer or state.image_slots is None:
+        if not isinstance(state, DyCokeState) or not state.pruning_layer:
             return None
-        slots = state.image_slots
-        keep = int(slots.numel() * (1.0 - float(self.prune)))
-        rating = cache.layers[state.pruning_layer - 1]
+        rating = cache.layers[state.pruning_layer - 1]  # every layer holds the same entries (TTM drops before all)
+        keep = int(rating.image_count() * (1.0 - float(self.prune)))  # counted again only after an eviction
 
         def choose(attention: torch.Tensor) -> torch.Tensor:  # [R, Hkv, T] -> [R, n]
-            return dp_keep(attention, slots.to(attention.device), rating.length, keep)
+            return dp_keep(attention, rating.is_image[:, 0], keep)
 
         return state.pruning_layer, choose
 
