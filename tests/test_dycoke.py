@@ -257,3 +257,16 @@ def test_with_equal_memory_the_hold_evicts_and_dynamic_pruning_follows(onevision
     state = session.states["dycoke"]
     assert state.error is None and len(state.turn_ids) == 5
     assert state.cache.layers[0].length <= round(0.3 * state.true_len) + 1
+
+
+def test_query_agnostic_merges_the_frames_before_the_question(onevision):
+    """The video is compressed before the question is known: the same frames merged, the question fed after."""
+    aware, agnostic = (Engine(onevision).new_session(None, PROMPT, ["dycoke"], 0.3,
+                                                     GenerationSettings(max_new_tokens=2), video=moving_dot_frames(8),
+                                                     frames=8, query_agnostic=mode) for mode in (False, True))
+    list(aware.run())
+    list(agnostic.run())
+    assert agnostic.encoded.split < agnostic.encoded.n
+    dropped = [set(range(s.encoded.n)) - set(s.states["dycoke"].cache.layers[0].positions[0, 0].tolist())
+               for s in (aware, agnostic)]
+    assert dropped[0] and dropped[0] == dropped[1]  # the input embeddings of the frames do not see the question
