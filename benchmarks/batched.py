@@ -142,7 +142,8 @@ class MethodRun:
         needs = policy.decode_needs_attention()
         decoding = chunk.shape[1] == 1
         if self.shared_plan:  # every row in one cache: the step's request and key subsets (DyCoke's) for all rows
-            layers = policy.decode_attention_layers(self.states[0]) if needs and decoding else None
+            wanted = runner.attention_wanted(policy, self.states[0])
+            layers = wanted if decoding and isinstance(wanted, tuple) else None
             probe = AttentionProbe(StatRequest(last_query=needs, last_query_layers=layers))
             subset = policy.step_subset(self.states[0], self.caches[0]) if decoding else None
             if subset is not None:
@@ -151,7 +152,7 @@ class MethodRun:
             attention = [runner.last_query(stats) if needs else None]
         else:
             chunks = chunk.tolist()
-            wants = [(policy.decode_attention_layers(state) or True) if needs else False for state in self.states]
+            wants = [runner.attention_wanted(policy, state) for state in self.states]
             out = runner.forward_rows(sm.model, self.caches, chunks, [self.true_len] * len(chunks), wants, sm.device,
                                       self.buffers, [policy.step_subset(state, cache)
                                                      for state, cache in zip(self.states, self.caches)])

@@ -15,7 +15,6 @@ from prefixkv_core.decoding import runner
 from prefixkv_core.kv.attention import AttentionProbe, StatRequest, tracked_attention_enabled
 from prefixkv_core.policies import make_policy
 from prefixkv_core.policies.dycoke import compared_frames, dp_keep, ttm_keep
-from prefixkv_core.session.step_pool import attention_wanted
 from prefixkv_core.testing import (build_tiny_family, layered_reference_cache, moving_dot_frames, save_tiny_family,
                                    wide_noise_picture)
 
@@ -213,7 +212,7 @@ def test_a_decode_step_attends_to_the_subset_the_naive_rule_picks(onevision, dec
     assert first == min(3, onevision.num_layers - 1)
     with tracked_attention_enabled(onevision.model):
         cache = state.cache.clone()
-        wanted = attention_wanted(state)
+        wanted = runner.attention_wanted(state.policy, state.policy_state)
         assert wanted == (first - 1,)  # the step records the one layer DP rates with
         out = runner.forward_rows(onevision.model, [cache], [[7]], [state.true_len], [wanted], onevision.device,
                                   subsets=[policy.step_subset(state.policy_state, cache)])
@@ -234,7 +233,7 @@ def test_a_batched_step_prunes_only_the_dycoke_row(onevision, decoded):
         expected = masked_step(onevision, dy.cache, dy.true_len, 7, dy.policy_state.pruning_layer, dy.policy.prune)
         rows = [full.cache.clone(), dy.cache.clone()]
         out = runner.forward_rows(onevision.model, rows, [[9], [7]], [full.true_len, dy.true_len],
-                                  [False, attention_wanted(dy)],
+                                  [False, runner.attention_wanted(dy.policy, dy.policy_state)],
                                   onevision.device, runner.StepBuffers(),
                                   [None, dy.policy.step_subset(dy.policy_state, rows[1])])
     torch.testing.assert_close(out.logits[0], alone_full[0], atol=1e-4, rtol=1e-4)

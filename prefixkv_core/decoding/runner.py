@@ -422,6 +422,14 @@ def last_query(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Ten
     return {l: s["last_query"] for l, s in stats.items()}
 
 
+def attention_wanted(policy: Policy, state: PolicyState | None):
+    """What a row's decode step must record for `policy` (`forward_rows`' want_attention): False, True (every
+    layer's attention) or the layers it reads (`Policy.decode_attention_layers`)."""
+    if not policy.decode_needs_attention():
+        return False
+    return policy.decode_attention_layers(state) or True
+
+
 @torch.inference_mode()
 def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                  want_attention: Sequence[bool], device: torch.device,
@@ -429,9 +437,10 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
     rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
     scoring), aligned with that row's entries: True for every layer's, a tuple of layers for those layers' only
-    (a decode step then records the others for no row, when no row wants them all). `subsets[r]`: (L, choose) when, in a decode step, row r's layers
-    from L on attend to a subset of its entries (`Policy.step_subset`; the row must want attention). Pass the same
-    `buffers` to every step of a turn to reuse the padded tensors."""
+    (a decode step then records the others for no row, when no row wants them all; `attention_wanted`).
+    `subsets[r]`: (L, choose) when, in a decode step, row r's layers from L on attend to a subset of its entries
+    (`Policy.step_subset`; the row must want attention). Pass the same `buffers` to every step of a turn to reuse
+    the padded tensors."""
     b = len(caches)
     if min(len(c) for c in chunks) < 1:
         raise ValueError("every row needs at least one token to feed")

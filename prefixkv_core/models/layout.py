@@ -85,8 +85,8 @@ class ImageLayout:
         indices among the prompt's image tokens in reading order, so that column j holds the same patch of every
         frame. None when fewer than two frames are marked or they do not hold the same number of patches."""
         views, _, cols = self.token_cells()
-        picture = np.array([v.image for v in self.views], dtype=np.int64)[views] if len(views) else views
-        patch = cols < np.array([v.cols for v in self.views], dtype=np.int64)[views] if len(views) else views
+        picture = np.array([v.image for v in self.views], dtype=np.int64)[views]
+        patch = cols < np.array([v.cols for v in self.views], dtype=np.int64)[views]
         frames = [np.nonzero((picture == i) & patch)[0] for i, marked in enumerate(is_frame) if marked]
         if len(frames) < 2 or len({f.size for f in frames}) != 1 or frames[0].size == 0:
             return None

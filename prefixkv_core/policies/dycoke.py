@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -116,8 +115,7 @@ class DyCokePolicy(Policy):
         if frames is None or float(self.budget) >= 1.0:
             return []
         image_at = is_image[0].nonzero().flatten()
-        tokens = image_at.index_select(0, torch.as_tensor(np.asarray(frames), dtype=torch.long,
-                                                          device=image_at.device).flatten()).view(*np.shape(frames))
+        tokens = image_at[torch.as_tensor(frames, dtype=torch.long, device=image_at.device)]  # [F, P] positions
         keep = self.frame_keep(tokens.shape[1])
         return [TokenDrop(0, lambda stats, kept, hidden: self.choose(hidden, tokens, keep), reads_hidden=True)]
 

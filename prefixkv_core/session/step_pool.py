@@ -56,13 +56,6 @@ class _Request:
     error: BaseException | None = None
 
 
-def attention_wanted(state: MethodState):
-    """What a row's step must record: False, True (every layer's attention) or the layers its policy reads."""
-    if not state.policy.decode_needs_attention():
-        return False
-    return state.policy.decode_attention_layers(state.policy_state) or True
-
-
 def advance_rows(loaded: LoadedModel, buffers: runner.StepBuffers, states: list[MethodState],
                  chunks: list[list[int]], steps: list[int]) -> StepResult:
     """Feed chunks[r] to states[r] in one batched forward, then let each policy compress its own cache (the caller
@@ -72,7 +65,8 @@ def advance_rows(loaded: LoadedModel, buffers: runner.StepBuffers, states: list[
     start = watch.mark()
     try:
         out = runner.forward_rows(loaded.model, [s.cache for s in states], chunks, [s.true_len for s in states],
-                                  [attention_wanted(s) for s in states], device, buffers,
+                                  [runner.attention_wanted(s.policy, s.policy_state) for s in states], device,
+                                  buffers,
                                   [s.policy.step_subset(s.policy_state, s.cache) for s in states])
     except Exception as exc:
         for state in states:
