@@ -19,7 +19,8 @@ the sample has) and a clip of blank grey frames: what the questions and answer p
 --no-blank leaves it out.
 
 Prints a table (accuracy per subtask, and per task over its subtasks) and writes --json (every answer, the
-summary); --checkpoint appends each sample's answers to a JSON-lines file and skips those already there.
+summary); --checkpoint appends each sample's answers to a JSON-lines file and skips those already there (a
+run naming more methods asks only the methods there lack, Full answering beside them for the KV shares).
 
 The headline in the seeds' settings (`--methods all --budgets 0.05,0.1,0.2,0.3,0.5 --query-agnostic
 --budget-of-image --control-seeds 5 --out STEM`): every answer records the share of Full's KV bytes its method held
@@ -104,6 +105,10 @@ def question(task: str, seed: int, blank: bool, frames: int):
 
 
 def read_checkpoint(path: Path | None) -> dict[tuple, dict]:
+    """(task, seed, budget, condition) -> what earlier runs wrote for it: their records joined and the methods they
+    asked (`methods`; a line written before lines named them: the methods of its records). Several lines may hold
+    one key (a later run asked only the methods the earlier ones lacked). A torn last line, from a run stopped
+    mid-write, is dropped and asked again."""
     done: dict[tuple, dict] = {}
     if path is None or not path.exists():
         return done
@@ -112,7 +117,12 @@ def read_checkpoint(path: Path | None) -> dict[tuple, dict]:
             line = json.loads(raw)
         except json.JSONDecodeError:
             continue  # a torn last line: asked again
-        done[(line["task"], line["seed"], line["budget"], line["condition"])] = line
+        key = (line["task"], line["seed"], line["budget"], line["condition"])
+        asked = line.get("methods") or {r["method"].removesuffix(va.IMAGE_SUFFIX) for r in line["records"]}
+        joined = done.setdefault(key, {"task": key[0], "seed": key[1], "budget": key[2], "condition": key[3],
+                                       "methods": set(), "records": []})
+        joined["methods"] |= set(asked)
+        joined["records"] += line["records"]
     return done
 
 
@@ -123,8 +133,10 @@ def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods
              shard: tuple[int, int] = (0, 1)) -> list[dict]:
     """Every sample at every budget (all methods of a budget in one session; with `image_rows` the methods with a
     `budget_of` knob again with budget_of=image; the controls that draw at random as N rows of draws), then the
-    blank baseline with the reference method; one record per answer. `shard` (i, n): only the samples whose index
-    is i modulo n are asked (n processes share a run, each with a checkpoint of its own)."""
+    blank baseline with the reference method; one record per answer. `checkpoint`: a JSON-lines file that gets one
+    line per sample, budget and condition as it finishes; what is in it is not asked again (a long run resumes), and
+    a run with more methods asks only the methods its lines lack (the rows there are kept). `shard` (i, n): only
+    the samples whose index is i modulo n are asked (n processes share a run, each with a checkpoint of its own)."""
     done = read_checkpoint(checkpoint)
     runs = [(budget, ms, "images") for j, budget in enumerate(budgets)
             if (ms := [m for m in methods if uses_budget(m) or j == 0])]
@@ -137,21 +149,25 @@ def evaluate(engine: Engine, tasks: list[str], split: str, samples: int, methods
     for budget, ms, condition in runs:
         for index, (task, sub, seed) in enumerate(todo):
             bar.update()
-            key = (task, seed, budget, condition)
-            if key in done:
-                records += done[key]["records"]
+            earlier = done.get((task, seed, budget, condition), {"methods": set(), "records": []})
+            records += earlier["records"]
+            missing = [m for m in ms if m not in earlier["methods"]]  # a run with fewer methods: ask the others
+            if not missing or index % shard[1] != shard[0]:
                 continue
-            if index % shard[1] != shard[0]:
-                continue
+            # the reference answers too (the KV shares are measured against it), recorded only when missing
+            asked = missing if reference in missing else [reference, *missing]
             images, prompt, video, answer, grade = question(task, seed, condition == BLANK, frames)
-            line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "records": []}
-            groups = sessions(ms, knobs or {}, image_rows) if condition != BLANK else [(ms, {}, "")]
+            line = {"task": task, "seed": seed, "budget": budget, "condition": condition, "methods": missing,
+                    "records": []}
+            groups = sessions(asked, knobs or {}, image_rows) if condition != BLANK else [(asked, {}, "")]
             for group, group_knobs, suffix in groups:
                 outs = ask(engine, images, prompt, group, budget, max_new, video=video,
                            frames=frames if video else None, knobs=group_knobs, query_agnostic=query_agnostic,
                            draws=control_seeds if condition != BLANK else 1)
                 for row, (text, kv, kept) in outs.items():
                     m, draw = split_draw(row)
+                    if m not in missing:
+                        continue
                     line["records"].append(
                         {"task": task, "subtask": sub, "seed": seed, "split": split, "condition": condition,
                          "method": m + suffix, "budget": reported_budget(m, budget), "draw": draw, "prompt": prompt,

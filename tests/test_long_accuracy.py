@@ -86,6 +86,34 @@ def test_two_shards_joined_ask_what_one_run_asks(tmp_path, monkeypatch):
         sorted(map(key, json.loads(whole.read_text())["records"]))
 
 
+def test_more_methods_ask_only_what_the_lines_lack(tmp_path, monkeypatch):
+    """A run naming a method the checkpoint's lines lack asks only that one (Full answers beside it for the KV
+    shares, not recorded again), appends lines that name it, and its tables read every line together."""
+    monkeypatch.setattr(va, "figure", lambda *a, **k: "figure skipped in tests")
+    args = [*ARGS, "--budgets", "0.3", "--control-seeds", "1", "--tasks", "scene_multi"]
+    ckpt = tmp_path / "long.jsonl"
+    assert la.main([*args, "--methods", "full,h2o", "--checkpoint", str(ckpt)]) == 0
+    first = ckpt.read_text().splitlines()
+    asked = []
+    real = la.ask
+    monkeypatch.setattr(la, "ask", lambda *a, **k: asked.append(a[3]) or real(*a, **k))
+    out = tmp_path / "more.json"
+    assert la.main([*args, "--methods", "full,h2o,snapkv", "--checkpoint", str(ckpt), "--json", str(out)]) == 0
+    assert asked == [["full", "snapkv"]]  # the one sample; its blank baseline is there
+    lines = [json.loads(raw) for raw in ckpt.read_text().splitlines()]
+    assert ckpt.read_text().splitlines()[:len(first)] == first
+    new = lines[len(first):]
+    assert len(new) == 1 and new[0]["methods"] == ["snapkv"]
+    assert {r["method"] for line in new for r in line["records"]} == {"snapkv"}
+    recs = [r for r in json.loads(out.read_text())["records"] if r["condition"] == "images"]
+    per = {m: sum(r["method"] == m for r in recs) for m in ("full", "h2o", "snapkv")}
+    assert per == {"full": 1, "h2o": 1, "snapkv": 1}
+    assert all(0 < r["kv_share"] < 1 for r in recs if r["method"] == "snapkv")
+    asked.clear()
+    assert la.main([*args, "--methods", "full,h2o,snapkv", "--checkpoint", str(ckpt)]) == 0
+    assert asked == []
+
+
 @pytest.mark.parametrize("model, expected", [("embedded", "embedded-query-agnostic"),
                                              ("llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
                                               "llava-onevision-qwen2-0.5b-ov-hf-query-agnostic"),
