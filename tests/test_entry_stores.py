@@ -426,3 +426,81 @@ def test_range_drops_over_stacked_layers_equal_each_row_alone(split, monkeypatch
     for (i, r), fields in untouched.items():
         for name in ENTRY_FIELDS:
             assert torch.equal(getattr(by_layer[i][r], name), fields[name]), (i, r, name)
+
+
+def _cache(lengths: list[int], rows: int, seed: int = 0, heads: int = 2, dim: int = 4) -> TrackedCache:
+    """A cache of `rows` prompts whose layer i holds lengths[i] entries (each layer in stores of its own)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = TrackedCache(len(lengths))
+    for layer, t in zip(cache.layers, lengths):
+        layer.update(torch.randn(rows, heads, t, dim, generator=g), torch.randn(rows, heads, t, dim, generator=g))
+        positions = torch.arange(t).repeat(rows, 1)
+        layer.append_meta(positions, (positions + torch.arange(rows)[:, None]) % 3 == 0, heads)
+        layer.scores.add_(torch.rand(rows, heads, t, generator=g))
+    return cache
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_cache_s_stacked_layers_evict_together_as_each_layer_alone(rows):
+    """`TrackedCache.stack_layers` (what an every-step method's cache gets after its prompt is compressed): every
+    layer's fields in one tensor each, a layer's part as long as it holds plus room. A joint eviction of all its
+    layers (different counts per layer, head-shared and head-wise indices, one row or several) and then a range
+    drop leave exactly what each layer's own edit leaves on a copy, image counts included, in operators that do
+    not grow with the layers beyond a view of each index; appends after them grow the stack without losing an
+    entry."""
+    from prefixkv_core.kv.joint_eviction import drop_ranges
+    from benchmarks.step_ops import _Operators
+
+    lengths = [9, 12, 7, 10]
+    cache, plain = _cache(lengths, rows), _cache(lengths, rows)
+    assert cache.stack_layers() and cache.stack_layers()  # a second call finds them stacked
+    stacks = {name: cache.layers[0]._stores[name].stack for name in ENTRY_FIELDS}
+    assert all(layer._stores[name].stack is stacks[name] for layer in cache.layers for name in ENTRY_FIELDS)
+    assert stacks["keys"].capacities == [n + spare_for(n) for n in lengths]
+    for mine, theirs in zip(cache.layers, plain.layers):
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+    g = torch.Generator().manual_seed(1)
+    keeps = [torch.sort(torch.randperm(n, generator=g)[:k]).values.view(1, 1, -1).expand(rows, 1, -1)
+             for n, k in zip(lengths, (4, 6, 7, 3))]
+    keeps[1] = torch.stack([torch.sort(torch.randperm(12, generator=g)[:6]).values for _ in range(2)]).expand(
+        rows, 2, 6)  # head-wise
+    ops = _Operators()
+    with ops:
+        gather_many(list(zip(cache.layers, keeps)))
+    few = _Operators()
+    with few:
+        gather_many(list(zip(_cache(lengths[:2], rows).layers, keeps[:2])))  # no stack: each layer alone
+    for layer, keep in zip(plain.layers, keeps):
+        layer.gather(keep)
+    drop_ranges([(layer, 1, 2) for layer in cache.layers])
+    for layer in plain.layers:
+        layer.drop_range(1, 2)
+    for mine, theirs in zip(cache.layers, plain.layers):
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+        assert mine.image_count() == theirs.image_count()
+        assert mine._stores["keys"].stack is stacks["keys"]  # evicted where they lie
+    assert ops.operators < 2 * few.operators  # four layers at once cost less than two each on its own
+    for step in range(20):  # past every layer's room: the stack grows
+        for mine, theirs in zip(cache.layers, plain.layers):
+            new = torch.full((rows, 2, 1, 4), float(step))
+            for layer in (mine, theirs):
+                layer.update(new, new)
+                layer.append_meta(torch.full((rows, 1), 100 + step), torch.zeros(rows, 1, dtype=torch.bool), 2)
+    for mine, theirs in zip(cache.layers, plain.layers):
+        for name in ENTRY_FIELDS:
+            assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+
+
+def test_only_caches_of_their_own_full_precision_entries_are_stacked():
+    """A cache whose layers are rows of a batch's shared stores, or hold quantised entries, is left as it is."""
+    cache = _cache([5, 6], 1)
+    buffers_rows = [_cache([5, 6], 1, seed=s) for s in (1, 2)]
+    from prefixkv_core.decoding.step_buffers import StepBuffers
+
+    StepBuffers().form([[c.layers[i] for c in buffers_rows] for i in range(2)])
+    before = buffers_rows[0].layers[0]._stores
+    assert not buffers_rows[0].stack_layers() and buffers_rows[0].layers[0]._stores is before
+    cache.layers[1].quantize_fp_part(torch.ones(1, 1, 6, dtype=torch.bool), 4, 2, None)
+    assert not cache.stack_layers() and cache.layers[0]._stores["keys"].stack is None

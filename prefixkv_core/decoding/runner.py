@@ -45,6 +45,7 @@ from ..models.compat import cache_kwarg
 from ..models.families import hooks_of, uses_mrope
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
+from ..policies.equal_memory import EqualMemoryHold
 from .step_buffers import StepBuffers
 from .stopwatch import Elapsed, Stopwatch
 from .token_drop import tokens_dropped
@@ -112,11 +113,8 @@ class _InPlaceDecodeLayer(DynamicLayer):
         """Write the new entry of every row of `group` after its entries, in place; its keys and values as
         attention reads them (the first T entries, T its longest row) and their key mask (None: every entry)."""
         step, stores = self.step, group.stores
-        if group.whole:
-            positions = step.positions[:, :1]
-        else:
+        if not group.whole:
             key_states, value_states = key_states.index_select(0, group.index), value_states.index_select(0, group.index)
-            positions = step.positions.index_select(0, group.index)[:, :1]
         b, h = key_states.shape[:2]
         old = list(stores["keys"].lengths)
         ends, masks = step.lengths_before(self.layer_idx) if group.whole else (None, None)
@@ -127,12 +125,13 @@ class _InPlaceDecodeLayer(DynamicLayer):
                 store.reserve(max(old) + 1)
         # row k's next slot in every head: one scatter per field for all rows (the metadata's done already when
         # the step wrote every layer's at once)
-        at = ends.view(b, 1, 1)
         if not (step.meta_written and group.whole):
+            positions = step.positions[:, :1] if group.whole else step.positions.index_select(0, group.index)[:, :1]
+            at = ends.view(b, 1, 1)
             stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
             stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
             stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
-        at = at.unsqueeze(-1)
+        at = ends.view(b, 1, 1, 1)
         stores["keys"].data.scatter_(2, at.expand(b, h, 1, key_states.shape[-1]), key_states)
         stores["values"].data.scatter_(2, at.expand(b, h, 1, value_states.shape[-1]), value_states)
         new = [n + 1 for n in old]
@@ -164,8 +163,9 @@ class _InPlaceDecodeCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.layers = [_InPlaceDecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
         self.row_lengths: list[list[int]] = []  # per layer: each row's entries before this step
-        self._ends: torch.Tensor | None = None
-        self._masks: torch.Tensor | None = None
+        self._ends: torch.Tensor | None = None  # [L, B] every layer's row lengths before the step
+        self._layer_ends: tuple[torch.Tensor, ...] = ()  # its rows, and each layer's key mask [B, T+1]
+        self._layer_masks: tuple[torch.Tensor, ...] = ()
         self.meta_written = False  # every layer's new position, image flag and score written at the first layer
         self.groups_by_layer: list | None = None  # every layer's row groups, when the first layer found them
 
@@ -216,8 +216,10 @@ class _InPlaceDecodeCache(DynamicCache):
             self.row_lengths = [[c.layers[i].length for c in self.caches] for i in range(len(self.layers))]
             self._ends = torch.tensor(self.row_lengths, device=self.positions.device)  # [L, B]
             longest = max(max(lengths) for lengths in self.row_lengths) + 1
-            self._masks = self.slots(longest) <= self._ends[..., None]  # [L, B, T+1]
-        return self._ends[layer_idx], self._masks[layer_idx]
+            masks = self.slots(longest) <= self._ends[..., None]  # [L, B, T+1]
+            # every layer's part as a view, made at once (one operator a step, not two a layer)
+            self._layer_ends, self._layer_masks = self._ends.unbind(0), masks.unbind(0)
+        return self._layer_ends[layer_idx], self._layer_masks[layer_idx]
 
     def slots(self, t: int) -> torch.Tensor:
         """0, 1, ..., t - 1 (made once per step, long enough for every layer)."""
@@ -670,6 +672,8 @@ def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[
     apply_plans(cache, plans)
     # a second pass (the equal-memory hold: a prompt-only method starts at r·N too; LOOK-M's text may exceed it)
     apply_plans(cache, policy.after_plans(DecodeView(cache, prompt_len, prompt_len, 0, reduced_by=reduced_by), state))
+    if policy.keeps_budget_while_decoding() or isinstance(policy, EqualMemoryHold):
+        cache.stack_layers()  # it evicts every step: from every layer at once (a prompt-only cache only grows)
     return state
 
 

@@ -207,7 +207,7 @@ def tracked_attention(module, query, key, value, attention_mask, scaling=None, d
         # want it (the first ones: a view of the batch, no copy)
         rows = request.last_query_count(bsz)
         out = _sdpa_output(query, key, value, scale, extra_mask)
-        probe.stats[layer] = {"last_query": _last_query_probs(query[:rows], key[:rows], scale,
+        probe.stats[layer] = {"last_query": _last_query_probs(_first_rows(query, rows), _first_rows(key, rows), scale,
                                                               _leading(extra_mask, rows)).mean(dim=2)}
     else:
         out, stats = _attention_with_stats(query, key, value, scale, extra_mask, request, probe.after_image,
@@ -256,12 +256,28 @@ def _decode_with_statistic(query, key, value, scale, extra_mask, rows: int) -> t
     comes from the probabilities the statistic needs anyway (one softmax, the keys read once), the fused kernel
     attends for the other rows. Returns (out [B, H, 1, D], the statistic [rows, Hkv, Tk])."""
     bsz, n_heads, _, head_dim = query.shape
-    probs = _last_query_probs(query[:rows], key[:rows], scale, _leading(extra_mask, rows))  # [rows, Hkv, group, Tk]
-    out = torch.matmul(probs, value[:rows].float()).to(query.dtype).reshape(rows, n_heads, 1, head_dim)
+    probs = _last_query_probs(_first_rows(query, rows), _first_rows(key, rows), scale,
+                              _leading(extra_mask, rows))  # [rows, Hkv, group, Tk]
+    out = _as(torch.matmul(probs, _fp32(_first_rows(value, rows))), query.dtype).reshape(rows, n_heads, 1, head_dim)
     if rows < bsz:
         rest = _sdpa_output(query[rows:], key[rows:], value[rows:], scale, _trailing(extra_mask, rows))
         out = torch.cat([out, rest])
     return out, probs.mean(dim=2)
+
+
+def _first_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first `rows` batch rows of `t`: `t` itself when they are all of it (every step, every layer: an operator
+    a GPU would dispatch for nothing)."""
+    return t if rows == t.shape[0] else t[:rows]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`, without dispatching an operator when it is of that dtype already."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return _as(t, torch.float32)
 
 
 def _grouped_decode(query, groups, scale, probe: AttentionProbe, layer: int, chosen=None,
@@ -318,8 +334,9 @@ def _last_query_probs(query, key, scale, extra_mask) -> torch.Tensor:
     alignment), so only the key mask applies."""
     bsz, n_heads, _, head_dim = query.shape
     n_kv = key.shape[1]
-    q = query[:, :, -1:].float().reshape(bsz, n_kv, n_heads // n_kv, head_dim) * scale
-    scores = torch.matmul(q, key.float().transpose(-1, -2))  # [B, Hkv, group, Tk]
+    last = query if query.shape[2] == 1 else query[:, :, -1:]
+    q = _fp32(last).reshape(bsz, n_kv, n_heads // n_kv, head_dim) * scale
+    scores = torch.matmul(q, _fp32(key).transpose(-1, -2))  # [B, Hkv, group, Tk]
     if extra_mask is not None:
         scores = torch.where(extra_mask.unsqueeze(2), scores, float("-inf"))
     # never a fully masked row: the last query always sees its own token, which no key mask hides

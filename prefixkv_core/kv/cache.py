@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .quant import QuantizedTensor, dequantize, quantize_keys, quantize_values
-from .stores import SPARE_ENTRIES, EntryStore
+from .stores import SPARE_ENTRIES, EntryStore, StoreStack, spare_for
 
 
 @dataclass
@@ -530,7 +530,7 @@ class TrackedCache(DynamicCache):
         with torch.inference_mode():  # in place, in each layer's own slot
             for layer_idx, s in stats.items():
                 scores = self.layers[layer_idx].scores
-                scores.add_(s.to(scores.device))
+                scores.add_(s if s.device == scores.device else s.to(scores.device))
 
     def clone(self) -> "TrackedCache":
         """An independent copy (`TrackedLayer.twin` of every layer)."""
@@ -574,6 +574,41 @@ class TrackedCache(DynamicCache):
         return out
 
     # -- what the UI shows ---------------------------------------------------------------------------
+    def stack_layers(self) -> bool:
+        """Move every layer's entries into stores stacked over the layers (`StoreStack`: one tensor per field, each
+        layer its own part, as long as it holds plus room), so that a decode step's evictions from every layer (and
+        row) are one copy per field (`joint_eviction`), not a few operators per layer and field. For a cache whose
+        layers hold full-precision entries alike in shape, each in stores of its own; returns whether its layers
+        are stacked (False: left as they were)."""
+        layers = self.layers
+        if not layers or any(layer.keys is None or layer.segments or layer.has_empty_slots for layer in layers):
+            return False
+        rows = layers[0].keys.shape[0]
+        if any(layer._rows != (0, rows) or any(st.data.shape[0] != rows for st in layer._stores.values())
+               for layer in layers):
+            return False  # rows of a batch's shared stores: stacked there, if at all
+        stacks = {id(st.stack) for layer in layers for st in layer._stores.values()}
+        if len(stacks) == 1 and id(None) not in stacks:
+            return True  # stacked already
+        first = {name: getattr(layers[0], name) for name in ENTRY_FIELDS}
+        for layer in layers[1:]:
+            for name, like in first.items():
+                f = getattr(layer, name)
+                if f.shape[1] != like.shape[1] or f.shape[3:] != like.shape[3:] or f.dtype != like.dtype \
+                        or f.device != like.device:
+                    return False
+        rooms = [layer.length + spare_for(layer.length) for layer in layers]
+        stacks = {name: StoreStack(t, rows, rooms) for name, t in first.items()}
+        with torch.inference_mode():
+            for i, layer in enumerate(layers):
+                stores = {name: EntryStore(stack.layer_view(i), [0] * rows, stack) for name, stack in stacks.items()}
+                for name, store in stores.items():
+                    f = getattr(layer, name)
+                    store.data.narrow(2, 0, f.shape[2]).copy_(f)
+                    store.lengths[:] = [f.shape[2]] * rows
+                layer._stores, layer._rows = stores, (0, rows)
+        return True
+
     def lengths(self) -> list[int]:
         """Entries each layer keeps (averaged over KV heads when heads keep different counts)."""
         return [int(round(layer.kept_per_head())) for layer in self.layers]

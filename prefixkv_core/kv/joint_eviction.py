@@ -1,6 +1,7 @@
-"""Evictions carried out for many rows at once: the rows of a batch's shared stores (`decoding/step_buffers.py`),
-whose fields live in one tensor each (one layer's stores, or a stack of every layer's, each layer with its own
-capacity), evicted with one copy per field for all of them instead of a dozen operators per row and layer.
+"""Evictions carried out for many rows at once: the rows of a batch's shared stores (`decoding/step_buffers.py`)
+or of a cache's own stacked layers (`TrackedCache.stack_layers`), whose fields live in one tensor each (one
+layer's stores, or a stack of every layer's, each layer with its own capacity), evicted with one copy per field
+for all of them instead of a dozen operators per row and layer.
 
 - `gather_many` / `gather_rows`: any kept indices, one per row (the entries that change are copied).
 - `drop_ranges`: a range dropped from every head of each row (`RangeDrop`: a fixed-point eviction), the entries
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from .cache import ENTRY_FIELDS, KeptImageCounts, TrackedLayer
 from .stores import EntryStore
@@ -45,17 +45,24 @@ def _place(store: EntryStore, row: int) -> tuple[int, torch.Tensor, int, int]:
     return id(data), data.view(-1, *data.shape[3:]), row * data.shape[1] * data.shape[2], data.shape[2]
 
 
-def _homes(layers: Sequence[TrackedLayer], what: str) -> dict[str, _Home]:
-    """Each field's home for `layers`; raises unless each field of them all lives in one tensor."""
-    if not _shared_rows(layers):
+def _homes(rows: Sequence[tuple[TrackedLayer, int]], what: str) -> dict[str, _Home]:
+    """Each field's home for these (layer, row of its stores) pairs; raises unless each field of them all lives in
+    one tensor."""
+    if not _shared_rows([layer for layer, _ in rows]):
         raise ValueError(f"{what} takes full-precision rows of shared stores")
     out = {}
     for name in ENTRY_FIELDS:
-        placed = [_place(layer._stores[name], layer._rows[0]) for layer in layers]
+        placed = [_place(layer._stores[name], r) for layer, r in rows]
         if len({key for key, _, _, _ in placed}) != 1:
             raise ValueError(f"{what} takes rows of shared stores that live in one tensor per field")
         out[name] = _Home(placed[0][0], placed[0][1], tuple(p[2] for p in placed), tuple(p[3] for p in placed))
     return out
+
+
+def _rows_of(layer: TrackedLayer) -> range:
+    """The rows of its stores a layer holds (one for a batch row of shared stores, all of them for a cache of
+    several prompts)."""
+    return range(*layer._rows)
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,8 +82,9 @@ def _slots(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _shared_rows(layers: Sequence[TrackedLayer]) -> bool:
-    """Whether every layer is a batch-1, full-precision row of shared stores without empty slots."""
-    return all(not layer.segments and not layer.has_empty_slots and layer._rows[1] - layer._rows[0] == 1
+    """Whether every layer holds full-precision rows without empty slots in stores a joint copy can address (a
+    stack of layers, or contiguous data)."""
+    return all(not layer.segments and not layer.has_empty_slots
                and all(store.stack is not None or store.data.is_contiguous() for store in layer._stores.values())
                for layer in layers)
 
@@ -97,13 +105,14 @@ def _kept_images(home: _Home, heads: int, kept: list[int], device: torch.device)
 
 
 def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
-    """`layer.gather(index)` for every (layer, index) pair, the batch-1 full-precision layers that are rows of
-    shared stores gathered together when their stores live in one tensor (`gather_rows`: one layer's shared
-    stores, or a stack of every layer's); each layer at most once."""
+    """`layer.gather(index)` for every (layer, index) pair, the full-precision layers whose stores live in one
+    tensor per field (a batch's shared stores, one layer's or a stack of every layer's; a cache's own stack of its
+    layers, `TrackedCache.stack_layers`) gathered together (`gather_rows`); each layer at most once."""
     groups: dict[int, tuple[list[TrackedLayer], list[torch.Tensor]]] = {}
     for layer, index in pairs:
         # (a row keeping its whole capacity has no free last slot for the joint copy: it gathers alone)
-        if not _shared_rows([layer]) or index.shape[0] != 1 or index.shape[-1] >= layer._stores["keys"].capacity:
+        if not _shared_rows([layer]) or index.shape[0] not in (1, len(_rows_of(layer))) \
+                or index.shape[-1] >= layer._stores["keys"].capacity:
             layer.gather(index)
             continue
         group = groups.setdefault(_group_key(layer), ([], []))
@@ -117,16 +126,21 @@ def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
 
 
 def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor]) -> None:
-    """`layers[k].gather(indices[k])` for batch-1 layers whose entries live in one tensor per field (rows of one
-    layer's shared stores, or of a stack of layers), done as one copy per field for all of them: the same entries
-    kept, in a few operations instead of a dozen per row. indices[k]: [1, 1 or Hkv, K_k] (no empty slots)."""
-    homes = _homes(layers, "gather_rows")
+    """`layers[k].gather(indices[k])` for full-precision layers whose entries live in one tensor per field (rows of
+    one layer's shared stores, or of a stack of layers), done as one copy per field for all of them: the same
+    entries kept, in a few operations instead of a dozen per row. indices[k]: [1 or the layer's rows, 1 or Hkv,
+    K_k] (no empty slots)."""
+    rows = [(layer, r) for layer in layers for r in _rows_of(layer)]
+    homes = _homes(rows, "gather_rows")
     device = indices[0].device
     heads = layers[0]._stores["keys"].data.shape[1]
-    counts = [int(i.shape[-1]) for i in indices]
-    # [rows, Hkv, max K]; a shorter row's padding repeats entry 0 (never written)
-    index = pad_sequence([i[0].transpose(0, 1).expand(-1, heads) for i in indices], batch_first=True)
-    index = index.transpose(1, 2).contiguous()
+    counts = [int(i.shape[-1]) for layer, i in zip(layers, indices) for _ in _rows_of(layer)]
+    longest = max(counts)
+    # [rows, Hkv, max K], a layer's rows in order; a shorter row's padding repeats entry 0 (never written)
+    blocks = [i.expand(len(_rows_of(layer)), heads, -1) for layer, i in zip(layers, indices)]
+    blocks = [b if b.shape[-1] == longest else torch.nn.functional.pad(b, (0, longest - b.shape[-1]))
+              for b in blocks]
+    index = torch.cat(blocks)
     slots = _slots(index.shape[2], device)
     valid = slots < torch.tensor(counts, device=device)[:, None, None]  # [rows, 1, max K]
     # a slot whose entry stays (or a shorter row's padding) copies its row's last slot onto itself instead: no
@@ -150,11 +164,19 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
                 kept = entries.index_select(0, everything).view(index.shape)
                 kept_image = KeptImageCounts((kept & valid).sum(dim=(1, 2)), heads)
             entries.index_copy_(0, written, entries.index_select(0, read))
-    for name in ENTRY_FIELDS:
-        for layer, k in zip(layers, counts):
-            layer._stores[name].lengths[layer._rows[0]] = k
-    for k, layer in enumerate(layers):
-        layer._image_count = (kept_image, k)
+    _set_lengths(rows, counts, kept_image)
+
+
+def _set_lengths(rows: Sequence[tuple[TrackedLayer, int]], kept: Sequence[int], kept_image: KeptImageCounts) -> None:
+    """After a joint eviction: each (layer, row)'s entries, and where each layer's image count (its first row's,
+    as `TrackedLayer.image_count` reads) waits on the device."""
+    first: dict[int, int] = {}
+    for j, ((layer, r), k) in enumerate(zip(rows, kept)):
+        for name in ENTRY_FIELDS:
+            layer._stores[name].lengths[r] = k
+        first.setdefault(id(layer), j)
+    for layer, _ in rows:
+        layer._image_count = (kept_image, first[id(layer)])
 
 
 def drop_ranges(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
@@ -181,19 +203,19 @@ def drop_ranges(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
 
 
 def _drop_in_home(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
-    layers = [layer for layer, _, _ in drops]
-    homes = _homes(layers, "drop_ranges")
-    lengths = [layer.length for layer in layers]
-    after = [n - start - count for (_, start, count), n in zip(drops, lengths)]  # entries that move up
-    if min(after) < 0 or min(start for _, start, _ in drops) < 0:
+    rows = [(layer, r, start, count) for layer, start, count in drops for r in _rows_of(layer)]
+    homes = _homes([(layer, r) for layer, r, _, _ in rows], "drop_ranges")
+    lengths = [layer._stores["positions"].lengths[r] for layer, r, _, _ in rows]
+    after = [n - start - count for (_, _, start, count), n in zip(rows, lengths)]  # entries that move up
+    if min(after) < 0 or min(start for _, _, start, _ in rows) < 0:
         raise ValueError("a dropped range must lie within the layer's entries")
-    device, heads = homes["keys"].entries.device, layers[0].n_kv
+    device, heads = homes["keys"].entries.device, drops[0][0].n_kv
     moving = max(after)
-    kept = [n - count for (_, _, count), n in zip(drops, lengths)]
+    kept = [n - count for (_, _, _, count), n in zip(rows, lengths)]
     with torch.inference_mode():
         if moving > 0:
             # per row: (where the range starts, how many entries it holds, how many move up), one copy to the device
-            numbers = torch.tensor([[start, count, a] for (_, start, count), a in zip(drops, after)], device=device)
+            numbers = torch.tensor([[start, count, a] for (_, _, start, count), a in zip(rows, after)], device=device)
             offsets = _slots(moving, device)
             moves = (offsets < numbers[:, 2:]).unsqueeze(1)  # [rows, 1, M]: slot start + j takes entry start + j + count
             written_from = (numbers[:, :1] + offsets).unsqueeze(1)  # [rows, 1, M]
@@ -211,8 +233,4 @@ def _drop_in_home(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
                 written, read = flat[layout]
                 home.entries.index_copy_(0, written, home.entries.index_select(0, read))
         kept_image = _kept_images(homes["is_image"], heads, kept, device)
-    for layer, k in zip(layers, kept):
-        for name in ENTRY_FIELDS:
-            layer._stores[name].lengths[layer._rows[0]] = k
-    for k, layer in enumerate(layers):
-        layer._image_count = (kept_image, k)
+    _set_lengths([(layer, r) for layer, r, _, _ in rows], kept, kept_image)
