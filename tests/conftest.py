@@ -12,6 +12,11 @@ from PIL import Image
 
 from prefixkv_core.testing import LLAVA_FAMILIES
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the suite runs in one worker per core (pytest.ini): one torch thread each, so that the workers do not
+    # spin-wait on each other's cores
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama():

@@ -107,7 +107,7 @@ def check(mutation: Mutation) -> str:
     try:
         path.write_text(text.replace(mutation.old, mutation.new))
         for spec in mutation.tests:
-            command = f"{sys.executable} -m pytest -q -x -p no:cacheprovider {spec}"
+            command = f"{sys.executable} -m pytest -q -x -n 0 -p no:cacheprovider {spec}"
             done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"})
             if done.returncode == 0:

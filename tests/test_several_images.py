@@ -149,24 +149,6 @@ def test_eviction_equals_masking_with_several_images(lm, method):
     torch.testing.assert_close(evicted, masked, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("budget_mode", ["published", "equal_memory"])
-@pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
-def test_batched_equals_alone_with_several_images(lm, query_agnostic, budget_mode):
-    """Every method, three images and a question after them, in both budget modes and both query modes: the
-    batched comparison's answers are each method's answer decoded alone."""
-    engine = Engine(lm)
-    images = pictures()
-    answers = []
-    for batched in (True, False):
-        session = engine.new_session(images, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=4),
-                                     query_agnostic=query_agnostic, batched=batched, budget_mode=budget_mode)
-        list(session.run())
-        assert all(s.error is None for s in session.states.values()), \
-            {n: s.error for n, s in session.states.items() if s.error}
-        answers.append({name: list(s.turn_ids) for name, s in session.states.items()})
-    assert answers[0] == answers[1]
-
-
 def test_query_agnostic_holds_back_the_text_after_the_last_marker(families):
     lm = families["llava-interleave"]
     engine = Engine(lm)
@@ -318,28 +300,34 @@ def test_lmms_samples_with_several_images_and_a_video(families, tmp_path):
 @pytest.mark.parametrize("budget_mode", ["published", "equal_memory"])
 @pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
 def test_a_follow_up_adds_an_image(lm, query_agnostic, budget_mode):
-    """Full's follow-up with a new image gives the logits of the model's own forward over the whole conversation
-    (both turns' images through the model's own path); every method takes the image, batched == alone."""
-    first, second = pictures(2)
+    """Every method, two images and a question after them, then a follow-up that adds a third, in both budget modes
+    and both query modes: each turn's batched answers are each method's answers decoded alone; Full's follow-up
+    gives the logits of the model's own forward over the whole conversation (every turn's images through the
+    model's own path)."""
+    *first, second = pictures(3)
     engine = Engine(lm)
     answers = []
     for batched in (True, False):
         session = engine.new_session(first, PROMPT, "all", 0.3, GenerationSettings(max_new_tokens=3),
                                      query_agnostic=query_agnostic, batched=batched, budget_mode=budget_mode)
         list(session.run())
+        assert all(s.error is None for s in session.states.values()), \
+            {n: s.error for n, s in session.states.items() if s.error}
+        turns = [{name: list(s.turn_ids) for name, s in session.states.items()}]
         events = list(session.follow_up("and this one? <image> compare them", image=second))
         assert all(s.error is None for s in session.states.values()), \
             {n: s.error for n, s in session.states.items() if s.error}
         assert {e.method for e in events if e.kind == "done"} == set(METHODS)
-        answers.append({name: list(s.turn_ids) for name, s in session.states.items()})
+        turns.append({name: list(s.turn_ids) for name, s in session.states.items()})
+        answers.append(turns)
     assert answers[0] == answers[1]
-    # the reference: the model's own forward over the conversation's ids and both images
+    # the reference: the model's own forward over the conversation's ids and every image
     session = engine.new_session(first, PROMPT, ["full"], 0.3, GenerationSettings(max_new_tokens=3),
                                  query_agnostic=query_agnostic)
     list(session.run())
     answer = [t for t in session.states["full"].turn_ids if t not in engine.eos_ids]
     list(session.follow_up("and this one? <image> compare them", image=second))
-    one = M.encode(lm, first, M.format_prompt(lm, PROMPT, with_image=1))
+    one = M.encode(lm, first, M.format_prompt(lm, PROMPT, with_image=len(first)))
     two = M.encode(lm, second, M.format_followup(lm, "and this one? <image> compare them", images=1),
                    add_special_tokens=False)
     ids = torch.cat([one["input_ids"], torch.tensor([answer]), two["input_ids"]], dim=1)

@@ -138,7 +138,7 @@ def test_the_engine_waits_for_the_device_once_a_step():
     import sys
 
     env = {**os.environ, ISOLATED: "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", f"{__file__}",
                            "-k", "engine_waits_once"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout
