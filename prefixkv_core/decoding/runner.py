@@ -131,9 +131,15 @@ class _InPlaceDecodeLayer(DynamicLayer):
             stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
             stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
             stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
-        at = ends.view(b, 1, 1, 1)
-        stores["keys"].data.scatter_(2, at.expand(b, h, 1, key_states.shape[-1]), key_states)
-        stores["values"].data.scatter_(2, at.expand(b, h, 1, value_states.shape[-1]), value_states)
+        d_k, d_v = key_states.shape[-1], value_states.shape[-1]
+        at = step.append_index(self.layer_idx, h, d_k) if group.whole and masks is not None else None
+        if at is None or d_v != d_k:
+            at = ends.view(b, 1, 1, 1)
+            at_k, at_v = at.expand(b, h, 1, d_k), at.expand(b, h, 1, d_v)
+        else:
+            at_k = at_v = at
+        stores["keys"].data.scatter_(2, at_k, key_states)
+        stores["values"].data.scatter_(2, at_v, value_states)
         new = [n + 1 for n in old]
         for store in stores.values():
             store.lengths[:] = new
@@ -144,7 +150,7 @@ class _InPlaceDecodeLayer(DynamicLayer):
         empty_slots = any(rows[r].has_empty_slots for r in group.rows)
         if empty_slots or min(old) != max(old):
             # [B, 1, T]: a row's entries and its new one
-            mask = masks[:, None, :t] if masks is not None else (step.slots(t) <= ends[:, None])[:, None, :]
+            mask = masks[..., :t] if masks is not None else (step.slots(t) <= ends[:, None])[:, None, :]
             if empty_slots:
                 mask = mask & (stores["positions"].data[:, :, :t] >= 0)
         return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t], mask
@@ -166,6 +172,7 @@ class _InPlaceDecodeCache(DynamicCache):
         self._ends: torch.Tensor | None = None  # [L, B] every layer's row lengths before the step
         self._layer_ends: tuple[torch.Tensor, ...] = ()  # its rows, and each layer's key mask [B, T+1]
         self._layer_masks: tuple[torch.Tensor, ...] = ()
+        self._append_index: tuple | None = None  # ((heads, dim), each layer's scatter index): `append_index`
         self.meta_written = False  # every layer's new position, image flag and score written at the first layer
         self.groups_by_layer: list | None = None  # every layer's row groups, when the first layer found them
 
@@ -191,35 +198,53 @@ class _InPlaceDecodeCache(DynamicCache):
             for store in g[0].stores.values():
                 store.reserve(max(lengths) + 1)
         positions = self.positions[:, 0]  # [B]
+        made: dict[tuple, torch.Tensor] = {}  # the fields' stacks share a layout: their slots are made once
         with torch.inference_mode():
             for name in names:
-                starts = stacks[name].first_slots(positions.device)  # [layers of the stack, B, Hkv]
                 order = [g[0].stores[name].stack_layer for g in groups]
-                if order != list(range(starts.shape[0])):
-                    starts = starts[order]
-                slots = starts + self._ends[:, :, None]  # each row's next slot, every layer and head
+                layout = (tuple(stacks[name].capacities), tuple(order))
+                slots = made.get(layout)
+                if slots is None:
+                    starts = stacks[name].first_slots(positions.device)  # [layers of the stack, B, Hkv]
+                    if order != list(range(starts.shape[0])):
+                        starts = starts[order]
+                    # each row's next slot, every layer and head, as one index
+                    slots = made[layout] = (starts + self._ends[:, :, None]).view(-1)
                 entries = stacks[name].entries()
                 if name == "positions":
-                    entries.index_copy_(0, slots.view(-1), positions.view(1, -1, 1).expand(slots.shape).reshape(-1))
+                    shape = (len(groups), positions.shape[0], stacks[name].heads)
+                    entries.index_copy_(0, slots, positions.view(1, -1, 1).expand(shape).reshape(-1))
                 else:
-                    entries.index_fill_(0, slots.view(-1), False if name == "is_image" else 0.0)
+                    entries.index_fill_(0, slots, False if name == "is_image" else 0.0)
         return True
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def lengths_before(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s row lengths before this step as a tensor [B], and the key mask they give [B, T+1]
+        """Layer `layer_idx`'s row lengths before this step as a tensor [B], and the key mask they give [B, 1, T+1]
         (True up to and including a row's new entry): made for every layer at once at the first layer, so a
         step makes two small tensors instead of two per layer. `row_lengths` says what they were made from."""
         if self._ends is None:
             self.row_lengths = [[c.layers[i].length for c in self.caches] for i in range(len(self.layers))]
             self._ends = torch.tensor(self.row_lengths, device=self.positions.device)  # [L, B]
             longest = max(max(lengths) for lengths in self.row_lengths) + 1
-            masks = self.slots(longest) <= self._ends[..., None]  # [L, B, T+1]
+            masks = (self.slots(longest) <= self._ends[..., None]).unsqueeze(2)  # [L, B, 1, T+1]
             # every layer's part as a view, made at once (one operator a step, not two a layer)
             self._layer_ends, self._layer_masks = self._ends.unbind(0), masks.unbind(0)
         return self._layer_ends[layer_idx], self._layer_masks[layer_idx]
+
+    def append_index(self, layer_idx: int, heads: int, dim: int) -> torch.Tensor | None:
+        """Layer `layer_idx`'s scatter index for the step's new keys ([B, heads, 1, dim]: each row's next slot, from
+        `lengths_before`), made for every layer at once at the first layer that asks (two operators a step, not
+        three a layer); None before `lengths_before` was."""
+        if self._ends is None:
+            return None
+        if self._append_index is None or self._append_index[0] != (heads, dim):
+            n_layers, b = self._ends.shape
+            every = self._ends.view(n_layers, b, 1, 1, 1).expand(n_layers, b, heads, 1, dim)
+            self._append_index = ((heads, dim), every.unbind(0))
+        return self._append_index[1][layer_idx]
 
     def slots(self, t: int) -> torch.Tensor:
         """0, 1, ..., t - 1 (made once per step, long enough for every layer)."""

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Sequence
@@ -93,7 +94,9 @@ class EntryStore:
     def append(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         n, q = self.lengths[rows[0]], tensor.shape[2]
         self.reserve(n + q)
-        _copy(self.rows_of(rows).narrow(2, n, q), tensor)
+        # one operator a field (the slots' index is shared by every field and layer of that length), not a view
+        # of the slots and a copy into it: a decode step appends to five fields of every layer
+        _index_copy(self.rows_of(rows), _slots_from(n, q, self.data.device), tensor)
         self.set_lengths(rows, n + q)
 
     def rows_of(self, rows: tuple[int, int]) -> torch.Tensor:
@@ -195,6 +198,23 @@ def _grown(data: torch.Tensor, needed: int, longest: int) -> torch.Tensor:
     grown = data.new_zeros(data.shape[0], data.shape[1], max(needed, capacity + capacity // 2 + 16), *data.shape[3:])
     _copy(grown.narrow(2, 0, longest), data.narrow(2, 0, longest))
     return grown
+
+
+@functools.lru_cache(maxsize=256)
+def _slots_from(n: int, q: int, device: torch.device) -> torch.Tensor:
+    """n, n + 1, ..., n + q - 1: the slots an append of q entries after n writes (the same tensor for every field
+    and every layer of that length, so a decode step makes one per length, not one per field)."""
+    with torch.inference_mode():
+        return torch.arange(n, n + q, device=device)
+
+
+def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.index_copy_(2, index, src), also outside inference mode for a dst made in it (see `_copy`)."""
+    if torch.is_inference_mode_enabled():
+        dst.index_copy_(2, index, src)
+    else:
+        with torch.inference_mode():
+            dst.index_copy_(2, index, src)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
