@@ -230,3 +230,17 @@ def test_a_ctrl_c_at_the_server_does_not_reach_the_engine_process(remote):
     """The child has a session of its own: the terminal's signals go to the server, which then stops the child
     (a child that died of the server's Ctrl-C would be started again while the server exits)."""
     assert os.getsid(remote.process.pid) != os.getsid(0)
+
+
+def test_the_calls_the_child_answers_are_the_wire_s_list(remote, local):
+    """The engine process answers exactly `wire.CALLS` (one place lists them), and a call outside it fails here
+    with a message before anything is sent."""
+    from prefixkv_core.session import wire
+    from prefixkv_core.session.engine_process import _Child
+
+    assert set(_Child(None, local).handlers()) == set(wire.CALLS)
+    with pytest.raises(ValueError, match="no call 'unheard_of'"):
+        remote._call("unheard_of", (), {})
+    with pytest.raises(ValueError, match="a turn is one of"):
+        wire.Run(1, 2, "rerun")
+    assert remote.stats()["sessions"] >= 0  # the wire still answers

@@ -21,7 +21,8 @@ started again (at most MAX_RESTARTS times); the sessions it held are lost and sa
 processor and the config, not the weights (`ModelOutline`), so limits, token counts and descriptions work as with the
 model in this process.
 
-The child's memory counts in `memory_bytes()`: both processes' resident sizes.
+The child's memory counts in `memory_bytes()`: both processes' resident sizes. What the two processes say to each
+other, and the calls the child answers: `wire.py`.
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import EngineError
 from ..limits import peak_memory_bytes, return_free_memory
+from . import wire
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class _Child:
         self.between: dict[int, tuple[int, queue.SimpleQueue]] = {}
         self.between_lock = threading.Lock()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Any) -> None:
         with self.send_lock:
             self.conn.send(message)
 
@@ -102,68 +104,79 @@ class _Child:
                 message = self.conn.recv()
             except (EOFError, OSError):  # the parent is gone
                 return
-            kind = message[0]
-            if kind == "stop":
+            if isinstance(message, wire.Stop):
                 return
-            if kind == "call":
-                self.calls.submit(self._call, *message[1:])
-            elif kind == "run":
-                self.cancels[message[2]] = threading.Event()  # before its thread starts: a stop may come next
-                threading.Thread(target=self._turn, args=message[1:], name="prefixkv-engine-turn",
+            if isinstance(message, wire.Call):
+                self.calls.submit(self._call, message)
+            elif isinstance(message, wire.Run):
+                self.cancels[message.rid] = threading.Event()  # before its thread starts: a stop may come next
+                threading.Thread(target=self._turn, args=(message,), name="prefixkv-engine-turn",
                                  daemon=True).start()
-            elif kind == "cancel":
-                event = self.cancels.get(message[1])
+            elif isinstance(message, wire.Cancel):
+                event = self.cancels.get(message.rid)
                 if event is not None:
                     event.set()
 
     # calls
-    def _call(self, cid: int, name: str, args: tuple, kwargs: dict) -> None:
+    def _call(self, call: wire.Call) -> None:
         try:
-            value = self._dispatch(name, args, kwargs)
+            value = self.handlers()[call.name](*call.args, **call.kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            self.send(("reply", cid, False, _portable(exc)))
+            self.send(wire.Reply(call.cid, False, _portable(exc)))
             return
         try:
-            self.send(("reply", cid, True, value))
+            self.send(wire.Reply(call.cid, True, value))
         except Exception as exc:  # noqa: BLE001 - an answer that cannot be sent: the caller must not wait for it
             log.exception("an answer of the engine process could not be sent")
-            self.send(("reply", cid, False, _portable(exc)))
+            self.send(wire.Reply(call.cid, False, _portable(exc)))
 
-    def _dispatch(self, name: str, args: tuple, kwargs: dict) -> Any:
-        if name == "new_session":
-            session = self.engine.new_session(*args, **kwargs)
-            sid = next(self.ids)
-            self.sessions[sid] = session
-            return sid, session.visuals, session.record
-        if name == "analyse":
-            return self.engine.analyse(*args, **kwargs)
-        if name == "stats":
-            return {**_engine_stats(self.engine), "sessions": len(self.sessions)}
-        if name == "memory":
-            from ..limits import process_memory_bytes
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        """What answers each of `wire.CALLS`."""
+        return {"new_session": self._new_session, "analyse": self.engine.analyse, "stats": self._stats,
+                "memory": self._memory, "forget": self._forget, "release": self._release,
+                "cache_bytes": lambda sid: self._held(sid).cache_bytes(),
+                "results": lambda sid: self._held(sid).results(),
+                "kept_image_map": self._kept_image_map, "kept_image_maps": self._kept_image_maps}
 
-            return process_memory_bytes()
-        sid, rest = args[0], args[1:]
-        if name == "forget":
-            session = self.sessions.pop(sid, None)
-            if session is not None:
-                session.release()
-                return_free_memory()  # the memory ceiling reads this process's resident size
-            return None
+    def _new_session(self, *args, **kwargs):
+        session = self.engine.new_session(*args, **kwargs)
+        sid = next(self.ids)
+        self.sessions[sid] = session
+        return sid, session.visuals, session.record
+
+    def _stats(self) -> dict[str, Any]:
+        return {**_engine_stats(self.engine), "sessions": len(self.sessions)}
+
+    @staticmethod
+    def _memory() -> int | None:
+        from ..limits import process_memory_bytes
+
+        return process_memory_bytes()
+
+    def _held(self, sid: int):
         session = self.sessions.get(sid)
         if session is None:
             raise EngineError("this comparison is no longer held by the engine; run Compare again")
-        if name in ("cache_bytes", "results"):
-            return getattr(session, name)()
-        if name == "release":
+        return session
+
+    def _forget(self, sid: int) -> None:
+        session = self.sessions.pop(sid, None)
+        if session is not None:
             session.release()
-            return_free_memory()  # as the app does after a release in one process
-            return None
-        if name == "kept_image_map":
-            return self._between_events(sid, lambda: session.kept_image_map(*rest))
-        if name == "kept_image_maps":  # the overlay's sample: skipped (None) while the turn waits for the model
-            return self._between_events(sid, lambda: session.kept_image_maps(*rest), wait_s=SAMPLE_WAIT_S)
-        raise EngineError(f"the engine process has no call {name!r}")
+            return_free_memory()  # the memory ceiling reads this process's resident size
+
+    def _release(self, sid: int) -> None:
+        self._held(sid).release()
+        return_free_memory()  # as the app does after a release in one process
+
+    def _kept_image_map(self, sid: int, *args):
+        session = self._held(sid)
+        return self._between_events(sid, lambda: session.kept_image_map(*args))
+
+    def _kept_image_maps(self, sid: int, *args):
+        """The overlay's sample: skipped (None) while the turn waits for the model."""
+        session = self._held(sid)
+        return self._between_events(sid, lambda: session.kept_image_maps(*args), wait_s=SAMPLE_WAIT_S)
 
     def _between_events(self, sid: int, fn, wait_s: float | None = None):
         """fn() on the thread of the session's running turn, between two of its events; at once when none runs.
@@ -197,7 +210,8 @@ class _Child:
             job.run()
 
     # turns
-    def _turn(self, sid: int, rid: int, kind: str, prompt: str | None, image: Any) -> None:
+    def _turn(self, turn: wire.Run) -> None:
+        sid, rid = turn.sid, turn.rid
         cancel = self.cancels.setdefault(rid, threading.Event())
         session = self.sessions.get(sid)
         error = None
@@ -207,9 +221,10 @@ class _Child:
         try:
             if session is None:
                 raise EngineError("this comparison is no longer held by the engine; run Compare again")
-            events = session.run(cancel) if kind == "run" else session.follow_up(prompt, cancel, image=image)
+            events = session.run(cancel) if turn.kind == "run" else \
+                session.follow_up(turn.prompt, cancel, image=turn.image)
             for item in events:
-                self.send(("event", rid, item))
+                self.send(wire.Event(rid, item))
                 self._run_waiting(sid, rid)
         except BaseException as exc:  # noqa: BLE001 - handed to the run's consumer
             if not isinstance(exc, EngineError):
@@ -220,10 +235,10 @@ class _Child:
             self.cancels.pop(rid, None)
         record = session.record if session is not None else None
         try:
-            self.send(("end", rid, error, record))
+            self.send(wire.End(rid, error, record))
         except Exception as exc:  # noqa: BLE001 - the consumer must still learn that the turn ended
             log.exception("the end of a turn could not be sent whole")
-            self.send(("end", rid, error or _portable(exc), None))
+            self.send(wire.End(rid, error or _portable(exc), None))
 
 
 class _Between:
@@ -290,11 +305,11 @@ def child_main(conn, model: str, device: str, dtype: str, threads: int | None, l
         engine = Engine(loaded)
         outline = ModelOutline(loaded.model.config, getattr(loaded.model, "generation_config", None),
                                loaded.param_count())
-        conn.send(("ready", dataclasses.replace(loaded, model=outline)))
+        conn.send(wire.Ready(dataclasses.replace(loaded, model=outline)))
     except BaseException as exc:  # noqa: BLE001 - told to the parent, which raises it
         from ..models import ModelLoadError
 
-        conn.send(("failed", str(exc) if isinstance(exc, ModelLoadError) else f"{exc.__class__.__name__}: {exc}"))
+        conn.send(wire.Failed(str(exc) if isinstance(exc, ModelLoadError) else f"{exc.__class__.__name__}: {exc}"))
         return
     _Child(conn, engine).serve()
     engine.worker.stop()
@@ -326,12 +341,12 @@ def _launch(model: str, device: str, dtype: str, threads: int | None, loader: st
         message = conn.recv()
     except (EOFError, OSError):
         raise EngineProcessError(f"the engine process stopped while loading {model!r}") from None
-    if message[0] == "failed":
+    if isinstance(message, wire.Failed):
         process.wait(10)
         from ..models import ModelLoadError
 
-        raise ModelLoadError(message[1])
-    return process, conn, message[1]
+        raise ModelLoadError(message.reason)
+    return process, conn, message.loaded
 
 
 class EngineProcess:
@@ -405,7 +420,7 @@ class EngineProcess:
         if self.process.poll() is None:
             try:
                 with self._send_lock:
-                    self._conn.send(("stop",))
+                    self._conn.send(wire.Stop())
             except (OSError, ValueError):
                 pass
             try:
@@ -416,24 +431,25 @@ class EngineProcess:
         self._fail_all("the engine process was closed")
 
     # -- the wire --------------------------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Any) -> None:
         if self._dead is not None:
             raise EngineProcessError(self._dead)
         try:
             with self._send_lock:
                 while self._forgotten:  # sessions whose stand-ins went: nobody waits for these replies
-                    self._conn.send(("call", 0, "forget", (self._forgotten.popleft(),), {}))
+                    self._conn.send(wire.Call(0, "forget", (self._forgotten.popleft(),)))
                 self._conn.send(message)
         except (OSError, ValueError) as exc:
             raise EngineProcessError(f"the engine process cannot be reached ({exc.__class__.__name__})") from None
 
     def _call(self, name: str, args: tuple, kwargs: dict) -> Any:
         cid = next(self._ids)
+        call = wire.Call(cid, name, args, kwargs)  # an unknown name fails here, before anything is sent
         done, box = threading.Event(), []
         with self._state_lock:
             self._replies[cid] = (done, box)
         try:
-            self._send(("call", cid, name, args, kwargs))
+            self._send(call)
             while not done.wait(1.0):
                 if self._dead is not None:
                     raise EngineProcessError(self._dead)
@@ -451,7 +467,7 @@ class EngineProcess:
         with self._state_lock:
             self._runs[rid] = run
         try:
-            self._send(("run", sid, rid, kind, prompt, image))
+            self._send(wire.Run(sid, rid, kind, prompt, image))
         except EngineError:
             with self._state_lock:
                 self._runs.pop(rid, None)
@@ -464,7 +480,7 @@ class EngineProcess:
 
     def _cancel(self, rid: int) -> None:
         try:
-            self._send(("cancel", rid))
+            self._send(wire.Cancel(rid))
         except EngineError:
             pass
 
@@ -487,15 +503,14 @@ class EngineProcess:
                 self._lost(generation, f"the engine process sent what this side cannot read "
                                        f"({exc.__class__.__name__})")
                 return
-            kind = message[0]
             with self._state_lock:
-                if kind == "reply":
-                    waiter = self._replies.get(message[1])
+                if isinstance(message, wire.Reply):
+                    waiter = self._replies.get(message.cid)
                     if waiter is not None:
-                        waiter[1].extend(message[2:])
+                        waiter[1].extend([message.ok, message.value])
                         waiter[0].set()
-                elif kind in ("event", "end"):
-                    run = self._runs.get(message[1])
+                elif isinstance(message, (wire.Event, wire.End)):
+                    run = self._runs.get(message.rid)
                     if run is not None:
                         run.put(message)
 
@@ -545,7 +560,7 @@ class EngineProcess:
                     box.extend([False, EngineProcessError(reason)])
                 done.set()
             for rid, run in self._runs.items():
-                run.put(("end", rid, EngineProcessError(reason), None))
+                run.put(wire.End(rid, EngineProcessError(reason), None))
 
 
 class RemoteSession:
@@ -627,19 +642,18 @@ class RemoteSession:
                         message = run.get(timeout=POLL_S)
                     except queue.Empty:
                         continue
-                    if message[0] == "end":
+                    if isinstance(message, wire.End):
                         ended = True
-                        _, _, error, final = message
-                        if final is not None:
-                            record.take_final(final)
-                        if error is not None:
-                            raise error
+                        if message.record is not None:
+                            record.take_final(message.record)
+                        if message.error is not None:
+                            raise message.error
                         return
                     if not began:  # the child began the turn's record before its first event
                         record.begin_turn(prompt)
                         began = True
-                    record.apply(message[2])
-                    yield message[2]
+                    record.apply(message.item)
+                    yield message.item
             finally:
                 record.active = False
                 self.engine._end_run(rid)
