@@ -96,8 +96,7 @@ class _InPlaceDecodeLayer(DynamicLayer):
             layer = rows[r]
             if step.buffers.took_step_entry(self.layer_idx, r, layer):
                 continue
-            layer._append("keys", key_states[r:r + 1])
-            layer._append("values", value_states[r:r + 1])
+            layer.append(key_states[r:r + 1], value_states[r:r + 1])
             layer.append_meta_per_head(*step.row_meta(r, key_states.shape[1]), has_image=False)
             step.buffers.refreshed(self.layer_idx, r, layer)
         if len(found) == 1:
@@ -128,9 +127,9 @@ class _InPlaceDecodeLayer(DynamicLayer):
         if not (step.meta_written and group.whole):
             positions = step.positions[:, :1] if group.whole else step.positions.index_select(0, group.index)[:, :1]
             at = ends.view(b, 1, 1)
-            stores["positions"].data.scatter_(2, at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
-            stores["is_image"].data.scatter_(2, at.expand(b, h, 1), False)  # steps feed text, never image tokens
-            stores["scores"].data.scatter_(2, at.expand(b, h, 1), 0.0)
+            stores["positions"].write_after_each_row(at.expand(b, h, 1), positions[:, :, None].expand(b, h, 1))
+            stores["is_image"].write_after_each_row(at.expand(b, h, 1), False)  # steps feed text, never images
+            stores["scores"].write_after_each_row(at.expand(b, h, 1), 0.0)
         d_k, d_v = key_states.shape[-1], value_states.shape[-1]
         at = step.append_index(self.layer_idx, h, d_k) if group.whole and masks is not None else None
         if at is None or d_v != d_k:
@@ -138,11 +137,11 @@ class _InPlaceDecodeLayer(DynamicLayer):
             at_k, at_v = at.expand(b, h, 1, d_k), at.expand(b, h, 1, d_v)
         else:
             at_k = at_v = at
-        stores["keys"].data.scatter_(2, at_k, key_states)
-        stores["values"].data.scatter_(2, at_v, value_states)
+        stores["keys"].write_after_each_row(at_k, key_states)
+        stores["values"].write_after_each_row(at_v, value_states)
         new = [n + 1 for n in old]
         for store in stores.values():
-            store.lengths[:] = new
+            store.set_row_lengths(new)
         for r, n in zip(group.rows, new):
             self.new_lengths[r] = n
         t = max(new)
@@ -152,8 +151,8 @@ class _InPlaceDecodeLayer(DynamicLayer):
             # [B, 1, T]: a row's entries and its new one
             mask = masks[..., :t] if masks is not None else (step.slots(t) <= ends[:, None])[:, None, :]
             if empty_slots:
-                mask = mask & (stores["positions"].data[:, :, :t] >= 0)
-        return stores["keys"].data[:, :, :t], stores["values"].data[:, :, :t], mask
+                mask = mask & (stores["positions"].leading(t) >= 0)
+        return stores["keys"].leading(t), stores["values"].leading(t), mask
 
 
 class _InPlaceDecodeCache(DynamicCache):

@@ -72,7 +72,7 @@ class Link:
 
     def holds(self, layer: TrackedLayer, stores: dict[str, EntryStore]) -> bool:
         """Whether `layer` still keeps its entries in these views and the group still has the tensors they view."""
-        return (self.layer() is layer and all(layer._stores.get(n) is s for n, s in self.own.items())
+        return (self.layer() is layer and layer.lives_in(self.own, 0)
                 and all(stores[n].data is d for n, d in self.data.items()))
 
 
@@ -116,7 +116,7 @@ class StepBuffers:
                 stores = g.stores
                 for k, r in enumerate(g.rows):
                     layer = rows[r]
-                    if (layer._stores is not stores or layer._rows[0] != k) and not layer.segments:
+                    if not layer.lives_in(stores, k) and not layer.segments:
                         break
                 else:
                     continue
@@ -218,7 +218,7 @@ class StepBuffers:
         stores = group.stores
         signature = (tuple(id(seg) for seg in layer.segments), layer.length)
         if group.refreshed[k] != signature or stores["keys"].lengths[k] != layer.length:
-            if any(layer._stores.get(n) is s for n, s in stores.items()):
+            if layer.shares_a_store_with(stores):
                 layer.own_storage()
             stores["keys"].write((k, k + 1), layer.full_keys())
             stores["values"].write((k, k + 1), layer.full_values())
@@ -243,7 +243,7 @@ class StepBuffers:
         """Before another row moves into slot k: a quantised layer whose stores view it takes its entries along."""
         link = group.linked[k]
         layer = link.layer() if link is not None else None
-        if layer is not None and any(layer._stores.get(n) is s for n, s in link.own.items()):
+        if layer is not None and layer.shares_a_store_with(link.own):
             layer.own_storage()
         group.linked[k] = None
         group.refreshed[k] = None  # the slot no longer holds its working copy
@@ -256,7 +256,7 @@ class StepBuffers:
         if link is None or not link.holds(layer, group.stores):
             return False
         for store in link.own.values():
-            store.lengths[0] += 1
+            store.set_lengths((0, 1), store.lengths[0] + 1)
         group.refreshed[k] = (group.refreshed[k][0], layer.length)
         return True
 

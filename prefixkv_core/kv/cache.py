@@ -148,6 +148,20 @@ class TrackedLayer(DynamicLayer):
         return self._rows[0] == row and (self._stores is stores or
                                          all(self._stores.get(n) is s for n, s in stores.items()))
 
+    def shares_a_store_with(self, stores: dict[str, EntryStore]) -> bool:
+        """Whether any field of this layer lives in one of `stores`."""
+        return any(self._stores.get(n) is s for n, s in stores.items())
+
+    def store_of(self, name: str) -> EntryStore | None:
+        """The store holding field `name` (this layer's rows of it: `store_rows`), for the code that writes many
+        layers' stores at once (`joint_eviction`); None before the field exists."""
+        return self._stores.get(name)
+
+    @property
+    def store_rows(self) -> tuple[int, int]:
+        """This layer's rows of its stores, [first, end)."""
+        return self._rows
+
     def move_into(self, stores: dict[str, EntryStore], row: int) -> None:
         """Copy this batch-1 layer's entries into row `row` of `stores` (a batch's shared stores) and keep them
         there: later appends, evictions and merges write that row in place."""
@@ -165,12 +179,17 @@ class TrackedLayer(DynamicLayer):
         else:
             store.append(self._rows, tensor)
 
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append full-precision keys and values after this layer's entries (their metadata follows through
+        `append_meta_per_head`); `update` does the same and returns what attention reads."""
+        self._append("keys", keys)
+        self._append("values", values)
+
     # -- transformers' side -------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._append("keys", key_states)
-        self._append("values", value_states)
+        self.append(key_states, value_states)
         keys, values = self.keys, self.values
         if not self.segments:
             return keys, values
@@ -360,6 +379,11 @@ class TrackedLayer(DynamicLayer):
         per_entry = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
         held = (self._rows[1] - self._rows[0]) * keys.shape[1] * self.length - self._empty_slots()[1]
         return held * per_entry + sum(s.nbytes() for s in self.segments)
+
+    def image_count_on_device(self, counts: "KeptImageCounts", k: int) -> None:
+        """After an eviction done for many layers at once: this layer's image count is `counts`' k-th, still on
+        the device, read when `image_count` is first asked for."""
+        self._image_count = (counts, k)
 
     def image_count(self) -> int:
         """Image entries, averaged over KV heads (head-wise methods keep different entries per head).
@@ -631,7 +655,7 @@ class TrackedCache(DynamicCache):
             flags = [layer.is_image[0] for layer in stale]  # [Hkv, T] each: the first row, as `image_count` reads
             counts = KeptImageCounts(torch.stack([f.sum() for f in flags]), flags[0].shape[0])
             for k, layer in enumerate(stale):
-                layer._image_count = (counts, k)
+                layer.image_count_on_device(counts, k)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -52,7 +52,7 @@ def _homes(rows: Sequence[tuple[TrackedLayer, int]], what: str) -> dict[str, _Ho
         raise ValueError(f"{what} takes full-precision rows of shared stores")
     out = {}
     for name in ENTRY_FIELDS:
-        placed = [_place(layer._stores[name], r) for layer, r in rows]
+        placed = [_place(layer.store_of(name), r) for layer, r in rows]
         if len({key for key, _, _, _ in placed}) != 1:
             raise ValueError(f"{what} takes rows of shared stores that live in one tensor per field")
         out[name] = _Home(placed[0][0], placed[0][1], tuple(p[2] for p in placed), tuple(p[3] for p in placed))
@@ -62,7 +62,7 @@ def _homes(rows: Sequence[tuple[TrackedLayer, int]], what: str) -> dict[str, _Ho
 def _rows_of(layer: TrackedLayer) -> range:
     """The rows of its stores a layer holds (one for a batch row of shared stores, all of them for a cache of
     several prompts)."""
-    return range(*layer._rows)
+    return range(*layer.store_rows)
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,13 +85,13 @@ def _shared_rows(layers: Sequence[TrackedLayer]) -> bool:
     """Whether every layer holds full-precision rows without empty slots in stores a joint copy can address (a
     stack of layers, or contiguous data)."""
     return all(not layer.segments and not layer.has_empty_slots
-               and all(store.stack is not None or store.data.is_contiguous() for store in layer._stores.values())
+               and all(store.stack is not None or store.data.is_contiguous() for store in map(layer.store_of, ENTRY_FIELDS))
                for layer in layers)
 
 
 def _group_key(layer: TrackedLayer) -> int:
-    store = layer._stores["keys"]
-    return id(store.stack) if store.stack is not None else id(layer._stores)
+    store = layer.store_of("keys")  # a batch's rows share their stores, a stack its layers'
+    return id(store.stack) if store.stack is not None else id(store)
 
 
 def _kept_images(home: _Home, heads: int, kept: list[int], device: torch.device) -> KeptImageCounts:
@@ -112,7 +112,7 @@ def gather_many(pairs: Sequence[tuple[TrackedLayer, torch.Tensor]]) -> None:
     for layer, index in pairs:
         # (a row keeping its whole capacity has no free last slot for the joint copy: it gathers alone)
         if not _shared_rows([layer]) or index.shape[0] not in (1, len(_rows_of(layer))) \
-                or index.shape[-1] >= layer._stores["keys"].capacity:
+                or index.shape[-1] >= layer.store_of("keys").capacity:
             layer.gather(index)
             continue
         group = groups.setdefault(_group_key(layer), ([], []))
@@ -133,7 +133,7 @@ def gather_rows(layers: Sequence[TrackedLayer], indices: Sequence[torch.Tensor])
     rows = [(layer, r) for layer in layers for r in _rows_of(layer)]
     homes = _homes(rows, "gather_rows")
     device = indices[0].device
-    heads = layers[0]._stores["keys"].data.shape[1]
+    heads = layers[0].n_kv
     counts = [int(i.shape[-1]) for layer, i in zip(layers, indices) for _ in _rows_of(layer)]
     longest = max(counts)
     # [rows, Hkv, max K], a layer's rows in order; a shorter row's padding repeats entry 0 (never written)
@@ -173,10 +173,10 @@ def _set_lengths(rows: Sequence[tuple[TrackedLayer, int]], kept: Sequence[int], 
     first: dict[int, int] = {}
     for j, ((layer, r), k) in enumerate(zip(rows, kept)):
         for name in ENTRY_FIELDS:
-            layer._stores[name].lengths[r] = k
+            layer.store_of(name).set_lengths((r, r + 1), k)
         first.setdefault(id(layer), j)
     for layer, _ in rows:
-        layer._image_count = (kept_image, first[id(layer)])
+        layer.image_count_on_device(kept_image, first[id(layer)])
 
 
 def drop_ranges(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
@@ -205,7 +205,7 @@ def drop_ranges(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
 def _drop_in_home(drops: Sequence[tuple[TrackedLayer, int, int]]) -> None:
     rows = [(layer, r, start, count) for layer, start, count in drops for r in _rows_of(layer)]
     homes = _homes([(layer, r) for layer, r, _, _ in rows], "drop_ranges")
-    lengths = [layer._stores["positions"].lengths[r] for layer, r, _, _ in rows]
+    lengths = [layer.store_of("positions").lengths[r] for layer, r, _, _ in rows]
     after = [n - start - count for (_, _, start, count), n in zip(rows, lengths)]  # entries that move up
     if min(after) < 0 or min(start for _, _, start, _ in rows) < 0:
         raise ValueError("a dropped range must lie within the layer's entries")

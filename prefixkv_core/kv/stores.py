@@ -99,6 +99,20 @@ class EntryStore:
         _index_copy(self.rows_of(rows), _slots_from(n, q, self.data.device), tensor)
         self.set_lengths(rows, n + q)
 
+    def write_after_each_row(self, at: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Every row's next entry at once (a batched decode step): `tensor` [rows, Hkv, 1, *tail] (or a scalar)
+        written at slot `at` (each row's length, broadcast to the entry's shape). The lengths move on in
+        `set_row_lengths`, once every field of the step is written."""
+        self.data.scatter_(2, at, tensor)
+
+    def leading(self, t: int) -> torch.Tensor:
+        """Every row's first `t` slots (what a batched step's attention reads, a key mask telling the rows apart)."""
+        return self.data.narrow(2, 0, t)
+
+    def set_row_lengths(self, lengths: Sequence[int]) -> None:
+        """Every row's length at once."""
+        self.lengths[:] = lengths
+
     def rows_of(self, rows: tuple[int, int]) -> torch.Tensor:
         """The data of `rows` (the data itself when they are all of it: one operator fewer per read and write)."""
         return self.data if rows[0] == 0 and rows[1] == self.data.shape[0] else \
