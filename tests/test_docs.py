@@ -131,6 +131,17 @@ def test_the_first_pages_stay_short(page, limit):
                             "dated report under benchmarks/reports/ (or a page under docs/) and link it from the section")
 
 
+SECTION_LINES = 90  # a method's section: its rule, knobs and cost; the measured tables live in the reports
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_a_method_s_section_stays_short(name):
+    body = section(METHODS_DOC.read_text(), REGISTRY[name]) or ""
+    lines = len(body.splitlines())
+    assert lines <= SECTION_LINES, (f"the {name} section of docs/methods.md is {lines} lines, more than {SECTION_LINES}: "
+                                    "move its measured tables to the dated report they come from and link it")
+
+
 def anchors(path: Path) -> set[str]:
     """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces to hyphens)."""
     found = set()
