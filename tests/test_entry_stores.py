@@ -504,3 +504,38 @@ def test_only_caches_of_their_own_full_precision_entries_are_stacked():
     assert not buffers_rows[0].stack_layers() and buffers_rows[0].layers[0]._stores is before
     cache.layers[1].quantize_fp_part(torch.ones(1, 1, 6, dtype=torch.bool), 4, 2, None)
     assert not cache.stack_layers() and cache.layers[0]._stores["keys"].stack is None
+
+
+def test_a_step_adds_every_row_s_attention_into_its_scores_at_once(tiny_qwen2, prefilled):
+    """Where the rows that want attention keep their scores in one shared store (a quantised row's in its working
+    copy), a step's statistic is added into all of them at once: each row's scores are what adding its own part
+    gives, step after step; a row's part is what its own step records."""
+    cache, n = prefilled
+    rows = [cache.clone() for _ in range(3)]
+    for r, row in enumerate(rows):  # different lengths: the shorter rows' slots after their entries get zeros
+        for layer in row.layers:
+            layer.gather(torch.arange(0, n, r + 1).view(1, 1, -1))
+    for layer in rows[1].layers:
+        layer.quantize_fp_part((torch.arange(layer.length) % 2 == 0).view(1, 1, -1), 4, 2, None)
+    plain = [row.clone() for row in rows]
+    want = [True, True, False]
+    buffers = runner.StepBuffers()
+    with tracked_attention_enabled(tiny_qwen2.model):
+        for step in range(3):
+            tokens = [[5 + step + r] for r in range(3)]
+            starts = [n + step] * 3
+            out = runner.forward_rows(tiny_qwen2.model, rows, tokens, starts, want, tiny_qwen2.device, buffers)
+            assert out.attention[0].step is out.attention[1].step and out.attention[2] is None
+            assert out.attention[0].step.add_to_scores()  # one shared store a layer: added at once
+            assert out.attention[0].scores_added and out.attention[1].scores_added
+            for r, (row, tok, start, w) in enumerate(zip(plain, tokens, starts, want)):
+                alone = runner.forward_rows(tiny_qwen2.model, [row], [tok], [start], [w], tiny_qwen2.device)
+                if w:
+                    row.add_scores(alone.attention[0])
+                    for layer, att in alone.attention[0].items():
+                        torch.testing.assert_close(out.attention[r][layer], att, atol=1e-6, rtol=1e-5)
+    for mine, theirs in zip(rows, plain):
+        for a, b in zip(mine.layers, theirs.layers):
+            assert a.length == b.length
+            torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-5)
+    assert any(bool(layer.scores[..., -3:].sum() > 0) for layer in rows[0].layers)  # the steps did add scores

@@ -169,6 +169,27 @@ def test_codes_use_full_range_and_pack_low_bits_first():
     assert torch.equal(dequantize(q), x)
 
 
+def _unpacked_codes(q: QuantizedTensor) -> torch.Tensor:
+    """The codes read bit by bit from the packed bytes (lowest bits first), in the tensor's own layout."""
+    per, mask = 8 // q.bits, (1 << q.bits) - 1
+    codes = [(byte >> (i * q.bits)) & mask for byte in q.packed.tolist() for i in range(per)]
+    moved = [s for i, s in enumerate(q.shape) if i != q.axis] + [q.shape[q.axis]]
+    return torch.tensor(codes[:q.numel], dtype=torch.float32).view(moved).movedim(-1, q.axis)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("shape, axis", [((1, 2, 7, 5), 2), ((2, 3, 13, 8), 3), ((1, 1, 1, 3), 2), ((3, 5), 0)])
+def test_whole_axis_dequantisation_is_codes_times_scale_plus_zero(dtype, bits, shape, axis):
+    """One group along the reduced axis (ZipVL's default) dequantises through a lookup of the packed bytes: the same
+    values, bit for bit, as fp32 codes times the stored scale plus the zero, in the input's dtype."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    q = quantize(x, bits, axis)
+    expected = (_unpacked_codes(q) * q.scale.float() + q.zero.float()).to(dtype)
+    got = dequantize(q)
+    assert got.dtype == dtype and got.shape == x.shape and torch.equal(got, expected)
+
+
 def test_large_magnitude_falls_back_to_fp32_stats():
     x = torch.tensor([[-1e6, 2e6, 5.0]], dtype=torch.float32)
     q = quantize(x, 8, axis=1)

@@ -46,6 +46,7 @@ from ..models.families import hooks_of, uses_mrope
 from ..policies import Policy, PolicyState
 from ..policies.base import DecodeView, LayerPlan, PrefillView, apply_plans, apply_plans_together
 from ..policies.equal_memory import EqualMemoryHold
+from .step_attention import RowAttention, StepAttention
 from .step_buffers import StepBuffers
 from .stopwatch import Elapsed, Stopwatch
 from .token_drop import tokens_dropped
@@ -72,6 +73,7 @@ class _InPlaceDecodeLayer(DynamicLayer):
         self.step, self.layer_idx = step, layer_idx
         self.is_initialized = True
         self.new_lengths: list[int] = []
+        self.scores_home = None  # after `update`: the shared store of every row's scores, or None
 
     def get_seq_length(self) -> int:
         return max(c.layers[self.layer_idx].length for c in self.step.caches)
@@ -92,10 +94,13 @@ class _InPlaceDecodeLayer(DynamicLayer):
             step.buffers.refresh_row(self.layer_idx, r, rows[r])
         self.new_lengths = [0] * len(rows)
         found = [self._append(g, rows, key_states, value_states) for g in groups]
+        # where every row's scores live, in the step's order, when that is one shared store (`step_attention`)
+        self.scores_home = groups[0].stores["scores"] if len(groups) == 1 and groups[0].whole else None
         for r in quantised:  # its own storage gets the new entry too (in place when it views the working copy)
             layer = rows[r]
             if step.buffers.took_step_entry(self.layer_idx, r, layer):
                 continue
+            self.scores_home = None  # this row's scores are its own
             layer.append(key_states[r:r + 1], value_states[r:r + 1])
             layer.append_meta_per_head(*step.row_meta(r, key_states.shape[1]), has_image=False)
             step.buffers.refreshed(self.layer_idx, r, layer)
@@ -342,7 +347,7 @@ class _PaddedChunkCache(DynamicCache):
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [B, V]: each row's last token
-    attention: list[dict[int, torch.Tensor] | None]  # per row: layer -> last query's attention [1, Hkv, T_row]
+    attention: list[Mapping[int, torch.Tensor] | None]  # per row: layer -> last query's attention [1, Hkv, T_row]
 
 
 def _row_attention(stats: dict[int, dict[str, torch.Tensor]], r: int, old_lengths: dict[int, list[int]],
@@ -540,11 +545,13 @@ def _forward_ordered_rows(model, caches: Sequence[TrackedCache], chunks: Sequenc
         given = logical_positions(positions, caches) if uses_mrope(model.config) else positions
         out = model(input_ids=ids, position_ids=given, **cache_kwarg(step), use_cache=True, logits_to_keep=1,
                     kv_probe=probe)
-        attention: list[dict[int, torch.Tensor] | None] = [None] * b
-        if q == 1:
-            for r in range(wanted):  # row r's entries are the first ones of its row
-                attention[r] = {i: probe.stats[i]["last_query"][r:r + 1, :, :layer.new_lengths[r]]
-                                for i, layer in enumerate(step.layers) if i in probe.stats}
+        attention: list[Mapping[int, torch.Tensor] | None] = [None] * b
+        if q == 1:  # row r's entries are the first ones of its row
+            if wanted:
+                recorded = {i: probe.stats[i]["last_query"] for i in range(len(step.layers)) if i in probe.stats}
+                homes = {i: step.layers[i].scores_home for i in recorded if step.layers[i].scores_home is not None}
+                new_lengths = {i: step.layers[i].new_lengths for i in recorded}
+                attention[:wanted] = StepAttention(recorded, new_lengths, wanted, homes).rows()
         else:
             old_lengths = {i: layer.old_lengths for i, layer in enumerate(step.layers)}
             for r in range(wanted):
@@ -721,15 +728,16 @@ class DecodeRow:
     true_len: int
     prompt_len: int
     step: int
-    attention: dict[int, torch.Tensor] | None = None
+    attention: Mapping[int, torch.Tensor] | None = None
     reduced_by: int = 0
 
     def view(self) -> DecodeView:
         return DecodeView(self.cache, self.true_len, self.prompt_len, self.step, self.attention, self.reduced_by)
 
     def plans(self) -> list[LayerPlan | None] | None:
-        """Accumulate the step's attention into the scores; the policy's plans for this step."""
-        if self.attention is not None:
+        """Accumulate the step's attention into the scores (unless the step added every row's at once); the
+        policy's plans for this step."""
+        if self.attention is not None and not getattr(self.attention, "scores_added", False):
             self.cache.add_scores(self.attention)
         return self.policy.decode(self.view(), self.state)
 
@@ -751,6 +759,14 @@ def compress_decode_rows(rows: Sequence[DecodeRow], device: torch.device) -> lis
     errors: list[Exception | None] = [None] * len(rows)
     planned: list[tuple[int, list[LayerPlan | None]]] = []
     mark = watch.mark()
+    steps = {id(row.attention.step): row.attention.step for row in rows if isinstance(row.attention, RowAttention)}
+    if steps:  # every row's scores at once where they share stores (`step_attention`), its time shared by them
+        for step in steps.values():
+            step.add_to_scores()
+        mark, before = watch.mark(), mark
+        scored = [r for r, row in enumerate(rows) if getattr(row.attention, "scores_added", False)]
+        for r in scored:
+            seconds[r].add(before, mark, 1.0 / len(scored))
     for r, row in enumerate(rows):
         try:
             plans = row.plans()

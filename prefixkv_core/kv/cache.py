@@ -223,6 +223,12 @@ class TrackedLayer(DynamicLayer):
         return 0 if store is None else store.lengths[self._rows[0]]
 
     @property
+    def full_precision_length(self) -> int:
+        """Entries held at full precision, after the packed segments (read off the store: no view made)."""
+        store = self._stores.get("keys")
+        return 0 if store is None else store.lengths[self._rows[0]]
+
+    @property
     def entries_device(self) -> torch.device:
         """Where the entries live (read off the store: no view made, which a policy's every-step call would pay)."""
         return self._stores["positions"].data.device

@@ -42,6 +42,7 @@ is the fp16-overflow check.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -213,6 +214,31 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int | None = Non
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _code_table(bits: int, device: torch.device) -> torch.Tensor:
+    """[256, 8 // bits] float32: the codes a packed byte holds, lowest bits first (so unpacking and the cast to
+    float are one lookup)."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    table = [[float((b >> (i * bits)) & mask) for i in range(per)] for b in range(256)]
+    with torch.inference_mode():
+        return torch.tensor(table, dtype=torch.float32, device=device)
+
+
+def _dequantize_whole_axis(q: QuantizedTensor, total: int) -> torch.Tensor:
+    """`dequantize` with one group along the reduced axis: the stored scale and zero broadcast against the
+    tensor as it is, so the codes are read through one lookup and moved back as a view. A decode step dequantises
+    every packed block of every layer, so it is a handful of operators, not a score; the arithmetic is the
+    general path's (fp32 codes times the fp32 value of the stored scale, plus the zero)."""
+    codes = _code_table(q.bits, q.packed.device).index_select(0, q.packed.long())  # [bytes, codes a byte]
+    if codes.numel() != total:  # the last byte's padding codes
+        codes = codes.view(-1).narrow(0, 0, total)
+    codes = codes.view(_moved_shape(tuple(q.shape), q.axis))
+    if q.axis != len(q.shape) - 1:
+        codes = codes.movedim(-1, q.axis)
+    out = codes * q.scale + q.zero
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """Back to a dense tensor of the original shape and dtype."""
     shape = tuple(q.shape)
@@ -224,6 +250,8 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     if total == 0:
         return torch.zeros(shape, dtype=q.dtype, device=q.packed.device)
     g, n_groups = _group_layout(n, q.group_size)
+    if n_groups == 1:
+        return _dequantize_whole_axis(q, total)
     codes = _unpack(q.packed, q.bits, total).reshape(moved).float()
     s = q.scale.movedim(q.axis, -1).float()  # [..., n_groups]
     z = q.zero.movedim(q.axis, -1).float()

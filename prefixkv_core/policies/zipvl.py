@@ -108,7 +108,7 @@ class ZipVLPolicy(Policy):
     def decode(self, view: DecodeView, state: ZipVLState):
         plans = []
         for i, layer in enumerate(view.cache.layers):
-            fp_len = layer.keys.shape[2]
+            fp_len = layer.full_precision_length
             if fp_len < self.decode_block:
                 plans.append(None)
                 continue
