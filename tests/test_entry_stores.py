@@ -539,3 +539,73 @@ def test_a_step_adds_every_row_s_attention_into_its_scores_at_once(tiny_qwen2, p
             assert a.length == b.length
             torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-5)
     assert any(bool(layer.scores[..., -3:].sum() > 0) for layer in rows[0].layers)  # the steps did add scores
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_prompt_only_cache_writes_every_layer_s_metadata_at_once(tiny_qwen2, prefilled, rows, monkeypatch):
+    """A cache that only grows keeps its metadata stacked over the layers (`stack_layers(META_FIELDS)`): a decode
+    step then writes every layer's new position, flag and score at once, and moves the slots on from step to
+    step. Layers of different lengths, the stack growing past its room, one row or several: each step's logits
+    and every field are what a plain copy appending layer by layer holds."""
+    from prefixkv_core.kv import cache as cache_module
+    from prefixkv_core.kv.cache import META_FIELDS
+
+    monkeypatch.setattr(cache_module, "spare_for", lambda entries: 2)  # the stack grows within a few steps
+    full, n = prefilled
+    mine = full.clone()
+    for i, layer in enumerate(mine.layers):  # each layer its own count, as a per-layer budget leaves them
+        layer.gather(torch.arange(0, n, i + 1).view(1, 1, -1))
+    if rows > 1:  # the same prompt in every row, as one cache (the speed benchmark's shared plan)
+        one, mine = mine, TrackedCache(len(mine.layers))
+        for theirs, layer in zip(one.layers, mine.layers):
+            layer.lazy_initialization(theirs.keys, theirs.values)
+            for name in ENTRY_FIELDS:
+                setattr(layer, name, getattr(theirs, name).expand(rows, *getattr(theirs, name).shape[1:]).clone())
+    plain = mine.clone()
+    assert mine.stack_layers(META_FIELDS)
+    stacks = {name: mine.layers[0].store_of(name).stack for name in META_FIELDS}
+    assert all(layer.store_of(name).stack is stacks[name] for layer in mine.layers for name in META_FIELDS)
+    assert mine.layers[0].store_of("keys").stack is None  # keys and values stay where they are
+    grown = []
+    with tracked_attention_enabled(tiny_qwen2.model):
+        for step in range(6):
+            ids = torch.tensor([[5 + step]] * rows)
+            got, _ = runner.forward_group(tiny_qwen2.model, mine, ids, n + step, runner.StatRequest())
+            assert mine._meta_of_every_layer
+            want, _ = runner.forward_group(tiny_qwen2.model, plain, ids, n + step, runner.StatRequest())
+            assert not plain._meta_of_every_layer
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            grown.append(mine.layers[0].store_of("positions").stack.capacities[0])
+    assert grown[-1] > grown[0]  # the stack grew on the way
+    for a, b in zip(mine.layers, plain.layers):
+        assert a.length == b.length
+        for name in ENTRY_FIELDS:
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
+        assert int(a.positions[0, 0, -1]) == n + 5 and not bool(a.is_image[..., -6:].any())
+
+
+def test_the_step_lengths_move_on_in_place():
+    """`StepLengths` keeps every layer's row lengths on the device from step to step: one more entry in every row
+    moves them on in place (the views made of them with them), the same counts keep them, anything else makes them
+    anew; the key mask and the metadata slots are what they would be made from the lengths."""
+    from prefixkv_core.decoding.step_lengths import StepLengths
+
+    lengths = StepLengths()
+    lengths.start([[3, 5], [4, 2]], torch.device("cpu"))
+    ends = lengths.ends
+    index = lengths.append_index(1, heads=2, dim=3)
+    starts = torch.tensor([[[0, 10], [20, 30]], [[40, 50], [60, 70]]])
+    slots = lengths.meta_slots(("layout",), lambda: starts)
+    assert slots.tolist() == (starts + torch.tensor([[3, 5], [4, 2]])[:, :, None]).view(-1).tolist()
+    for before in ([[4, 6], [5, 3]], [[4, 6], [5, 3]], [[5, 7], [6, 4]]):  # one more, the same, one more
+        lengths.start(before, torch.device("cpu"))
+        assert lengths.ends is ends and lengths.ends.tolist() == before
+        assert index[:, 0, 0, 0].tolist() == before[1] and lengths.layer_ends(0).tolist() == before[0]
+        want = torch.arange(8)[None, None, :] <= torch.tensor(before)[:, :, None]
+        for layer in (0, 1):
+            assert torch.equal(lengths.key_mask(layer, 8), want[layer][:, None, :8])
+        assert lengths.meta_slots(("layout",), lambda: starts).tolist() == \
+            (starts + torch.tensor(before)[:, :, None]).view(-1).tolist()
+    lengths.start([[2, 2], [2, 2]], torch.device("cpu"))  # an eviction that changed the counts: made anew
+    assert lengths.ends is not ends and lengths.ends.tolist() == [[2, 2], [2, 2]]
+    assert lengths.meta_slots(("layout",), lambda: starts).tolist() == (starts + 2).view(-1).tolist()

@@ -29,6 +29,7 @@ methods the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
@@ -39,7 +40,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..kv.attention import (AttentionProbe, StatRequest, StepSubset, hidden_states_recorded, post_vision_queries,
                             raters_chosen)
-from ..kv.cache import TrackedCache, TrackedLayer, per_head_meta
+from ..kv.cache import META_FIELDS, TrackedCache, TrackedLayer, per_head_meta
 from ..kv.stores import SPARE_ENTRIES
 from ..models.compat import cache_kwarg
 from ..models.families import hooks_of, uses_mrope
@@ -121,9 +122,10 @@ class _InPlaceDecodeLayer(DynamicLayer):
             key_states, value_states = key_states.index_select(0, group.index), value_states.index_select(0, group.index)
         b, h = key_states.shape[:2]
         old = list(stores["keys"].lengths)
-        ends, masks = step.lengths_before(self.layer_idx) if group.whole else (None, None)
-        if ends is None or step.row_lengths[self.layer_idx] != old:
-            ends, masks = torch.tensor(old, device=key_states.device), None
+        ends = step.lengths_before(self.layer_idx) if group.whole else None
+        known = ends is not None and step.row_lengths[self.layer_idx] == old  # the step's tensors hold them
+        if not known:
+            ends = torch.tensor(old, device=key_states.device)
         if max(old) + 1 > min(store.capacity for store in stores.values()):
             for store in stores.values():
                 store.reserve(max(old) + 1)
@@ -136,7 +138,7 @@ class _InPlaceDecodeLayer(DynamicLayer):
             stores["is_image"].write_after_each_row(at.expand(b, h, 1), False)  # steps feed text, never images
             stores["scores"].write_after_each_row(at.expand(b, h, 1), 0.0)
         d_k, d_v = key_states.shape[-1], value_states.shape[-1]
-        at = step.append_index(self.layer_idx, h, d_k) if group.whole and masks is not None else None
+        at = step.append_index(self.layer_idx, h, d_k) if known else None
         if at is None or d_v != d_k:
             at = ends.view(b, 1, 1, 1)
             at_k, at_v = at.expand(b, h, 1, d_k), at.expand(b, h, 1, d_v)
@@ -154,10 +156,15 @@ class _InPlaceDecodeLayer(DynamicLayer):
         empty_slots = any(rows[r].has_empty_slots for r in group.rows)
         if empty_slots or min(old) != max(old):
             # [B, 1, T]: a row's entries and its new one
-            mask = masks[..., :t] if masks is not None else (step.slots(t) <= ends[:, None])[:, None, :]
+            mask = step.key_mask(self.layer_idx, t) if known else (step.slots(t) <= ends[:, None])[:, None, :]
             if empty_slots:
                 mask = mask & (stores["positions"].leading(t) >= 0)
         return stores["keys"].leading(t), stores["values"].leading(t), mask
+
+
+def _in_order(starts: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """A stack's slots [layers of the stack, ...] for the step's layers, which are these layers of it."""
+    return starts if order == list(range(starts.shape[0])) else starts[order]
 
 
 class _InPlaceDecodeCache(DynamicCache):
@@ -173,10 +180,6 @@ class _InPlaceDecodeCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.layers = [_InPlaceDecodeLayer(self, i) for i in range(len(self.caches[0].layers))]
         self.row_lengths: list[list[int]] = []  # per layer: each row's entries before this step
-        self._ends: torch.Tensor | None = None  # [L, B] every layer's row lengths before the step
-        self._layer_ends: tuple[torch.Tensor, ...] = ()  # its rows, and each layer's key mask [B, T+1]
-        self._layer_masks: tuple[torch.Tensor, ...] = ()
-        self._append_index: tuple | None = None  # ((heads, dim), each layer's scatter index): `append_index`
         self.meta_written = False  # every layer's new position, image flag and score written at the first layer
         self.groups_by_layer: list | None = None  # every layer's row groups, when the first layer found them
 
@@ -208,12 +211,10 @@ class _InPlaceDecodeCache(DynamicCache):
                 order = [g[0].stores[name].stack_layer for g in groups]
                 layout = (tuple(stacks[name].capacities), tuple(order))
                 slots = made.get(layout)
-                if slots is None:
-                    starts = stacks[name].first_slots(positions.device)  # [layers of the stack, B, Hkv]
-                    if order != list(range(starts.shape[0])):
-                        starts = starts[order]
-                    # each row's next slot, every layer and head, as one index
-                    slots = made[layout] = (starts + self._ends[:, :, None]).view(-1)
+                if slots is None:  # each row's next slot, every layer and head, as one index
+                    slots = made[layout] = self.buffers.step_lengths.meta_slots(
+                        (*layout, stacks[name].rows, stacks[name].heads),
+                        lambda stack=stacks[name], order=order: _in_order(stack.first_slots(positions.device), order))
                 entries = stacks[name].entries()
                 if name == "positions":
                     shape = (len(groups), positions.shape[0], stacks[name].heads)
@@ -225,30 +226,22 @@ class _InPlaceDecodeCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
 
-    def lengths_before(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s row lengths before this step as a tensor [B], and the key mask they give [B, 1, T+1]
-        (True up to and including a row's new entry): made for every layer at once at the first layer, so a
-        step makes two small tensors instead of two per layer. `row_lengths` says what they were made from."""
-        if self._ends is None:
+    def lengths_before(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s row lengths before this step as a tensor [B], for every layer at once at the first
+        layer (`StepLengths`: moved on from the last step's in place). `row_lengths` says what they hold."""
+        if not self.row_lengths:
             self.row_lengths = [[c.layers[i].length for c in self.caches] for i in range(len(self.layers))]
-            self._ends = torch.tensor(self.row_lengths, device=self.positions.device)  # [L, B]
-            longest = max(max(lengths) for lengths in self.row_lengths) + 1
-            masks = (self.slots(longest) <= self._ends[..., None]).unsqueeze(2)  # [L, B, 1, T+1]
-            # every layer's part as a view, made at once (one operator a step, not two a layer)
-            self._layer_ends, self._layer_masks = self._ends.unbind(0), masks.unbind(0)
-        return self._layer_ends[layer_idx], self._layer_masks[layer_idx]
+            self.buffers.step_lengths.start(self.row_lengths, self.positions.device)
+        return self.buffers.step_lengths.layer_ends(layer_idx)
 
-    def append_index(self, layer_idx: int, heads: int, dim: int) -> torch.Tensor | None:
+    def key_mask(self, layer_idx: int, t: int) -> torch.Tensor:
+        """[B, 1, t]: True up to and including each row's new entry, from `lengths_before`."""
+        return self.buffers.step_lengths.key_mask(layer_idx, t)
+
+    def append_index(self, layer_idx: int, heads: int, dim: int) -> torch.Tensor:
         """Layer `layer_idx`'s scatter index for the step's new keys ([B, heads, 1, dim]: each row's next slot, from
-        `lengths_before`), made for every layer at once at the first layer that asks (two operators a step, not
-        three a layer); None before `lengths_before` was."""
-        if self._ends is None:
-            return None
-        if self._append_index is None or self._append_index[0] != (heads, dim):
-            n_layers, b = self._ends.shape
-            every = self._ends.view(n_layers, b, 1, 1, 1).expand(n_layers, b, heads, 1, dim)
-            self._append_index = ((heads, dim), every.unbind(0))
-        return self._append_index[1][layer_idx]
+        `lengths_before`)."""
+        return self.buffers.step_lengths.append_index(layer_idx, heads, dim)
 
     def slots(self, t: int) -> torch.Tensor:
         """0, 1, ..., t - 1 (made once per step, long enough for every layer)."""
@@ -391,8 +384,8 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
     already known (a vision-side reduction on Qwen keeps those of the unreduced prompt), used as they are."""
     b, t = ids.shape
     positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
-    flags = image_flags if image_flags is not None else torch.zeros_like(ids, dtype=torch.bool)
-    cache.set_pending(positions, flags, has_image=None if image_flags is not None else False)
+    flags = image_flags if image_flags is not None else _no_image(b, t, ids.device)
+    cache.set_pending(positions, flags, has_image=None if image_flags is not None else False, first_position=start)
     if given_positions is not None:
         model_pos, cache.rope_deltas = (x.to(ids.device) for x in given_positions)
     else:
@@ -410,6 +403,13 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
         out = model(**inputs, position_ids=model_pos, **cache_kwarg(cache), use_cache=True, logits_to_keep=1,
                     kv_probe=probe, **vision_kwargs(vision_inputs))
     return out.logits[:, -1], probe.stats
+
+
+@functools.lru_cache(maxsize=32)
+def _no_image(b: int, t: int, device: torch.device) -> torch.Tensor:
+    """All-False image flags [b, t] (a step's text tokens), made once per shape: nothing writes into them."""
+    with torch.inference_mode():
+        return torch.zeros(b, t, dtype=torch.bool, device=device)
 
 
 def model_positions(model, cache: TrackedCache, ids: torch.Tensor, positions: torch.Tensor, start: int,
@@ -704,7 +704,9 @@ def compress_prefill(policy: Policy, cache: TrackedCache, stats: dict[int, dict[
     # a second pass (the equal-memory hold: a prompt-only method starts at r·N too; LOOK-M's text may exceed it)
     apply_plans(cache, policy.after_plans(DecodeView(cache, prompt_len, prompt_len, 0, reduced_by=reduced_by), state))
     if policy.keeps_budget_while_decoding() or isinstance(policy, EqualMemoryHold):
-        cache.stack_layers()  # it evicts every step: from every layer at once (a prompt-only cache only grows)
+        cache.stack_layers()  # it evicts every step: from every layer at once
+    else:
+        cache.stack_layers(META_FIELDS)  # a prompt-only cache only grows: its steps' metadata written at once
     return state
 
 

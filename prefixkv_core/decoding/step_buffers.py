@@ -23,6 +23,7 @@ import torch
 
 from ..kv.cache import ENTRY_FIELDS, TrackedLayer, move_rows_into
 from ..kv.stores import SPARE_ENTRIES, EntryStore, StoreStack, spare_for
+from .step_lengths import StepLengths
 
 SPLIT_MIN_BYTES = 8 * 2**20  # a layer's stores split in two only when that saves this much ...
 SPLIT_SHARE = 0.7  # ... and leaves at most this share of the single group's size
@@ -93,6 +94,7 @@ class StepBuffers:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._groups: dict[int, list[RowGroup]] = {}
         self._where: dict[int, dict[int, tuple[RowGroup, int]]] = {}  # layer -> batch row -> (group, row in it)
+        self.step_lengths = StepLengths()  # the rows' lengths on the device, moved on from step to step
 
     def get(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H, t, D] padded views shaped like `keys`/`values` ([B, H, *, D]) with room for t entries."""

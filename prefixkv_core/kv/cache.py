@@ -15,6 +15,7 @@ as a per-head (flattened) cache would store them. `stored_nbytes` says what the 
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -45,6 +46,7 @@ class QuantSegment:
 
 
 ENTRY_FIELDS = ("keys", "values", "positions", "is_image", "scores")
+META_FIELDS = ("positions", "is_image", "scores")  # what a cache knows of each entry besides its key and value
 def per_head_meta(positions: torch.Tensor, is_image: torch.Tensor, n_kv: int):
     """[B, T_new] positions / image flags -> per-KV-head positions, flags and zero scores ([B, Hkv, T_new])."""
     pos = positions[:, None, :].expand(-1, n_kv, -1)
@@ -211,11 +213,18 @@ class TrackedLayer(DynamicLayer):
     def append_meta_per_head(self, pos: torch.Tensor, img: torch.Tensor, zeros: torch.Tensor, has_image: bool) -> None:
         """The same with the per-KV-head tensors ([B, Hkv, T_new]) already built (shared by every layer);
         `has_image` says whether any new entry is an image entry (known to the caller without a device sync)."""
-        if self.positions is None or has_image:
+        if has_image or "positions" not in self._stores:  # (a view of the positions would cost an operator)
             self._image_count = None
         self._append("positions", pos)
         self._append("is_image", img)
         self._append("scores", zeros)
+
+    def meta_written(self, n: int) -> None:
+        """The metadata of the `n` text entries just appended to its keys and values was written into this layer's
+        stores for it (`TrackedCache`'s write for every layer at once): they now count them."""
+        for name in META_FIELDS:
+            store = self._stores[name]
+            store.set_lengths(self._rows, store.lengths[self._rows[0]] + n)
 
     @property
     def length(self) -> int:
@@ -532,19 +541,32 @@ class TrackedCache(DynamicCache):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_meta: tuple | None = None
         self._pending_has_image: bool | None = None
+        self._meta_of_every_layer = False  # this forward's metadata written for every layer at its first layer
+        self._pending_first: int | None = None
+        # (the stack, its layout, every layer's length, the slots the next entries' metadata goes to): a step moves
+        # them on
+        self._next_meta_slots: tuple[weakref.ref, tuple, list[int], torch.Tensor] | None = None
         self.rope_deltas: torch.Tensor | None = None
 
-    def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor, has_image: bool | None = None) -> None:
+    def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor, has_image: bool | None = None,
+                    first_position: int | None = None) -> None:
         """The next forward's true positions and image flags [B, T]. `has_image`: whether any flag is set, when the
-        caller knows (a decode step's tokens are text): reading it off the flags waits for the device."""
+        caller knows (a decode step's tokens are text): reading it off the flags waits for the device.
+        `first_position`: the position of every row's first token, when the caller knows that they share it."""
         self.pending = (positions, is_image)
         self._pending_has_image = has_image
+        self._pending_first = first_position
         self._pending_meta = None  # per-KV-head form, built at the first layer and shared by the others
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self.pending is None:
             raise RuntimeError("TrackedCache.set_pending(positions, is_image) must be called before a forward")
+        if layer_idx == 0:
+            self._meta_of_every_layer = self._write_every_layers_meta()
+        if self._meta_of_every_layer:
+            self.layers[layer_idx].meta_written(self.pending[0].shape[1])
+            return keys, values
         n_kv = key_states.shape[1]
         if self._pending_meta is None or self._pending_meta[0].shape[1] != n_kv:
             positions, is_image = self.pending
@@ -554,6 +576,53 @@ class TrackedCache(DynamicCache):
         pos, img, zeros, has_image = self._pending_meta
         self.layers[layer_idx].append_meta_per_head(pos, img, zeros, has_image)
         return keys, values
+
+    def _write_every_layers_meta(self) -> bool:
+        """At a decode step's first layer: every layer's new entry's position, image flag (none: a step feeds text)
+        and zero score written at once, three operators for the step instead of three a layer, when every layer's
+        metadata lives in one stack per field, in layer order (`stack_layers`). False, writing nothing: each
+        layer appends its own."""
+        positions, _ = self.pending
+        if positions.shape[1] != 1 or self._pending_has_image is not False:
+            return False
+        stacks = [self.layers[0].store_of(name) for name in META_FIELDS]
+        if any(store is None or store.stack is None for store in stacks):
+            return False
+        stacks = [store.stack for store in stacks]
+        for i, layer in enumerate(self.layers):
+            for name, stack in zip(META_FIELDS, stacks):
+                store = layer.store_of(name)
+                if store is None or store.stack is not stack or store.stack_layer != i or layer.segments:
+                    return False
+        rows = layer.store_rows
+        if rows != (0, stacks[0].rows):
+            return False
+        lengths = [layer.length for layer in self.layers]
+        for layer, n in zip(self.layers, lengths):  # room for the new entry first (a stack grows for all fields)
+            for name in META_FIELDS:
+                layer.store_of(name).reserve(n + 1)
+        if len({tuple(stack.capacities) for stack in stacks}) != 1:
+            return False  # (stacks made together grow together: one layout)
+        device = positions.device
+        layout = tuple(stacks[0].capacities)
+        known = self._next_meta_slots
+        if known is not None and known[0]() is stacks[0] and known[1] == layout and known[2] == lengths:
+            slots = known[3]  # the last step's, moved on by one
+        else:  # each row's next slot in every layer and head, as one index
+            ends = torch.tensor(lengths, device=device).view(-1, 1, 1)  # [L, 1, 1]
+            slots = (stacks[0].first_slots(device) + ends).view(-1)
+        with torch.inference_mode():
+            for name, stack in zip(META_FIELDS, stacks):
+                entries = stack.entries()
+                if name != "positions":
+                    entries.index_fill_(0, slots, False if name == "is_image" else 0.0)
+                elif self._pending_first is not None:  # every row's new entry at one known position
+                    entries.index_fill_(0, slots, self._pending_first)
+                else:
+                    shape = (len(self.layers), stack.rows, stack.heads)
+                    entries.index_copy_(0, slots, positions.view(1, -1, 1).expand(shape).reshape(-1))
+            self._next_meta_slots = (weakref.ref(stacks[0]), layout, [n + 1 for n in lengths], slots.add_(1))
+        return True
 
     def add_scores(self, stats: dict[int, torch.Tensor]) -> None:
         """Accumulate per-layer attention ([B, Hkv, T], aligned with the layer's entries) into scores."""
@@ -604,12 +673,13 @@ class TrackedCache(DynamicCache):
         return out
 
     # -- what the UI shows ---------------------------------------------------------------------------
-    def stack_layers(self) -> bool:
-        """Move every layer's entries into stores stacked over the layers (`StoreStack`: one tensor per field, each
+    def stack_layers(self, fields: Sequence[str] = ENTRY_FIELDS) -> bool:
+        """Move every layer's `fields` into stores stacked over the layers (`StoreStack`: one tensor per field, each
         layer its own part, as long as it holds plus room), so that a decode step's evictions from every layer (and
-        row) are one copy per field (`joint_eviction`), not a few operators per layer and field. For a cache whose
-        layers hold full-precision entries alike in shape, each in stores of its own; returns whether its layers
-        are stacked (False: left as they were)."""
+        row) are one copy per field (`joint_eviction`), not a few operators per layer and field, and its metadata
+        is written for every layer at once (`META_FIELDS`: what a cache that only grows stacks). For a cache whose
+        layers hold full-precision entries alike in shape, each in stores of its own; returns whether its layers'
+        `fields` are stacked (False: left as they were)."""
         layers = self.layers
         if not layers or any(layer.keys is None or layer.segments or layer.has_empty_slots for layer in layers):
             return False
@@ -617,10 +687,10 @@ class TrackedCache(DynamicCache):
         if any(layer._rows != (0, rows) or any(st.data.shape[0] != rows for st in layer._stores.values())
                for layer in layers):
             return False  # rows of a batch's shared stores: stacked there, if at all
-        stacks = {id(st.stack) for layer in layers for st in layer._stores.values()}
-        if len(stacks) == 1 and id(None) not in stacks:
+        stacks = {id(layer._stores[name].stack) for layer in layers for name in fields}
+        if len(stacks) == len(fields) and id(None) not in stacks:
             return True  # stacked already
-        first = {name: getattr(layers[0], name) for name in ENTRY_FIELDS}
+        first = {name: getattr(layers[0], name) for name in fields}
         for layer in layers[1:]:
             for name, like in first.items():
                 f = getattr(layer, name)
@@ -628,15 +698,16 @@ class TrackedCache(DynamicCache):
                         or f.device != like.device:
                     return False
         rooms = [layer.length + spare_for(layer.length) for layer in layers]
-        stacks = {name: StoreStack(t, rows, rooms) for name, t in first.items()}
+        made = {name: StoreStack(t, rows, rooms) for name, t in first.items()}
         with torch.inference_mode():
             for i, layer in enumerate(layers):
-                stores = {name: EntryStore(stack.layer_view(i), [0] * rows, stack) for name, stack in stacks.items()}
+                stores = {name: EntryStore(stack.layer_view(i), [0] * rows, stack) for name, stack in made.items()}
                 for name, store in stores.items():
                     f = getattr(layer, name)
                     store.data.narrow(2, 0, f.shape[2]).copy_(f)
                     store.lengths[:] = [f.shape[2]] * rows
-                layer._stores, layer._rows = stores, (0, rows)
+                layer._stores = {**layer._stores, **stores}  # never changed in place (see `_own_store`)
+                layer._rows = (0, rows)
         return True
 
     def lengths(self) -> list[int]:
