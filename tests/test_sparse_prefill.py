@@ -88,3 +88,19 @@ def test_a_sparse_prefill_attends_with_fewer_tokens_and_says_so(tiny_llama, nois
                                            {"zipvl": {"tau": 0.8, "sparse_prefill": False}})
     list(dense.run())
     assert "attended" not in dense.states["zipvl"].policy.extras(dense.states["zipvl"].policy_state)
+
+
+def test_the_ttft_benchmark_times_the_rows_asked_for(tiny_llama):
+    """`benchmarks/sparse_prefill.py` times Full, ZipVL's two prefills and the `--also` methods at their budget on
+    one clip, each from the same prompt; an unknown method is refused."""
+    from benchmarks import sparse_prefill as bench
+
+    timed = bench.rows_timed(["fastv", "zipvl"], 0.5)
+    assert list(timed) == ["full", "zipvl-sparse", "zipvl-dense", "fastv r=0.5"]
+    assert timed["fastv r=0.5"] == ("fastv", {}, 0.5) and timed["full"][2] == 1.0
+    rows = bench.measure(Engine(tiny_llama), [4], 1, 2, 0, ["fastv"], 0.5)
+    assert [r["row"] for r in rows] == list(timed)[:3] + ["fastv r=0.5"]
+    assert all(r["ttft_s"] > 0 and r["frames"] == 4 and r["prompt_tokens"] == rows[0]["prompt_tokens"] for r in rows)
+    assert "fastv r=0.5" in bench.table(rows)
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "tiny-llama", "--also", "nosuch"])

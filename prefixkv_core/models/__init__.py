@@ -80,7 +80,6 @@ __all__ = [
     "format_followup",
     "encode",
     "vision_inputs",
-    "FAMILIES",
     "LLAVA_FAMILIES",
     "FAMILY_INFO",
     "FAMILY_TEMPLATES",
@@ -127,4 +126,3 @@ __all__ = [
     "find_gguf",
 ]
 
-FAMILIES = LLAVA_FAMILIES  # the older name of the LLaVA families (every family: families.FAMILY_INFO)
