@@ -95,6 +95,18 @@ MUTATIONS = (
     Mutation("local-sinks", "Local counts its sinks among the prompt's positions only",
              "prefixkv_core/policies/local.py", "sinks = min(self.sinks, view.true_len)",
              "sinks = min(self.sinks, view.prompt_len)", ("tests/test_policies_synthetic.py -k local_decode",)),
+    Mutation("stale-lengths", "a batched step's row lengths on the device stay where they were when every row "
+             "gained an entry", "prefixkv_core/decoding/step_lengths.py", "            self.ends.add_(1)",
+             "            self.ends.add_(0)", ("tests/test_entry_stores.py -k move_on",)),
+    Mutation("stale-meta-slots", "a prompt-only cache's metadata slots are not moved on after a step writes them",
+             "prefixkv_core/kv/cache.py", "[n + 1 for n in lengths], slots.add_(1))", "[n + 1 for n in lengths], slots)",
+             ("tests/test_entry_stores.py -k metadata_at_once",)),
+    Mutation("scores-at-once", "a step's statistic is added into the rows' shared scores in the wrong rows",
+             "prefixkv_core/decoding/step_attention.py", "target.add_(stat)", "target.add_(stat.flip(0))",
+             ("tests/test_entry_stores.py -k attention_into",)),
+    Mutation("code-table", "the packed codes are read highest bits first", "prefixkv_core/kv/quant.py",
+             "(b >> (i * bits)) & mask", "(b >> ((per - 1 - i) * bits)) & mask",
+             ("tests/test_quant.py -k whole_axis",)),
 )
 
 
