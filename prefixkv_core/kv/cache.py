@@ -681,7 +681,10 @@ class TrackedCache(DynamicCache):
         layers hold full-precision entries alike in shape, each in stores of its own; returns whether its layers'
         `fields` are stacked (False: left as they were)."""
         layers = self.layers
-        if not layers or any(layer.keys is None or layer.segments or layer.has_empty_slots for layer in layers):
+        # (a joint eviction takes no empty slots: a cache with some only stacks what an append writes)
+        evicts = "keys" in fields
+        if not layers or any(layer.keys is None or layer.segments or (evicts and layer.has_empty_slots)
+                             for layer in layers):
             return False
         rows = layers[0].keys.shape[0]
         if any(layer._rows != (0, rows) or any(st.data.shape[0] != rows for st in layer._stores.values())
