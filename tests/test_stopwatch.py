@@ -43,6 +43,7 @@ class _Row:
 
     def __init__(self, clock: _Clock, plan_s: float, hold_s: float, fail: bool = False):
         self.clock, self.plan_s, self.hold_s, self.fail, self.held = clock, plan_s, hold_s, fail, False
+        self.attention = None  # (the step recorded none for it)
 
     def plans(self):
         self.clock.now += self.plan_s
