@@ -40,7 +40,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..kv.attention import (AttentionProbe, StatRequest, StepSubset, hidden_states_recorded, post_vision_queries,
                             raters_chosen)
-from ..kv.cache import META_FIELDS, TrackedCache, TrackedLayer, per_head_meta
+from ..kv.cache import META_FIELDS, TrackedCache, TrackedLayer, per_head_meta, write_step_metadata
 from ..kv.stores import SPARE_ENTRIES
 from ..models.compat import cache_kwarg
 from ..models.families import hooks_of, uses_mrope
@@ -195,8 +195,7 @@ class _InPlaceDecodeCache(DynamicCache):
         groups = self.groups_by_layer = [self.buffers.groups(i, rows[i]) for i in layers]
         if any(len(g) != 1 or not g[0].whole for g in groups):
             return False
-        names = ("positions", "is_image", "scores")
-        stacks = {name: groups[0][0].stores[name].stack for name in names}
+        stacks = {name: groups[0][0].stores[name].stack for name in META_FIELDS}
         if any(stack is None or any(g[0].stores[name].stack is not stack for g in groups)
                for name, stack in stacks.items()):
             return False
@@ -206,21 +205,17 @@ class _InPlaceDecodeCache(DynamicCache):
                 store.reserve(max(lengths) + 1)
         positions = self.positions[:, 0]  # [B]
         made: dict[tuple, torch.Tensor] = {}  # the fields' stacks share a layout: their slots are made once
+        slots: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
-            for name in names:
+            for name in META_FIELDS:
                 order = [g[0].stores[name].stack_layer for g in groups]
                 layout = (tuple(stacks[name].capacities), tuple(order))
-                slots = made.get(layout)
-                if slots is None:  # each row's next slot, every layer and head, as one index
-                    slots = made[layout] = self.buffers.step_lengths.meta_slots(
+                if layout not in made:  # each row's next slot, every layer and head, as one index
+                    made[layout] = self.buffers.step_lengths.meta_slots(
                         (*layout, stacks[name].rows, stacks[name].heads),
                         lambda stack=stacks[name], order=order: _in_order(stack.first_slots(positions.device), order))
-                entries = stacks[name].entries()
-                if name == "positions":
-                    shape = (len(groups), positions.shape[0], stacks[name].heads)
-                    entries.index_copy_(0, slots, positions.view(1, -1, 1).expand(shape).reshape(-1))
-                else:
-                    entries.index_fill_(0, slots, False if name == "is_image" else 0.0)
+                slots[name] = made[layout]
+        write_step_metadata(stacks, slots, len(groups), positions)
         return True
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -15,9 +15,8 @@ as a per-head (flattened) cache would store them. `stored_nbytes` says what the 
 from __future__ import annotations
 
 import copy
-import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -47,6 +46,26 @@ class QuantSegment:
 
 ENTRY_FIELDS = ("keys", "values", "positions", "is_image", "scores")
 META_FIELDS = ("positions", "is_image", "scores")  # what a cache knows of each entry besides its key and value
+
+
+def write_step_metadata(stacks: Mapping[str, StoreStack], slots: Mapping[str, torch.Tensor], layers: int,
+                        positions: torch.Tensor | int) -> None:
+    """A decode step's new entries' metadata, written for every layer at once into stacks over `layers` layers
+    (`META_FIELDS`; `slots[name]`: each (layer, row, head)'s next slot in the field's `entries()`): the position
+    (`positions` [rows], each row's, or one int for every row), no image flag (a step feeds text), a zero score."""
+    with torch.inference_mode():
+        for name in META_FIELDS:
+            stack, at = stacks[name], slots[name]
+            entries = stack.entries()
+            if name != "positions":
+                entries.index_fill_(0, at, False if name == "is_image" else 0.0)
+            elif isinstance(positions, int):
+                entries.index_fill_(0, at, positions)
+            else:
+                shape = (layers, stack.rows, stack.heads)
+                entries.index_copy_(0, at, positions.view(1, -1, 1).expand(shape).reshape(-1))
+
+
 def per_head_meta(positions: torch.Tensor, is_image: torch.Tensor, n_kv: int):
     """[B, T_new] positions / image flags -> per-KV-head positions, flags and zero scores ([B, Hkv, T_new])."""
     pos = positions[:, None, :].expand(-1, n_kv, -1)
@@ -543,9 +562,9 @@ class TrackedCache(DynamicCache):
         self._pending_has_image: bool | None = None
         self._meta_of_every_layer = False  # this forward's metadata written for every layer at its first layer
         self._pending_first: int | None = None
-        # (the stack, its layout, every layer's length, the slots the next entries' metadata goes to): a step moves
-        # them on
-        self._next_meta_slots: tuple[weakref.ref, tuple, list[int], torch.Tensor] | None = None
+        # (the stacks' layout, every layer's length, the slots the next entries' metadata goes to): a step moves them
+        # on
+        self._next_meta_slots: tuple[tuple, list[int], torch.Tensor] | None = None
         self.rope_deltas: torch.Tensor | None = None
 
     def set_pending(self, positions: torch.Tensor, is_image: torch.Tensor, has_image: bool | None = None,
@@ -594,8 +613,7 @@ class TrackedCache(DynamicCache):
                 store = layer.store_of(name)
                 if store is None or store.stack is not stack or store.stack_layer != i or layer.segments:
                     return False
-        rows = layer.store_rows
-        if rows != (0, stacks[0].rows):
+        if self.layers[0].store_rows != (0, stacks[0].rows):
             return False
         lengths = [layer.length for layer in self.layers]
         for layer, n in zip(self.layers, lengths):  # room for the new entry first (a stack grows for all fields)
@@ -603,25 +621,19 @@ class TrackedCache(DynamicCache):
                 layer.store_of(name).reserve(n + 1)
         if len({tuple(stack.capacities) for stack in stacks}) != 1:
             return False  # (stacks made together grow together: one layout)
-        device = positions.device
-        layout = tuple(stacks[0].capacities)
+        # where the slots lie follows from the layout alone (`StoreStack.first_slots`): the last step's slots, moved
+        # on by one, serve while it and the lengths are what they were made for
+        layout = (tuple(stacks[0].capacities), stacks[0].rows, stacks[0].heads)
         known = self._next_meta_slots
-        if known is not None and known[0]() is stacks[0] and known[1] == layout and known[2] == lengths:
-            slots = known[3]  # the last step's, moved on by one
-        else:  # each row's next slot in every layer and head, as one index
-            ends = torch.tensor(lengths, device=device).view(-1, 1, 1)  # [L, 1, 1]
-            slots = (stacks[0].first_slots(device) + ends).view(-1)
         with torch.inference_mode():
-            for name, stack in zip(META_FIELDS, stacks):
-                entries = stack.entries()
-                if name != "positions":
-                    entries.index_fill_(0, slots, False if name == "is_image" else 0.0)
-                elif self._pending_first is not None:  # every row's new entry at one known position
-                    entries.index_fill_(0, slots, self._pending_first)
-                else:
-                    shape = (len(self.layers), stack.rows, stack.heads)
-                    entries.index_copy_(0, slots, positions.view(1, -1, 1).expand(shape).reshape(-1))
-            self._next_meta_slots = (weakref.ref(stacks[0]), layout, [n + 1 for n in lengths], slots.add_(1))
+            if known is not None and known[0] == layout and known[1] == lengths:
+                slots = known[2]
+            else:  # each row's next slot in every layer and head, as one index
+                ends = torch.tensor(lengths, device=positions.device).view(-1, 1, 1)  # [L, 1, 1]
+                slots = (stacks[0].first_slots(positions.device) + ends).view(-1)
+            write_step_metadata(dict(zip(META_FIELDS, stacks)), dict.fromkeys(META_FIELDS, slots), len(self.layers),
+                                positions if self._pending_first is None else self._pending_first)
+            self._next_meta_slots = (layout, [n + 1 for n in lengths], slots.add_(1))
         return True
 
     def add_scores(self, stats: dict[int, torch.Tensor]) -> None:

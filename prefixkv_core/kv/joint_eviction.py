@@ -85,7 +85,8 @@ def _shared_rows(layers: Sequence[TrackedLayer]) -> bool:
     """Whether every layer holds full-precision rows without empty slots in stores a joint copy can address (a
     stack of layers, or contiguous data)."""
     return all(not layer.segments and not layer.has_empty_slots
-               and all(store.stack is not None or store.data.is_contiguous() for store in map(layer.store_of, ENTRY_FIELDS))
+               and all(store.stack is not None or store.data.is_contiguous()
+                       for store in map(layer.store_of, ENTRY_FIELDS))
                for layer in layers)
 
 

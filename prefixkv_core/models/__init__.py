@@ -125,4 +125,3 @@ __all__ = [
     "merge_embedded_lora",
     "find_gguf",
 ]
-
