@@ -235,3 +235,36 @@ def test_rows_in_two_groups_equal_each_alone(tiny, noise_image, monkeypatch):
         alone = _turns(engine.new_session(noise_image, PROMPT, [method], 0.3, GenerationSettings(max_new_tokens=7),
                                           {k: v for k, v in KNOBS.items() if k == method}))
         assert together[method] == alone[method], method
+
+
+def test_zipvl_records_attention_only_when_a_block_fills(tiny, noise_image, monkeypatch):
+    """ZipVL reads a decode step's attention only in the layers whose block of new entries fills that step: its
+    steps ask for those layers (none on most steps), and it answers, packs and counts exactly as when every step
+    records every layer's attention, over a first turn and a follow-up."""
+    from prefixkv_core.policies.zipvl import ZipVLPolicy
+
+    engine = Engine(tiny)
+    asked = []
+    wanted = runner.attention_wanted
+
+    def recording(policy, state):
+        found = wanted(policy, state)
+        if policy.name == "zipvl":
+            asked.append(found)
+        return found
+
+    def packs():
+        session = engine.new_session(noise_image, PROMPT, ["full", "zipvl"], 0.3,
+                                     GenerationSettings(max_new_tokens=8), KNOBS)
+        turns = _turns(session)
+        return turns, [len(layer.segments) for layer in session.states["zipvl"].cache.layers]
+
+    monkeypatch.setattr(runner, "attention_wanted", recording)
+    fast = packs()
+    assert () in asked and any(found not in ((), True) and len(found) > 0 for found in asked), asked
+    monkeypatch.setattr(ZipVLPolicy, "decode_attention_layers", lambda self, state: None)
+    asked.clear()
+    every = packs()
+    assert set(asked) == {True}
+    assert fast == every
+    assert min(fast[1]) > 2  # blocks were packed while decoding, not the prompt's two alone

@@ -186,12 +186,11 @@ class _InPlaceDecodeCache(DynamicCache):
     def write_every_layers_meta(self, n_kv: int) -> bool:
         """At the step's first layer: every layer's new entries' positions, image flags (none: steps feed text) and
         zero scores written at once, three operators for the whole step instead of three a layer, when every
-        layer holds all the rows in one group of stacked stores (`StepBuffers.form`) and none is quantised.
-        False, writing nothing: each layer writes its own."""
+        layer holds all the rows in one group of stacked stores (`StepBuffers.form`; a quantised row's working copy
+        too, which its own stores view or, unlinked, take the entry themselves). False, writing nothing: each layer
+        writes its own."""
         layers = range(len(self.layers))
         rows = [[c.layers[i] for c in self.caches] for i in layers]
-        if any(layer.segments for by_layer in rows for layer in by_layer):
-            return False
         groups = self.groups_by_layer = [self.buffers.groups(i, rows[i]) for i in layers]
         if any(len(g) != 1 or not g[0].whole for g in groups):
             return False
@@ -453,17 +452,25 @@ def attention_wanted(policy: Policy, state: PolicyState | None):
     layer's attention) or the layers it reads (`Policy.decode_attention_layers`)."""
     if not policy.decode_needs_attention():
         return False
-    return policy.decode_attention_layers(state) or True
+    layers = policy.decode_attention_layers(state)
+    return True if layers is None else tuple(layers)
+
+
+def _wants(want) -> bool:
+    """Whether a row wants attention (`attention_wanted`): True, or a tuple of layers, even an empty one (a decode
+    step then records no layer for it, a chunk of several tokens every layer)."""
+    return want is True or isinstance(want, tuple)
 
 
 @torch.inference_mode()
 def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequence[int]], starts: Sequence[int],
-                 want_attention: Sequence[bool], device: torch.device,
+                 want_attention: Sequence[bool | tuple], device: torch.device,
                  buffers: StepBuffers | None = None, subsets: Sequence[Any] | None = None) -> StepOutput:
     """Feed row r the token ids `chunks[r]` at true positions starts[r]... through its own (batch-1) cache, all
     rows in one model call. `want_attention[r]`: return the last query's attention of row r (decode-time
     scoring), aligned with that row's entries: True for every layer's, a tuple of layers for those layers' only
-    (a decode step then records the others for no row, when no row wants them all; `attention_wanted`).
+    in a decode step (it then records the others for no row, when no row wants them all; an empty tuple: none; a
+    chunk of several tokens records every layer for it; `attention_wanted`).
     `subsets[r]`: (L, choose) when, in a decode step, row r's layers from L on attend to a subset of its entries
     (`Policy.step_subset`; the row must want attention). Pass the same `buffers` to every step of a turn to reuse
     the padded tensors."""
@@ -471,17 +478,17 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
     if min(len(c) for c in chunks) < 1:
         raise ValueError("every row needs at least one token to feed")
     subsets = list(subsets) if subsets is not None else [None] * b
-    if any(s is not None and not want for s, want in zip(subsets, want_attention)):
+    if any(s is not None and not _wants(want) for s, want in zip(subsets, want_attention)):
         raise ValueError("a row that attends to a subset of its entries must want its attention")
     order = _row_order(want_attention)
+    wanted = sum(map(_wants, want_attention))
     layers = None
-    if any(want_attention) and not any(want is True for want in want_attention):
-        layers = tuple(sorted({int(i) for want in want_attention if want for i in want}))
+    if wanted and not any(want is True for want in want_attention):
+        layers = tuple(sorted({int(i) for want in want_attention if _wants(want) for i in want}))
     if order == list(range(b)):
-        return _forward_ordered_rows(model, caches, chunks, starts, sum(map(bool, want_attention)), device, buffers,
-                                     subsets, layers)
+        return _forward_ordered_rows(model, caches, chunks, starts, wanted, device, buffers, subsets, layers)
     out = _forward_ordered_rows(model, [caches[r] for r in order], [chunks[r] for r in order],
-                                [starts[r] for r in order], sum(map(bool, want_attention)), device, buffers,
+                                [starts[r] for r in order], wanted, device, buffers,
                                 [subsets[r] for r in order], layers)
     at = {r: k for k, r in enumerate(order)}
     back = torch.tensor([at[r] for r in range(b)], device=out.logits.device)
@@ -490,7 +497,7 @@ def forward_rows(model, caches: Sequence[TrackedCache], chunks: Sequence[Sequenc
 
 def _row_order(want_attention: Sequence[bool]) -> list[int]:
     """The order a batched step holds its rows in (stable): the rows that want attention first."""
-    return sorted(range(len(want_attention)), key=lambda r: not want_attention[r])
+    return sorted(range(len(want_attention)), key=lambda r: not _wants(want_attention[r]))
 
 
 def form_batch(caches: Sequence[TrackedCache], want_attention: Sequence[bool], buffers: StepBuffers) -> None:

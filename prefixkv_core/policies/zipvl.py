@@ -26,6 +26,9 @@ class ZipVLState(PolicyState):
     probe_queries: torch.Tensor | None = None  # prompt query indices whose attention ranked the tokens
     important_ratios: list[float] = field(default_factory=list)  # share of each layer's tokens at high precision
     attended: list[float] = field(default_factory=list)  # sparse prefill: share of each layer's tokens that attended
+    # per layer: entries at full precision after the last plans (None: not known yet), so that a decode step records
+    # the attention of the layers whose block fills that step only
+    full_precision: list[int] | None = None
 
 
 BITS = (2, 4, 8)
@@ -103,18 +106,31 @@ class ZipVLPolicy(Policy):
             ratios.append(p / n)
         attended = [float((view.stats[i]["important"][0] >= 0).sum()) / n for i in range(view.num_layers)
                     if "important" in view.stats[i]]
-        return Prefilled(plans, ZipVLState(probe_queries=queries, important_ratios=ratios, attended=attended))
+        # every layer's prompt goes packed: nothing is left at full precision
+        return Prefilled(plans, ZipVLState(probe_queries=queries, important_ratios=ratios, attended=attended,
+                                           full_precision=[0] * view.num_layers))
+
+    def decode_attention_layers(self, state: PolicyState | None) -> tuple[int, ...] | None:
+        """The layers whose block of new entries fills with this step's token: the only ones whose attention
+        ZipVL reads (a step of several tokens records every layer)."""
+        if not isinstance(state, ZipVLState) or state.full_precision is None:
+            return None
+        return tuple(i for i, n in enumerate(state.full_precision) if n + 1 >= self.decode_block)
 
     def decode(self, view: DecodeView, state: ZipVLState):
-        plans = []
+        plans, full_precision = [], []
         for i, layer in enumerate(view.cache.layers):
             fp_len = layer.full_precision_length
-            if fp_len < self.decode_block:
+            # a full block, and the step recorded this layer's attention (every step that fills one does)
+            if fp_len < self.decode_block or view.attention is None or i not in view.attention:
                 plans.append(None)
+                full_precision.append(fp_len)
                 continue
             # the current query's attention to the full-precision (newest) entries
             scores = view.attention[i][..., -fp_len:].mean(dim=1, keepdim=True)
             plans.append(self._plan(scores, None)[0])
+            full_precision.append(0)  # the plan packs them all
+        state.full_precision = full_precision
         return plans
 
     def facts(self, state: ZipVLState) -> list[Fact]:
