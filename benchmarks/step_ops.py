@@ -8,6 +8,8 @@ method runs through the batch runner the speed benchmark uses (`batched.py`: the
 
 Counted over `--steps` decode steps after `--warmup` (the first steps of an every-step method may not evict yet):
 - operators: every aten operator dispatched (`TorchDispatchMode`), views included, per step;
+- kernels: the operators that do device work, i.e. all but the views (a new shape over an input's memory: on a GPU
+  a few microseconds of host time, no launch, and nothing at all once the step is captured as a CUDA graph);
 - host round trips: every read of a tensor's value into Python (`item`, `tolist`, `bool`/`int`/`float` of a
   tensor), every operator whose output size depends on the data (`nonzero`, `masked_select`, `unique`, indexing
   with a boolean mask: the host waits for the device to know the size) and every explicit synchronisation, per
@@ -48,11 +50,13 @@ RECORD = Path(__file__).resolve().parent / "data" / "step_ops_tiny.json"
 
 
 class _Operators(TorchDispatchMode):
-    """Counts every aten operator, and those whose output size depends on the data."""
+    """Counts every aten operator; those that do device work (`kernels`: all but the views, which only make a new
+    shape over an input's memory, no launch on a GPU); and those whose output size depends on the data."""
 
     def __init__(self):
         super().__init__()
         self.operators = 0
+        self.kernels = 0
         self.data_shaped = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -60,7 +64,21 @@ class _Operators(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SHAPE_FROM_DATA or (name in MASK_INDEXING and _bool_index(args)):
             self.data_shaped += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        # a view makes a new shape over an input's memory; a "view" operator that copied (`to`, `reshape`) and an
+        # in-place one (its output is its input) did device work
+        if func._schema.is_mutable or not _aliases_an_input(out, args):
+            self.kernels += 1
+        return out
+
+
+def _aliases_an_input(out, args) -> bool:
+    """Whether `out` (a tensor, or the first of several) lies in the memory of a tensor among `args`."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(first, torch.Tensor):
+        return False
+    ptr = first.untyped_storage().data_ptr()
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in args)
 
 
 def _bool_index(args) -> bool:
@@ -116,7 +134,7 @@ def count_steps(sm: LoadedModel, method: str, budget: float, batch: int, prompt_
         with _Syncs() as syncs, reads, ops:
             for _ in range(steps):
                 tokens = run.step(tokens)
-    return {"operators": ops.operators / steps,
+    return {"operators": ops.operators / steps, "kernels": ops.kernels / steps,
             "round_trips": (reads.reads + ops.data_shaped + syncs.count) / steps,
             "cache_mode": run.mode}
 
@@ -158,20 +176,25 @@ def measure(sm: LoadedModel, budget: float, batches: list[int], prompt_len: int,
 
 def table(result: dict[str, Any], batches: list[int]) -> str:
     full = result.get("full", {})
-    head = " | ".join(f"ops b={b} | ×Full b={b} | trips b={b}" for b in batches)
-    lines = [f"| method | {head} | cache |", "|---|" + "---|" * (3 * len(batches)) + "---|"]
+    head = " | ".join(f"ops b={b} | ×Full b={b} | kernels b={b} | ×Full b={b} | trips b={b}" for b in batches)
+    lines = [f"| method | {head} | cache |", "|---|" + "---|" * (5 * len(batches)) + "---|"]
     for name, row in result.items():
         cells, mode = [], ""
         for b in batches:
             r = row.get(str(b), {})
             if "error" in r:
-                cells += ["error", "", ""]
+                cells += ["error", "", "", "", ""]
                 continue
-            ref = full.get(str(b), {}).get("operators")
-            cells += [f"{r['operators']:,.0f}", f"{r['operators'] / ref:.2f}" if ref else "", f"{r['round_trips']:g}"]
+            ref = full.get(str(b), {})
+            cells += [f"{r['operators']:,.0f}", _ratio(r["operators"], ref.get("operators")),
+                      f"{r['kernels']:,.0f}", _ratio(r["kernels"], ref.get("kernels")), f"{r['round_trips']:g}"]
             mode = r.get("cache_mode", "")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {mode} |")
     return "\n".join(lines)
+
+
+def _ratio(value: float, ref: float | None) -> str:
+    return f"{value / ref:.2f}" if ref else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         payload = {"model": args.random_weights, "layers": sm.num_layers, "prompt_len": prompt_len,
                    "budget": args.budget, "batches": args.batch, "warmup": args.warmup, "steps": args.steps,
-                   "rows": {k: {b: {f: v for f, v in r.items() if f in ("operators", "round_trips", "error")}
+                   "rows": {k: {b: {f: v for f, v in r.items() if f in ("operators", "kernels", "round_trips", "error")}
                                 for b, r in row.items()} for k, row in result.items()}}
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(json.dumps(payload, indent=1) + "\n")

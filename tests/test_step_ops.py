@@ -39,6 +39,8 @@ def test_every_method_is_counted_and_none_launches_more_than_its_record(record, 
                                                           f"step, {want['operators']} before"
             assert got["round_trips"] <= want["round_trips"], f"{name} at batch {batch}: {got['round_trips']} host " \
                                                               f"round trips a step, {want['round_trips']} before"
+            assert got["kernels"] <= want["kernels"], f"{name} at batch {batch}: {got['kernels']} kernels a step, " \
+                                                      f"{want['kernels']} before"
 
 
 def test_the_counts_see_what_a_step_does(counted):
@@ -69,6 +71,27 @@ def test_a_host_read_and_an_extra_operator_are_counted():
         y.sum().item()
         torch.nonzero(y > 2)
     assert ops.operators >= 4 and ops.data_shaped == 1 and reads.reads == 1
+
+
+def test_a_view_is_an_operator_but_no_kernel():
+    """A view (a new shape over an input's memory) launches nothing; a "view" operator that had to copy does."""
+    x = torch.arange(6.0)
+    counted = []
+    for make in (lambda: x.narrow(0, 1, 3), lambda: x.view(2, 3).t(), lambda: x.to(torch.float32),
+                 lambda: x.to(torch.float16), lambda: x.view(2, 3).t().reshape(6), lambda: x.add_(1)):
+        ops = step_ops._Operators()
+        with torch.inference_mode(), ops:  # as a step runs
+            make()
+        counted.append((ops.operators, ops.kernels))
+    assert counted == [(1, 0), (2, 0), (1, 0), (1, 1), (3, 1), (1, 1)]
+
+
+def test_full_launches_about_the_kernels_of_transformers_own_step(counted):
+    """Full's step does the device work of transformers' DynamicCache step but for the metadata it tracks (each
+    new entry's position, image flag and score, and the slots they go to: a few kernels a step, not a layer)."""
+    for batch in ("1", "4"):
+        stock, full = counted[step_ops.STOCK][batch]["kernels"], counted["full"][batch]["kernels"]
+        assert stock <= full <= stock + 6, (batch, stock, full)
 
 
 def test_the_command_counts_a_shape_cut_to_its_first_layers(capsys, threads_restored):

@@ -377,7 +377,9 @@ def forward_group(model, cache: TrackedCache, ids: torch.Tensor, start: int, pro
     positions; see `model_positions`). `given_positions`: a prompt's 3-D positions [3, B, T] and rope deltas [B]
     already known (a vision-side reduction on Qwen keeps those of the unreduced prompt), used as they are."""
     b, t = ids.shape
-    positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
+    # a decode step's one position made by one operator (it runs every step), a prompt's by a range
+    positions = torch.full((b, 1), start, device=ids.device) if t == 1 else \
+        torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)
     flags = image_flags if image_flags is not None else _no_image(b, t, ids.device)
     cache.set_pending(positions, flags, has_image=None if image_flags is not None else False, first_position=start)
     if given_positions is not None:
