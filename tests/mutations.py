@@ -50,9 +50,9 @@ MUTATIONS = (
              'handed["position_embeddings"] = tuple(part[:, :index.shape[1]] for part in whole["position_embeddings"])',
              ("tests/test_qwen_families.py -k token_drop",)),
     Mutation("prompt-start", "a fed chunk's true positions start at the cache's length", "prefixkv_core/decoding/runner.py",
-             "    positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)",
+             "    positions = torch.full((b, 1), start, device=ids.device) if t == 1 else \\",
              "    start = cache.layers[0].length if cache.layers[0].keys is not None else start\n"
-             "    positions = torch.arange(start, start + t, device=ids.device).unsqueeze(0).expand(b, -1)",
+             "    positions = torch.full((b, 1), start, device=ids.device) if t == 1 else \\",
              ("tests/test_qwen_families.py -k eviction_equals_masking",)),
     Mutation("fixed-point", "Elastic Cache's and PrefixKV's fixed point moves by one entry",
              "prefixkv_core/policies/base.py", "        fp = k - FIXED_POINT_DISTANCE",
@@ -107,6 +107,9 @@ MUTATIONS = (
     Mutation("code-table", "the packed codes are read highest bits first", "prefixkv_core/kv/quant.py",
              "(b >> (i * bits)) & mask", "(b >> ((per - 1 - i) * bits)) & mask",
              ("tests/test_quant.py -k whole_axis",)),
+    Mutation("zipvl-late-attention", "ZipVL asks for a layer's attention one step after its block filled",
+             "prefixkv_core/policies/zipvl.py", "if n + 1 >= self.decode_block)", "if n >= self.decode_block)",
+             ("tests/test_runner.py -k zipvl_records",)),
 )
 
 
