@@ -203,3 +203,44 @@ def test_large_magnitude_falls_back_to_fp32_stats():
 def test_bad_bits():
     with pytest.raises(ValueError):
         quantize(torch.randn(4), 3, axis=0)
+
+
+def test_layouts_read_for_many_layers_pack_as_each_alone():
+    """`split_layouts` reads every layer's count and scale dtypes at once; packing with them gives what packing
+    each layer alone gives, the fp32 fallback included (one layer's important values overflow fp16 here)."""
+    from prefixkv_core.kv.cache import pack_split, split_layouts
+
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for layer in range(3):
+        keys, values = torch.randn(1, 2, 9, 4, generator=g), torch.randn(1, 2, 9, 4, generator=g)
+        important = torch.zeros(1, 1, 9, dtype=torch.bool)
+        important[0, 0, torch.randperm(9, generator=g)[:2 + layer]] = True
+        if layer == 1:
+            values[0, 1, important[0, 0].nonzero()[0, 0]] = 60000.0
+        parts.append((keys, values, important))
+    layouts = split_layouts(parts)
+    assert [layout.important for layout in layouts] == [2, 3, 4]
+    assert layouts[1].scale_dtypes == (torch.float16, torch.float16, torch.float32, torch.float16)
+    for (keys, values, important), layout in zip(parts, layouts):
+        order, segments = pack_split(keys, values, important, 4, 2, None, layout)
+        idx = order[..., None].expand(1, 2, 9, 4)
+        dense_k, dense_v = keys.gather(2, idx), values.gather(2, idx)
+        n = layout.important
+        alone = [(quantize_keys(dense_k[:, :, lo:hi], bits), quantize_values(dense_v[:, :, lo:hi], bits))
+                 for lo, hi, bits in ((0, n, 4), (n, 9, 2))]  # each finds its own scale dtype
+        assert len(segments) == 2
+        for mine, theirs in zip(segments, alone):
+            for a, b in zip((mine.keys, mine.values), theirs):
+                assert a.scale.dtype == b.scale.dtype and torch.equal(a.packed, b.packed)
+                assert torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+
+
+def test_adaptive_counts_of_many_layers_equal_each_alone():
+    from prefixkv_core.kv.sparse_prefill import adaptive_count, adaptive_counts
+
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(6, 50, generator=g) ** 4
+    scores[2] = 0.0  # nothing attended: every token counts
+    for tau in (0.5, 0.975, 1.0):
+        assert adaptive_counts(scores, tau) == [adaptive_count(row, tau) for row in scores]

@@ -63,6 +63,17 @@ def test_a_cache_per_prompt_costs_no_more_operators_for_more_rows(counted):
         assert four <= 1.05 * one, f"{name}: {four} operators a step at batch 4, {one} at batch 1"
 
 
+def test_zipvl_packs_every_layer_with_two_waits_a_row(record, one_torch_thread):
+    """ZipVL's packing step (every layer's block of new entries at once, here every 3 tokens) waits for the device
+    twice a row, whatever the layers: once for every layer's adaptive count, once for every layer's split."""
+    sm = step_ops.build_random_model(record["model"], torch.device("cpu"), torch.float32, seed=0)
+    steps, rows = 6, 4  # two packing steps: the 3rd and the 6th
+    got = step_ops.count_steps(sm, "zipvl", record["budget"], rows, record["prompt_len"], {"decode_block": 3},
+                               warmup=0, steps=steps)
+    tokens = steps  # a cache per prompt: the step's tokens read back
+    assert got["round_trips"] * steps == tokens + 2 * rows * 2, got
+
+
 def test_a_host_read_and_an_extra_operator_are_counted():
     ops, reads = step_ops._Operators(), step_ops._HostReads()
     x = torch.arange(6.0)

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .quant import QuantizedTensor, dequantize, quantize_keys, quantize_values
+from .quant import QuantizedTensor, dequantize, overflows_fp16, quantize_keys, quantize_values, scale_dtype_for
 from .stores import SPARE_ENTRIES, EntryStore, StoreStack, spare_for
 
 
@@ -375,16 +375,18 @@ class TrackedLayer(DynamicLayer):
         """
         self.keys, self.values = merged_entries(self.keys, self.values, src, dst, src_weight, self_weight, denominator)
 
-    def quantize_fp_part(self, important: torch.Tensor, bits_hi: int, bits_lo: int, group_size: int | None):
+    def quantize_fp_part(self, important: torch.Tensor, bits_hi: int, bits_lo: int, group_size: int | None,
+                         layout: "SplitLayout | None" = None):
         """Move the full-precision entries into two packed segments: `important` ([B, 1, T_fp] bool,
-        same count per batch row) at `bits_hi`, the rest at `bits_lo`. Metadata is reordered to match."""
+        same count per batch row) at `bits_hi`, the rest at `bits_lo` (`layout`: see `pack_split`). Metadata is
+        reordered to match."""
         t_fp = self.keys.shape[2]
         if t_fp == 0:
             return
         start = self.length - t_fp
         b = self.keys.shape[0]
         order, segments = pack_split(self.keys, self.values, important.expand(b, 1, t_fp), bits_hi, bits_lo,
-                                     group_size)
+                                     group_size, layout)
         prefix = torch.arange(start, device=order.device).view(1, 1, -1).expand(b, 1, -1)
         full_order = torch.cat([prefix, order + start], dim=-1)
         for name in ("positions", "is_image", "scores"):  # the metadata follows the packed order
@@ -457,19 +459,48 @@ def merged_entries(keys: torch.Tensor, values: torch.Tensor, src: torch.Tensor, 
     return out[0], out[1]
 
 
+@dataclass(frozen=True)
+class SplitLayout:
+    """What packing a layer's full-precision entries in two segments must know on the host: how many are important,
+    and the dtype of each segment's stored scales (important keys, other keys, important values, other values)."""
+
+    important: int
+    scale_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]
+
+
+def split_layouts(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[SplitLayout]:
+    """The `SplitLayout` of each (keys [B, Hkv, T, D], values, important [B, 1, T]) to pack, for many layers with one
+    read of the device (a packing step of every layer would otherwise wait five times a layer)."""
+    found = []
+    for keys, values, important in parts:
+        chosen = important[:, 0]  # [B, T]
+        peaks = [field.abs().amax(dim=(1, 3)) for field in (keys, values)]  # [B, T]: each entry's largest magnitude
+        zero = peaks[0].new_zeros(())
+        found.append(torch.stack([chosen[0].sum().float()] + [  # fp32: a count is exact there, not in bf16
+            overflows_fp16(torch.where(mask, peak, zero).amax()).float() for peak in peaks for mask in (chosen, ~chosen)]))
+    if not found:
+        return []
+    return [SplitLayout(int(row[0]), tuple(scale_dtype_for(bool(w)) for w in row[1:]))
+            for row in torch.stack(found).tolist()]
+
+
 def pack_split(keys: torch.Tensor, values: torch.Tensor, important: torch.Tensor, bits_hi: int, bits_lo: int,
-               group_size: int | None) -> tuple[torch.Tensor, list[QuantSegment]]:
+               group_size: int | None, layout: SplitLayout | None = None) -> tuple[torch.Tensor, list[QuantSegment]]:
     """Full-precision entries [B, Hkv, T, D] packed in two segments: the `important` ones ([B, 1, T] bool, the same
-    count per row) at `bits_hi`, the rest at `bits_lo`. Returns (the entries' order [B, 1, T]: important first, then
-    the rest, each in their own order; the segments)."""
+    count per row) at `bits_hi`, the rest at `bits_lo`. `layout`: what `split_layouts` read for them (None: read
+    here). Returns (the entries' order [B, 1, T]: important first, then the rest, each in their own order; the
+    segments)."""
+    layout = layout or split_layouts([(keys, values, important)])[0]
     order = torch.argsort((~important).to(torch.int8), dim=-1, stable=True)
-    n_hi = int(important[0, 0].sum())
+    n_hi = layout.important
     idx = order.expand(keys.shape[0], keys.shape[1], -1)[..., None]
     keys = keys.gather(2, idx.expand(-1, -1, -1, keys.shape[-1]))
     values = values.gather(2, idx.expand(-1, -1, -1, values.shape[-1]))
-    segments = [QuantSegment(quantize_keys(keys[:, :, lo:hi], bits, group_size),
-                             quantize_values(values[:, :, lo:hi], bits, group_size))
-                for lo, hi, bits in ((0, n_hi, bits_hi), (n_hi, keys.shape[2], bits_lo)) if hi > lo]
+    k_hi, k_lo, v_hi, v_lo = layout.scale_dtypes
+    segments = [QuantSegment(quantize_keys(keys[:, :, lo:hi], bits, group_size, k_dtype),
+                             quantize_values(values[:, :, lo:hi], bits, group_size, v_dtype))
+                for lo, hi, bits, k_dtype, v_dtype in ((0, n_hi, bits_hi, k_hi, v_hi),
+                                                       (n_hi, keys.shape[2], bits_lo, k_lo, v_lo)) if hi > lo]
     return order, segments
 
 

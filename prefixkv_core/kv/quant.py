@@ -140,12 +140,15 @@ def _group_layout(n: int, group_size: int | None) -> tuple[int, int]:
     return g, -(-n // g)
 
 
-def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int | None = None) -> QuantizedTensor:
+def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int | None = None,
+             scale_dtype: torch.dtype | None = None) -> QuantizedTensor:
     """Asymmetric uniform quantisation of ``x`` reducing over ``axis``.
 
     ``bits`` in {2, 4, 8}. ``group_size=None`` gives one (scale, zero) per slice
     along ``axis``; otherwise groups of ``group_size`` consecutive elements along
-    ``axis`` (the last group may be shorter).
+    ``axis`` (the last group may be shorter). ``scale_dtype``: the dtype of the
+    stored scale and zero when the caller knows it already (`scale_dtype_for`,
+    read for many tensors at once); None: found here (one host sync).
     """
     _check_bits(bits)
     if not (x.is_floating_point()):
@@ -183,10 +186,10 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int | None = Non
     mn = xg.amin(dim=-1)
     mx = xg.amax(dim=-1)
 
-    # Store scale/zero in fp16 unless a range overflows it (one host sync).
-    sdtype = torch.float16
-    if bool(torch.maximum(mn.abs(), mx.abs()).amax() > _FP16_MAX / 2):
-        sdtype = torch.float32
+    # Store scale/zero in fp16 unless a range overflows it (one host sync, unless the caller knew).
+    sdtype = scale_dtype
+    if sdtype is None:
+        sdtype = scale_dtype_for(bool(torch.maximum(mn.abs(), mx.abs()).amax() > _FP16_MAX / 2))
     # Round the stored zero down and the stored scale up where needed, so that
     # [zero, zero + qmax * scale] covers the group and |error| <= scale / 2.
     zero_s = mn.to(sdtype)
@@ -212,6 +215,16 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int | None = Non
         packed, scale_s.movedim(-1, axis), zero_s.movedim(-1, axis),
         bits, shape, x.dtype, axis, group_size, pad,
     )
+
+
+def overflows_fp16(peak: torch.Tensor) -> torch.Tensor:
+    """Whether a tensor whose largest magnitude is `peak` (any shape: several at once) needs fp32 scales: the test
+    `quantize` makes, left on the device."""
+    return peak.float() > _FP16_MAX / 2
+
+
+def scale_dtype_for(overflows: bool) -> torch.dtype:
+    return torch.float32 if overflows else torch.float16
 
 
 @functools.lru_cache(maxsize=16)
@@ -262,17 +275,19 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     return out.movedim(-1, q.axis).to(q.dtype)
 
 
-def quantize_keys(k: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedTensor:
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int | None = None,
+                  scale_dtype: torch.dtype | None = None) -> QuantizedTensor:
     """Keys ``[B, H, T, D]``, per channel: one scale/zero per (B, H, D) over the
     token axis T (groups of ``group_size`` tokens when given)."""
     if k.dim() != 4:
         raise ValueError(f"keys must be [B, H, T, D], got {tuple(k.shape)}")
-    return quantize(k, bits, axis=2, group_size=group_size)
+    return quantize(k, bits, axis=2, group_size=group_size, scale_dtype=scale_dtype)
 
 
-def quantize_values(v: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedTensor:
+def quantize_values(v: torch.Tensor, bits: int, group_size: int | None = None,
+                    scale_dtype: torch.dtype | None = None) -> QuantizedTensor:
     """Values ``[B, H, T, D]``, per token: one scale/zero per (B, H, T) over the
     channel axis D (groups of ``group_size`` channels when given)."""
     if v.dim() != 4:
         raise ValueError(f"values must be [B, H, T, D], got {tuple(v.shape)}")
-    return quantize(v, bits, axis=3, group_size=group_size)
+    return quantize(v, bits, axis=3, group_size=group_size, scale_dtype=scale_dtype)

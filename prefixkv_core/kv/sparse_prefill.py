@@ -36,6 +36,16 @@ def adaptive_count(scores: torch.Tensor, tau: float) -> int:
     return min(found, s.numel())
 
 
+def adaptive_counts(scores: torch.Tensor, tau: float) -> list[int]:
+    """`adaptive_count` of every row of scores [L, N] (one layer a row), with one read of the device."""
+    s, _ = torch.sort(scores.float().clamp_min(0), dim=-1, descending=True)
+    total = s.sum(dim=-1, keepdim=True)
+    cum = torch.cumsum(s, dim=-1) / total
+    found = torch.searchsorted(cum, torch.full_like(total, tau - 1e-9)) + 1
+    n = s.shape[-1]
+    return torch.where(total > 0, found.clamp_max(n), n).view(-1).tolist()
+
+
 def visibility_counts(n: int, queries: torch.Tensor) -> torch.Tensor:
     """[N]: how many of the probe queries can see token j (query i sees j <= i)."""
     hist = torch.zeros(n)

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import torch
 
 from ..kv.attention import StatRequest
-from ..kv.cache import TrackedCache, TrackedLayer
+from ..kv.cache import TrackedCache, TrackedLayer, split_layouts
 from ..kv.joint_eviction import drop_ranges, gather_many
 from . import scoring
 from .facts import Fact, facts_to_extras, note
@@ -515,7 +515,8 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
         plans = plans.plans
     if not plans:
         return
-    for layer, plan in zip(cache.layers, plans):
+    layouts = _split_layouts(cache, plans)
+    for i, (layer, plan) in enumerate(zip(cache.layers, plans)):
         if plan is None:
             continue
         if _as_range(plan, layer):
@@ -528,7 +529,21 @@ def apply_plans(cache: TrackedCache, plans: list[LayerPlan | None] | Prefilled |
             layer.gather(plan.keep, empty_slots=plan.empty_slots)
         if plan.quantise is not None:
             q = plan.quantise
-            layer.quantize_fp_part(q.important, q.bits_hi, q.bits_lo, q.group_size)
+            layer.quantize_fp_part(q.important, q.bits_hi, q.bits_lo, q.group_size, layouts.get(i))
+
+
+def _split_layouts(cache: TrackedCache, plans: list[LayerPlan | None]) -> dict:
+    """Layer -> its `SplitLayout`, read at once for every layer whose plan only packs its entries (ZipVL packs every
+    layer in the same step: one wait for the device, not five a layer)."""
+    packing = [i for i, plan in enumerate(plans) if plan is not None and plan.quantise is not None
+               and plan.merge is None and plan.keep is None and cache.layers[i].keys.shape[2] > 0]
+    if len(packing) < 2:
+        return {}
+    parts = []
+    for i in packing:
+        layer = cache.layers[i]
+        parts.append((layer.keys, layer.values, plans[i].quantise.important.expand(layer.keys.shape[0], 1, -1)))
+    return dict(zip(packing, split_layouts(parts)))
 
 
 def _as_range(plan: LayerPlan, layer: TrackedLayer) -> bool:

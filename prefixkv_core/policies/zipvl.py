@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.attention import StatRequest
-from ..kv.sparse_prefill import SparsePrefill, important_tokens, visibility_counts
+from ..kv.sparse_prefill import SparsePrefill, adaptive_counts, important_tokens, visibility_counts
 from .base import DecodeView, Fact, LayerPlan, Policy, PolicyState, Prefilled, PrefillView, Quantise, knob
 
 
@@ -82,10 +82,12 @@ class ZipVLPolicy(Policy):
     def decode_needs_attention(self) -> bool:
         return True
 
-    def _plan(self, scores: torch.Tensor, normaliser: torch.Tensor | None) -> tuple[LayerPlan, int]:
-        """scores [B, 1, T] over the full-precision entries -> quantise them, the top-p at high precision."""
+    def _plan(self, scores: torch.Tensor, normaliser: torch.Tensor | None, count: int | None = None
+              ) -> tuple[LayerPlan, int]:
+        """scores [B, 1, T] over the full-precision entries -> quantise them, the top-p at high precision (`count`:
+        p, when counted already; the top-p by the scores alone then)."""
         flat = scores[0, 0]
-        top = important_tokens(flat, normaliser, self.tau)
+        top = important_tokens(flat, normaliser, self.tau) if count is None else torch.topk(flat, count).indices
         p = top.numel()
         important = torch.zeros_like(flat, dtype=torch.bool)
         important[top] = True
@@ -118,18 +120,24 @@ class ZipVLPolicy(Policy):
         return tuple(i for i, n in enumerate(state.full_precision) if n + 1 >= self.decode_block)
 
     def decode(self, view: DecodeView, state: ZipVLState):
-        plans, full_precision = [], []
+        plans: list[LayerPlan | None] = []
+        full_precision = []
+        due: dict[int, list[int]] = {}  # full-precision length -> the layers whose block is full
         for i, layer in enumerate(view.cache.layers):
             fp_len = layer.full_precision_length
+            plans.append(None)
             # a full block, and the step recorded this layer's attention (every step that fills one does)
             if fp_len < self.decode_block or view.attention is None or i not in view.attention:
-                plans.append(None)
                 full_precision.append(fp_len)
                 continue
-            # the current query's attention to the full-precision (newest) entries
-            scores = view.attention[i][..., -fp_len:].mean(dim=1, keepdim=True)
-            plans.append(self._plan(scores, None)[0])
-            full_precision.append(0)  # the plan packs them all
+            due.setdefault(fp_len, []).append(i)
+            full_precision.append(0)  # its plan packs them all
+        for fp_len, layers in due.items():
+            # the current query's attention to the full-precision (newest) entries, every due layer's counted at once
+            scores = [view.attention[i][..., -fp_len:].mean(dim=1, keepdim=True) for i in layers]
+            counts = adaptive_counts(torch.cat([s[0] for s in scores]), self.tau)
+            for i, s, count in zip(layers, scores, counts):
+                plans[i] = self._plan(s, None, count)[0]
         state.full_precision = full_precision
         return plans
 
