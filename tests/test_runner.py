@@ -268,3 +268,24 @@ def test_zipvl_records_attention_only_when_a_block_fills(tiny, noise_image, monk
     assert set(asked) == {True}
     assert fast == every
     assert min(fast[1]) > 2  # blocks were packed while decoding, not the prompt's two alone
+
+
+def test_offline_ratios_falling_to_the_last_layer_evict_at_batch_two(one_torch_thread):
+    """PrefixKV offline with ratios that fall to the last layer (a layer keeping a few entries at the end of the
+    stacked stores, as calibrated ratios do): the joint eviction of every row and layer stays within the stores,
+    and the image counts it leaves are each layer's own."""
+    from benchmarks.batched import new_run, synthetic_batch
+    from prefixkv_core.models import build_random_model
+
+    sm = build_random_model("tiny", torch.device("cpu"), torch.float32, seed=0)
+    ids, is_image, pixels = synthetic_batch(sm, 2, sm.image_seq_length + 24)
+    run = new_run(sm, "prefixkv", 0.2, {"mode": "offline", "ratios": [0.6, 0.3, 0.1, 0.02]})
+    with torch.inference_mode(), tracked_attention_enabled(sm.model):
+        tokens = run.prefill(ids, is_image, pixels)
+        for _ in range(6):
+            tokens = run.step(tokens)
+    kept = run.kept_per_layer()
+    assert kept == sorted(kept, reverse=True) and kept[-1] < kept[0] // 4, kept
+    for layer in run.caches[0].layers:
+        recounted = int(round(int(layer.is_image[0].sum()) / layer.is_image.shape[1]))
+        assert layer.image_count() == recounted
