@@ -81,6 +81,17 @@ def _dead():
     return None
 
 
+def _segments_held(refreshed: tuple | None, layer: TrackedLayer) -> int:
+    """How many of `layer`'s packed segments, from the first, a slot last refreshed as `refreshed` (its segments'
+    ids and length, or None) holds already: the ones it was written from, when the layer kept them and added
+    after them (packed segments are never evicted)."""
+    if refreshed is None:
+        return 0
+    held = refreshed[0]
+    ids = tuple(id(seg) for seg in layer.segments[:len(held)])
+    return len(held) if ids == held else 0
+
+
 class StepBuffers:
     """What a turn's batched steps keep from one step to the next (one per turn; drop it afterwards).
 
@@ -222,9 +233,13 @@ class StepBuffers:
         if group.refreshed[k] != signature or stores["keys"].lengths[k] != layer.length:
             if layer.shares_a_store_with(stores):
                 layer.own_storage()
-            stores["keys"].write((k, k + 1), layer.full_keys())
-            stores["values"].write((k, k + 1), layer.full_values())
-            for name in ("positions", "is_image", "scores"):
+            # the packed segments the slot holds already (dequantised, from its last refresh) stay; the new ones and
+            # the full-precision entries after them are written (a new block packs every 100 tokens)
+            kept = _segments_held(group.refreshed[k], layer)
+            start = sum(seg.keys.shape[2] for seg in layer.segments[:kept])
+            stores["keys"].write_after((k, k + 1), start, layer.full_keys(kept))
+            stores["values"].write_after((k, k + 1), start, layer.full_values(kept))
+            for name in ("positions", "is_image", "scores"):  # metadata whole: a row's scores may have moved on
                 stores[name].write((k, k + 1), getattr(layer, name))
             group.refreshed[k] = signature
         elif group.linked[k] is not None and group.linked[k].holds(layer, stores):

@@ -265,12 +265,12 @@ class TrackedLayer(DynamicLayer):
     def n_kv(self) -> int:
         return self.keys.shape[1]
 
-    def full_keys(self) -> torch.Tensor:
-        """All keys in entry order (dequantised where stored packed)."""
-        return torch.cat([dequantize(s.keys) for s in self.segments] + [self.keys], dim=-2)
+    def full_keys(self, first_segment: int = 0) -> torch.Tensor:
+        """All keys in entry order (dequantised where stored packed), from the `first_segment`-th packed segment's on."""
+        return torch.cat([dequantize(s.keys) for s in self.segments[first_segment:]] + [self.keys], dim=-2)
 
-    def full_values(self) -> torch.Tensor:
-        return torch.cat([dequantize(s.values) for s in self.segments] + [self.values], dim=-2)
+    def full_values(self, first_segment: int = 0) -> torch.Tensor:
+        return torch.cat([dequantize(s.values) for s in self.segments[first_segment:]] + [self.values], dim=-2)
 
     def key_mask(self) -> torch.Tensor | None:
         """[B, Hkv, T] True where a KV head holds an entry (False on empty slots); None when no head has any."""

@@ -100,9 +100,12 @@ def _kept_images(home: _Home, heads: int, kept: list[int], device: torch.device)
     longest = max(kept)
     start, _ = _slot_starts(home.firsts, home.capacities, heads, device)
     slots = _slots(longest, device)
-    # a row keeping fewer than the longest reads past its own slots (masked below); the last one of the stack past the
-    # tensor's end, so the index stops at its last slot
-    at = (start + slots).reshape(-1).clamp_max(home.entries.shape[0] - 1)
+    # a row keeping fewer than the longest reads past its own slots (masked below); a short last layer of a stack
+    # past the tensor's end, so there the index stops at its last slot (known on the host: no operator otherwise)
+    at = (start + slots).reshape(-1)
+    end = max(f + (heads - 1) * c for f, c in zip(home.firsts, home.capacities)) + longest
+    if end > home.entries.shape[0]:
+        at = at.clamp_max(home.entries.shape[0] - 1)
     flags = home.entries.index_select(0, at).view(len(kept), heads, longest)
     held = slots < torch.tensor(kept, device=device)[:, None, None]
     return KeptImageCounts((flags & held).sum(dim=(1, 2)), heads)

@@ -91,6 +91,15 @@ class EntryStore:
         _copy(self.rows_of(rows).narrow(2, 0, t), tensor)
         self.set_lengths(rows, t)
 
+    def write_after(self, rows: tuple[int, int], start: int, tensor: torch.Tensor) -> None:
+        """Replace the entries of `rows` from slot `start` on with `tensor`, the first `start` kept as they are."""
+        if tensor.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
+            tensor = tensor.clone()
+        t = tensor.shape[2]
+        self.reserve(start + t)
+        _copy(self.rows_of(rows).narrow(2, start, t), tensor)
+        self.set_lengths(rows, start + t)
+
     def append(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         n, q = self.lengths[rows[0]], tensor.shape[2]
         self.reserve(n + q)
