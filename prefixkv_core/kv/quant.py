@@ -189,7 +189,7 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int | None = Non
     # Store scale/zero in fp16 unless a range overflows it (one host sync, unless the caller knew).
     sdtype = scale_dtype
     if sdtype is None:
-        sdtype = scale_dtype_for(bool(torch.maximum(mn.abs(), mx.abs()).amax() > _FP16_MAX / 2))
+        sdtype = scale_dtype_for(bool(overflows_fp16(torch.maximum(mn.abs(), mx.abs()).amax())))
     # Round the stored zero down and the stored scale up where needed, so that
     # [zero, zero + qmax * scale] covers the group and |error| <= scale / 2.
     zero_s = mn.to(sdtype)

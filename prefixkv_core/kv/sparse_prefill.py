@@ -25,19 +25,13 @@ class SparsePrefill:
 
 def adaptive_count(scores: torch.Tensor, tau: float) -> int:
     """scores [N] >= 0 -> smallest p with the top-p scores summing to at least tau of the total."""
-    s, _ = torch.sort(scores.float().clamp_min(0), descending=True)
-    total = float(s.sum())
-    if total <= 0:
-        return s.numel()
-    cum = torch.cumsum(s, dim=0) / total
-    found = int(torch.searchsorted(cum, torch.tensor(tau - 1e-9, device=cum.device)).item()) + 1
-    # fp32 rounding can leave the last cumulative value just under tau (often at tau = 1): then every
-    # token is needed, never N + 1 of them
-    return min(found, s.numel())
+    return adaptive_counts(scores[None], tau)[0]
 
 
 def adaptive_counts(scores: torch.Tensor, tau: float) -> list[int]:
-    """`adaptive_count` of every row of scores [L, N] (one layer a row), with one read of the device."""
+    """`adaptive_count` of every row of scores [L, N] (one layer a row), with one read of the device. A row of
+    zeros needs every token; fp32 rounding can leave the last cumulative value just under
+    tau (often at tau = 1): then every token is needed, never N + 1 of them."""
     s, _ = torch.sort(scores.float().clamp_min(0), dim=-1, descending=True)
     total = s.sum(dim=-1, keepdim=True)
     cum = torch.cumsum(s, dim=-1) / total

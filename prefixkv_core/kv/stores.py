@@ -84,17 +84,12 @@ class EntryStore:
 
     def write(self, rows: tuple[int, int], tensor: torch.Tensor) -> None:
         """Replace the entries of `rows` with `tensor` in place (a row's slot is its own)."""
-        if tensor.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
-            tensor = tensor.clone()  # a view of this store's memory (a slice of itself): copy before overwriting
-        t = tensor.shape[2]
-        self.reserve(t)
-        _copy(self.rows_of(rows).narrow(2, 0, t), tensor)
-        self.set_lengths(rows, t)
+        self.write_after(rows, 0, tensor)
 
     def write_after(self, rows: tuple[int, int], start: int, tensor: torch.Tensor) -> None:
         """Replace the entries of `rows` from slot `start` on with `tensor`, the first `start` kept as they are."""
         if tensor.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr():
-            tensor = tensor.clone()
+            tensor = tensor.clone()  # a view of this store's memory (a slice of itself): copy before overwriting
         t = tensor.shape[2]
         self.reserve(start + t)
         _copy(self.rows_of(rows).narrow(2, start, t), tensor)
