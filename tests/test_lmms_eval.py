@@ -5,11 +5,16 @@ gives, a sweep reads every method from one batched decode per budget, bad model_
 with the engine's message, and the multi-image and video tasks (scene_multi, scene_video) are answered as the
 engine answers them.
 
+The single-process runs are one lmms-eval process given a list of runs (its `--config` file takes a list, each
+run with its own model_args and output folder, a failed run logged and the next one started), as a user sweeping
+configurations by hand would: lmms-eval's start-up (about ten seconds of imports and task indexing) is paid once.
+
 lmms-eval lives in its own venv, .venv-eval (`make eval-setup`, which `make test` runs); the tests drive it as
 a subprocess and are skipped without it. PREFIXKV_EVAL_PYTHON names another interpreter that has it."""
 import json
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,7 +35,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, check: bool = True, tasks: str = TASKS):
+def _samples_and_results(out: Path):
+    """lmms-eval's output folder -> ({task: {doc_id: sample}}, the results JSON)."""
+    samples = {}
+    for path in out.rglob("*_samples_*.jsonl"):
+        task = path.stem.split("_samples_", 1)[1]
+        samples[task] = {s["doc_id"]: s for s in map(json.loads, path.read_text().splitlines())}
+    results = json.loads(next(out.rglob("*_results.json")).read_text())
+    return samples, results
+
+
+def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, tasks: str = TASKS):
     """`python -m lmms_eval --model prefixkv ...` (or under `accelerate launch`) on scene_qa; -> lmms-eval's
     output: {task: {doc_id: sample}} and the results JSON."""
     args = ["-m", "lmms_eval", "--model", "prefixkv", "--model_args", model_args, "--tasks", tasks,
@@ -42,15 +57,41 @@ def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, che
     else:
         cmd = [str(EVAL_PY), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    if not check:
-        return proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    samples = {}
-    for path in out.rglob("*_samples_*.jsonl"):
-        task = path.stem.split("_samples_", 1)[1]
-        samples[task] = {s["doc_id"]: s for s in map(json.loads, path.read_text().splitlines())}
-    results = json.loads(next(out.rglob("*_results.json")).read_text())
-    return samples, results
+    return _samples_and_results(out)
+
+
+# The runs of the one lmms-eval process: name -> (model_args, tasks); each asks the first `limit` docs of a task.
+RUNS = {
+    "full": ("pretrained=embedded,method=full", TASKS),
+    "snapkv": ("pretrained=embedded,method=snapkv,budget=0.1,query_agnostic=true,frames=4",
+               f"{TASKS},scene_multi_which,scene_video_direction"),
+    "bad_knob": ("pretrained=embedded,method=snapkv,knobs=snapkv.nosuch=1", TASKS),  # last: it fails
+}
+
+
+@dataclass
+class ConfigRuns:
+    log: str  # the process's stdout and stderr
+    outputs: dict[str, Path]  # run name -> its output folder
+
+    def read(self, name: str):
+        return _samples_and_results(self.outputs[name])
+
+
+@pytest.fixture(scope="module")
+def config_runs(tmp_path_factory) -> ConfigRuns:
+    root = tmp_path_factory.mktemp("runs")
+    outputs = {name: root / name for name in RUNS}
+    config = [{"model": "prefixkv", "model_args": model_args, "tasks": tasks, "include_path": "benchmarks/lmms_tasks",
+               "limit": 1, "log_samples": True, "output_path": str(outputs[name])}
+              for name, (model_args, tasks) in RUNS.items()]
+    path = root / "runs.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    proc = subprocess.run([str(EVAL_PY), "-m", "lmms_eval", "--config", str(path)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return ConfigRuns(proc.stdout + proc.stderr, outputs)
 
 
 def docs(task: str) -> list[dict]:
@@ -91,8 +132,8 @@ def assert_same_as_benchmark(samples, results, expected):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    return lmms_eval(tmp_path_factory.mktemp("full"), "pretrained=embedded,method=full", limit=2)
+def full_run(config_runs):
+    return config_runs.read("full")
 
 
 def test_full_gives_the_vision_benchmarks_accuracy(full_run, engine):
@@ -102,15 +143,16 @@ def test_full_gives_the_vision_benchmarks_accuracy(full_run, engine):
     assert "accuracy,none" in results["results"]["scene_qa"]  # the group's pooled accuracy
 
 
-def test_a_method_at_r_01_query_agnostic_gives_its_benchmark_figure(tmp_path, engine):
-    samples, results = lmms_eval(tmp_path, "pretrained=embedded,method=snapkv,budget=0.1,query_agnostic=true",
-                                 limit=1)
+def test_a_method_at_r_01_query_agnostic_gives_its_benchmark_figure(config_runs, engine):
+    samples, results = config_runs.read("snapkv")
+    samples = {task: by_id for task, by_id in samples.items() if task.startswith("scene_qa_")}
+    assert len(samples) == 6
     assert_same_as_benchmark(samples, results,
                              benchmark_answers(engine, samples, "snapkv", 0.1, query_agnostic=True))
 
 
 def test_two_processes_match_one(full_run, tmp_path):
-    samples, results = lmms_eval(tmp_path, "pretrained=embedded,method=full", limit=2, processes=2)
+    samples, results = lmms_eval(tmp_path, "pretrained=embedded,method=full", limit=1, processes=2)
     one, _ = full_run
     assert set(samples) == set(one)
     for task in one:
@@ -120,11 +162,10 @@ def test_two_processes_match_one(full_run, tmp_path):
         assert results["results"][task]["accuracy,none"] == full_run[1]["results"][task]["accuracy,none"]
 
 
-def test_bad_model_args_fail_at_construction_with_the_engines_message(tmp_path):
-    proc = lmms_eval(tmp_path, "pretrained=embedded,method=snapkv,knobs=snapkv.nosuch=1", limit=1, check=False)
+def test_bad_model_args_fail_at_construction_with_the_engines_message(config_runs):
     # lmms-eval's CLI logs a failed run and still exits 0: the message and the missing outputs tell
-    assert "snapkv has no knob(s) nosuch; its knobs: window" in proc.stdout + proc.stderr
-    assert not list(tmp_path.rglob("*_samples_*.jsonl"))
+    assert "snapkv has no knob(s) nosuch; its knobs: window" in config_runs.log
+    assert not list(config_runs.outputs["bad_knob"].rglob("*_samples_*.jsonl"))
 
 
 def test_a_sweep_decodes_each_sample_once_per_budget(tmp_path, engine):
@@ -165,7 +206,7 @@ def test_a_device_in_model_args_and_on_the_command_line_do_not_clash():
     assert "refused: knobs: snapkv has no knob(s) nosuch" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_several_images_and_a_video_are_answered_as_the_engine_answers(tmp_path, engine):
+def test_several_images_and_a_video_are_answered_as_the_engine_answers(config_runs, engine):
     """scene_multi's samples (a list of images) and scene_video's (an mp4 path, sampled to `frames`) are answered,
     not skipped: each answer is the engine's own for the same images (or clip) and prompt."""
     from prefixkv_core import GenerationSettings
@@ -173,8 +214,7 @@ def test_several_images_and_a_video_are_answered_as_the_engine_answers(tmp_path,
     from scenes.multi import multi_prompt, multi_sample
     from scenes.video import cached_clip
 
-    samples, _ = lmms_eval(tmp_path, "pretrained=embedded,method=snapkv,budget=0.3,frames=4", limit=1,
-                           tasks="scene_multi_which,scene_video_direction")
+    samples, _ = config_runs.read("snapkv")  # SnapKV at r = 0.1, query-agnostic, 4 frames
     multi = json.loads((ROOT / "benchmarks/lmms_tasks/scene_multi/data/which.json").read_text())[0]
     video = json.loads((ROOT / "benchmarks/lmms_tasks/scene_video/data/direction.json").read_text())[0]
     asks = {"scene_multi_which": (list(multi_sample(multi["seed"], multi["n_images"]).images),
@@ -182,8 +222,8 @@ def test_several_images_and_a_video_are_answered_as_the_engine_answers(tmp_path,
             "scene_video_direction": (None, video["question"],
                                       {"video": str(cached_clip(video["seed"], video["frames"])), "frames": 4})}
     for task, (images, prompt, media) in asks.items():
-        session = engine.new_session(images, prompt, ["snapkv"], 0.3, GenerationSettings(max_new_tokens=MAX_NEW_TOKENS),
-                                     **media)
+        session = engine.new_session(images, prompt, ["snapkv"], 0.1, GenerationSettings(max_new_tokens=MAX_NEW_TOKENS),
+                                     query_agnostic=True, **media)
         list(session.run())
         got = samples[task][0]
         resp = got["filtered_resps"][0] if isinstance(got["filtered_resps"], list) else got["filtered_resps"]
