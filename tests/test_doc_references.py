@@ -36,12 +36,18 @@ def _python_files() -> list[Path]:
     return [f for f in files if ".venv" not in f.parts]
 
 
+@lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """A project file's syntax tree, parsed once for every index below."""
+    return ast.parse(path.read_text())
+
+
 @lru_cache(maxsize=1)
 def _defined_names() -> frozenset[str]:
     """Every function, class, method and module-level name defined in the project's Python files."""
     names: set[str] = set()
     for path in _python_files():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
@@ -54,6 +60,12 @@ def _defined_names() -> frozenset[str]:
                         elif isinstance(leaf, ast.Attribute):
                             names.add(leaf.attr)
     return frozenset(names)
+
+
+@lru_cache(maxsize=1)
+def _code_words() -> frozenset[str]:
+    """Every word of the project's code (`\\bname\\b` found in it, for a name of word characters)."""
+    return frozenset(re.findall(r"\w+", _code_text()))
 
 
 @lru_cache(maxsize=1)
@@ -169,7 +181,7 @@ def _classes() -> dict[str, tuple[set[str], list[str]]]:
     its methods set on self, its base classes' names). Classes of the same name are merged."""
     found: dict[str, tuple[set[str], list[str]]] = {}
     for path in _python_files():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if not isinstance(node, ast.ClassDef):
                 continue
             members, bases = found.setdefault(node.name, (set(), []))
@@ -216,7 +228,7 @@ def _modules() -> dict[str, set[str]]:
     for path in _python_files():
         stem = path.parent.name if path.name == "__init__.py" else path.stem
         names = found.setdefault(stem, set())
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
@@ -251,8 +263,9 @@ def test_every_class_or_module_member_a_doc_names_exists(doc):
     assert not missing, f"{doc.name} names members their class or module does not have: {sorted(set(missing))}"
 
 
+@lru_cache(maxsize=None)
 def _test_functions(path: Path) -> set[str]:
-    return {node.name for node in ast.walk(ast.parse(path.read_text()))
+    return {node.name for node in ast.walk(_tree(path))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
 
 
@@ -277,13 +290,13 @@ def test_every_snake_case_name_a_doc_gives_occurs_in_the_code(doc):
     """A name in backticks such as `question_start`, a private helper, `kept_per_layer` or `SPARE_ENTRIES` (a
     function, an attribute, a knob, a JSON key, a constant, an environment variable) occurs somewhere in the
     project's code: a renamed or removed one fails here."""
-    code = _code_text()
+    words = _code_words()
     local = _names_in_code_blocks(doc.read_text())
     missing = []
     for span in _code_spans(doc.read_text()):
         name = re.fullmatch(r"(_[A-Za-z][A-Za-z0-9_]*|[a-z][a-z0-9]*(?:_[a-z0-9]+)+|[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)"
                             r"(?:\(\))?", span.strip())
-        if name and name.group(1) not in local | FOREIGN_NAMES and not re.search(r"\b%s\b" % re.escape(name.group(1)), code):
+        if name and name.group(1) not in local | FOREIGN_NAMES and name.group(1) not in words:
             missing.append(name.group(1))
     assert not missing, f"{doc.name} names identifiers that occur nowhere in the code: {sorted(set(missing))}"
 
@@ -298,7 +311,7 @@ def test_every_name_a_doc_places_in_a_file_is_defined_there(doc):
         path = ROOT / match.group(1)
         if not path.exists():
             continue  # the path test reports it
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
         defined |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
                     if isinstance(t, ast.Name)}
