@@ -9,7 +9,7 @@ import pytest
 from prefixkv_core import EngineProcess
 
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = [pytest.mark.browser,
+pytestmark = [pytest.mark.browser, pytest.mark.slow(seconds=35),
               pytest.mark.skipif(not os.path.exists(CHROMIUM),
                                  reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")]
 ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-dev-shm-usage",

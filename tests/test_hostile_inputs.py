@@ -76,6 +76,8 @@ KINDS = {
 _OPENED: list[str] | None = None
 _LOCK = threading.Lock()
 
+pytestmark = pytest.mark.slow(seconds=30)
+
 
 def _audit(event, args):
     if event == "open" and _OPENED is not None and args and isinstance(args[0], (str, bytes, os.PathLike)):

@@ -23,6 +23,8 @@ from prefixkv_core.testing import (LLAVA_FAMILIES, build_tiny_family, kept_entry
 
 PROMPT = "describe the pictures in detail"
 
+pytestmark = pytest.mark.slow(seconds=30)
+
 
 @pytest.fixture(scope="module")
 def families():
@@ -297,13 +299,21 @@ def test_lmms_samples_with_several_images_and_a_video(families, tmp_path):
 
 # -- follow-ups that add images ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("budget_mode", ["published", "equal_memory"])
-@pytest.mark.parametrize("query_agnostic", [False, True], ids=["query-aware", "query-agnostic"])
-def test_a_follow_up_adds_an_image(lm, query_agnostic, budget_mode):
+# each family in one of the four query and budget modes, so that every family and every mode is run once: the modes
+# are the policies' (the same code on every family), the families' image paths the models' (the same in every mode)
+MODES = [(False, "published"), (True, "published"), (False, "equal_memory"), (True, "equal_memory")]
+FOLLOW_UP_MODES = [(family, *MODES[i % len(MODES)]) for i, family in enumerate(LLAVA_FAMILIES)]
+assert len(LLAVA_FAMILIES) >= len(MODES)  # every mode gets a family
+
+
+@pytest.mark.parametrize("family,query_agnostic,budget_mode", FOLLOW_UP_MODES,
+                         ids=[f"{f}-{'query-agnostic' if q else 'query-aware'}-{b}" for f, q, b in FOLLOW_UP_MODES])
+def test_a_follow_up_adds_an_image(families, family, query_agnostic, budget_mode):
     """Every method, two images and a question after them, then a follow-up that adds a third, in both budget modes
     and both query modes: each turn's batched answers are each method's answers decoded alone; Full's follow-up
     gives the logits of the model's own forward over the whole conversation (every turn's images through the
     model's own path)."""
+    lm = families[family]
     *first, second = pictures(3)
     engine = Engine(lm)
     answers = []
