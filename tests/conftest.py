@@ -18,17 +18,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The files marked `slow(seconds=...)` first, the longest first, the rest as collected: the workers
-    (pytest.ini: one per core, a file each) take the files in this order as they free up, so a long file never
-    starts last and leaves the other cores idle while it runs alone."""
-    def seconds(item) -> float:
-        mark = item.get_closest_marker("slow")
-        return -float(mark.kwargs.get("seconds", 30)) if mark else 0.0
-
-    items.sort(key=seconds)  # stable: a file's tests keep their order, and the files without a mark theirs
-
-
 @pytest.fixture(scope="session")
 def tiny_llama():
     from prefixkv_core.testing import build_tiny_model

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QBUDGETS = ["0.10", "0.50"]
 
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow(seconds=50)]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def read_csv(path: Path) -> list[list[str]]:

@@ -23,8 +23,7 @@ INFO_FILE = EMBEDDED_VISION_DIR / "info.json"
 SEEDS = split_seeds("test", 6)
 QTYPES = ("colour", "shape", "yesno", "word")
 
-pytestmark = [pytest.mark.skipif(not VISION_FILE.is_file(), reason=f"no trained vision file at {VISION_FILE}"),
-              pytest.mark.slow(seconds=30)]
+pytestmark = pytest.mark.skipif(not VISION_FILE.is_file(), reason=f"no trained vision file at {VISION_FILE}")
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ from prefixkv_core.testing import wait_until
 METHODS = ["full", "snapkv", "h2o", "fastv"]
 PROMPT = "describe the picture in detail"
 
-pytestmark = pytest.mark.slow(seconds=40)
-
 
 @pytest.fixture(scope="module")
 def remote():

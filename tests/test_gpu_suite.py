@@ -9,8 +9,6 @@ import torch
 
 from benchmarks import gpu_suite
 
-pytestmark = pytest.mark.slow(seconds=30)
-
 
 def test_without_a_gpu_it_says_so_and_measures_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -76,8 +76,6 @@ KINDS = {
 _OPENED: list[str] | None = None
 _LOCK = threading.Lock()
 
-pytestmark = pytest.mark.slow(seconds=30)
-
 
 def _audit(event, args):
     if event == "open" and _OPENED is not None and args and isinstance(args[0], (str, bytes, os.PathLike)):

@@ -28,8 +28,7 @@ EVAL_PY = Path(os.environ.get("PREFIXKV_EVAL_PYTHON", ROOT / ".venv-eval" / "bin
 TASKS = "scene_qa"
 TASK_DATA = ROOT / "benchmarks" / "lmms_tasks" / "scene_qa" / "data"
 
-pytestmark = [pytest.mark.skipif(not EVAL_PY.exists(), reason=f"no lmms-eval venv at {EVAL_PY} (make eval-setup)"),
-              pytest.mark.slow(seconds=110)]
+pytestmark = pytest.mark.skipif(not EVAL_PY.exists(), reason=f"no lmms-eval venv at {EVAL_PY} (make eval-setup)")
 
 
 def _env() -> dict[str, str]:

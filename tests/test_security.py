@@ -35,9 +35,6 @@ VIDEO_REFUSED_AS_SENT = f"video: {VIDEO_REFUSED}"
 CLIP = Path(__file__).resolve().parent.parent / "assets" / "videos" / "clip-0.mp4"
 
 
-pytestmark = pytest.mark.slow(seconds=60)
-
-
 # -- fixtures and helpers ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,6 @@ from prefixkv_core.testing import (LLAVA_FAMILIES, build_tiny_family, kept_entry
 
 PROMPT = "describe the pictures in detail"
 
-pytestmark = pytest.mark.slow(seconds=30)
-
 
 @pytest.fixture(scope="module")
 def families():

@@ -317,3 +317,41 @@ def test_a_method_still_in_its_own_prefill_says_so():
     comp.record.apply(_ev("full", "Full", [10, 10], [4, 4], 10, kind="start", step=1, text="A", kv=400, stage="none"))
     assert "in its own prefill" in header_html(comp.tracks["fastv"], "prompt only", comp)
     assert "in its own prefill" not in header_html(comp.tracks["full"], "none", comp)
+
+
+def test_a_static_render_that_hangs_is_given_up_and_the_figures_left_go_to_a_fresh_one(tmp_path, monkeypatch):
+    """Kaleido's browser now and then never answers: a render that writes nothing for `stall_s` is left behind and
+    the figures it did not write are rendered again; one that keeps failing ends with a message, in bounded time."""
+    import threading
+
+    from ui import export
+
+    jobs = [(go.Figure(), tmp_path / f"chart-{i}.png", "png") for i in range(3)]
+    asked, hung = [], threading.Event()
+
+    def first_hangs_after_one(todo):
+        asked.append([path.name for _, path, _ in todo])
+        if len(asked) == 1:
+            todo[0][1].write_bytes(b"png")  # one figure, then silence
+            hung.wait(30)
+            return
+        for _, path, _ in todo:
+            path.write_bytes(b"png")
+
+    monkeypatch.setattr(export, "_write_static", first_hangs_after_one)
+    assert export.write_static(jobs, timeout=20, stall_s=0.5) is None
+    assert asked == [["chart-0.png", "chart-1.png", "chart-2.png"], ["chart-1.png", "chart-2.png"]]
+    assert all(path.exists() for _, path, _ in jobs)
+
+    asked.clear()
+    monkeypatch.setattr(export, "_write_static", lambda todo: asked.append(len(todo)) or hung.wait(30))
+    again = [(go.Figure(), tmp_path / "again.png", "png")]
+    message = export.write_static(again, timeout=20, stall_s=0.3)
+    assert message == f"static export stalled: the browser wrote no figure for 0 s, {export.STATIC_ATTEMPTS} times"
+    assert asked == [1] * export.STATIC_ATTEMPTS
+    asked.clear()
+    assert export.write_static(again, timeout=0.5, stall_s=5) == "static export timed out after 0 s"
+    assert asked == [1]
+    monkeypatch.setattr(export, "_write_static", lambda todo: 1 / 0)
+    assert export.write_static(again, timeout=20, stall_s=0.3).startswith("static export failed (ZeroDivisionError")
+    hung.set()

@@ -38,7 +38,9 @@ STATIC_FORMATS = ("png", "svg", "pdf")
 ALL_FORMATS = (*STATIC_FORMATS, "html")
 PNG_SCALE = 3
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
-STATIC_TIMEOUT_S = 240
+STATIC_TIMEOUT_S = 240  # every render of an export together
+STATIC_STALL_S = 45  # a render that writes no figure for this long is given up ...
+STATIC_ATTEMPTS = 3  # ... and the figures left go to a fresh browser, this many renders in all
 
 
 @dataclass
@@ -295,26 +297,46 @@ def _write_static(jobs: list[tuple[go.Figure, Path, str]]) -> None:
                      height=[int(f.layout.height or 420) for f in figs])
 
 
-def write_static(jobs: list[tuple[go.Figure, Path, str]], timeout: float = STATIC_TIMEOUT_S) -> str | None:
-    """Render with kaleido on a helper thread; returns an error message or None."""
-    box: dict[str, Any] = {}
+def write_static(jobs: list[tuple[go.Figure, Path, str]], timeout: float = STATIC_TIMEOUT_S,
+                 stall_s: float = STATIC_STALL_S) -> str | None:
+    """Render with kaleido on a helper thread; returns an error message or None.
 
-    def work():
-        try:
-            _write_static(jobs)
-        except BaseException as exc:  # noqa: BLE001 - reported to the user as one line
-            box["error"] = exc
+    Kaleido's browser now and then never answers (it hangs at its start, rarely mid-way): a render that writes no
+    new file for `stall_s` is given up and the figures not written yet go to a fresh browser, up to
+    `STATIC_ATTEMPTS` renders and `timeout` seconds in all. A slow render that keeps writing is left to finish."""
+    deadline = time.monotonic() + timeout
+    left = list(jobs)
+    for attempt in range(1, STATIC_ATTEMPTS + 1):
+        box: dict[str, Any] = {}
 
-    t = threading.Thread(target=work, name="kaleido-export", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        return f"static export timed out after {timeout:.0f} s"
-    if "error" in box:
-        exc = box["error"]
-        log.warning("static export failed: %r", exc)
-        return f"static export failed ({exc.__class__.__name__}: {str(exc)[:200]})"
-    return None
+        def work(todo=tuple(left)):
+            try:
+                _write_static(list(todo))
+            except BaseException as exc:  # noqa: BLE001 - reported to the user as one line
+                box["error"] = exc
+
+        t = threading.Thread(target=work, name="kaleido-export", daemon=True)
+        t.start()
+        written, progress = 0, time.monotonic()
+        while t.is_alive() and time.monotonic() < min(deadline, progress + stall_s):
+            t.join(0.25)
+            now_written = sum(path.exists() for _, path, _ in left)
+            if now_written > written:
+                written, progress = now_written, time.monotonic()
+        if not t.is_alive():
+            if "error" not in box:
+                return None
+            exc = box["error"]
+            log.warning("static export failed: %r", exc)
+            return f"static export failed ({exc.__class__.__name__}: {str(exc)[:200]})"
+        left = [job for job in left if not job[1].exists()]
+        if not left:  # every figure written; the browser is slow to close
+            return None
+        if time.monotonic() >= deadline:
+            return f"static export timed out after {timeout:.0f} s"
+        log.warning("static export: no figure written in %.0f s (render %d of %d), %d left", stall_s, attempt,
+                    STATIC_ATTEMPTS, len(left))
+    return f"static export stalled: the browser wrote no figure for {stall_s:.0f} s, {STATIC_ATTEMPTS} times"
 
 
 def figures_html(figures: Mapping[str, go.Figure], title: str = "KV-cache comparison") -> str:
