@@ -61,7 +61,7 @@ def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, tas
     return _samples_and_results(out)
 
 
-# The runs of the one lmms-eval process: name -> (model_args, tasks); each asks the first `limit` docs of a task.
+# The runs of the one lmms-eval process: name -> (model_args, tasks); each asks the first doc of every task.
 RUNS = {
     "full": ("pretrained=embedded,method=full", TASKS),
     "snapkv": ("pretrained=embedded,method=snapkv,budget=0.1,query_agnostic=true,frames=4",
