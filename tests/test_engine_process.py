@@ -159,8 +159,7 @@ def test_memory_counts_both_processes(remote):
 def test_a_dead_engine_process_fails_its_calls_and_runs_with_a_message(noise_image):
     """Its running turn and calls fail with a message, never hang; it is started again (the old sessions say they
     are gone, new ones answer), or with restarts off stays down and says so."""
-    engine = EngineProcess("tiny-llama", threads=1, restart=True)
-    try:
+    def killed_mid_turn():  # a turn under way when the child is killed fails with a message
         session = engine.new_session(noise_image, PROMPT, ["full"], 0.4, _settings(2000))
         events = session.run()
         next(events)
@@ -168,6 +167,11 @@ def test_a_dead_engine_process_fails_its_calls_and_runs_with_a_message(noise_ima
         with pytest.raises(EngineProcessError, match="engine process stopped"):
             for _ in events:
                 pass
+        return session
+
+    engine = EngineProcess("tiny-llama", threads=1, restart=True)
+    try:
+        session = killed_mid_turn()
         wait_until(lambda: engine.alive and engine.generation == 1, timeout=120)
         assert engine.restarts == 1
         with pytest.raises(EngineProcessError, match="started again"):
@@ -178,13 +182,7 @@ def test_a_dead_engine_process_fails_its_calls_and_runs_with_a_message(noise_ima
         assert fresh.results()["full"]["status"] == "done" and fresh.cache_bytes() > 0
 
         engine.restart = False  # restarts off: the next death is final
-        long = engine.new_session(noise_image, PROMPT, ["full"], 0.4, _settings(2000))
-        events = long.run()
-        next(events)
-        os.kill(engine.process.pid, signal.SIGKILL)
-        with pytest.raises(EngineProcessError, match="engine process stopped"):
-            for _ in events:
-                pass
+        killed_mid_turn()
         with pytest.raises(EngineProcessError, match="engine process stopped"):
             engine.new_session(noise_image, PROMPT, ["full"], 0.4)
         assert engine.restarts == 1 and not engine.alive
