@@ -341,6 +341,31 @@ def _reset_hwm() -> bool:
         return False
 
 
+class TensorPeak:
+    """Context manager: the most bytes the CPU tensors held at once over a block, above what they held at its start
+    (`.peak_over`), summed from the allocation and free records of torch's profiler. It is the real tensors' figure
+    on the CPU, as `torch.cuda.max_memory_allocated` is on CUDA; the resident set cannot give it, because the
+    allocator keeps the pages that tensors freed, so one configuration's peak hides the next one's. The profiler
+    records every operator, which slows the block: run it on a pass that is not timed."""
+
+    def __enter__(self) -> "TensorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        self.peak_over = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        records = sorted((r.start_ns(), r.nbytes()) for r in self._prof.profiler.kineto_results.events()
+                         if r.name() == "[memory]" and r.device_type().name == "CPU")
+        held = 0
+        for _, delta in records:
+            held += delta
+            self.peak_over = max(self.peak_over, held)
+
+
 class PeakRSS:
     """Context manager for this process's peak RSS over a block; `.peak` and `.start` in bytes.
 

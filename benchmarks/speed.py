@@ -17,6 +17,7 @@ also holds the prompt-only methods at r·N_t while decoding; `--query-agnostic`
 compresses BOS + the image block first and then feeds the text (the question) through the compressed caches.
 The tables, the figure and results.json say which modes produced them. `--ideal` also times transformers alone
 (DynamicCache + sdpa) stepping a cache of each method's per-layer lengths: what those lengths can cost at best.
+`--tensor-peak` (CPU) adds the most bytes each configuration's tensors held at once, from torch's profiler.
 Outputs in --out: speed.md/.csv/.tex, results.json (every step time), speed.html (+ .png with Chromium).
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.batched import STOCK, run_ideal, run_timed, sync, synthetic_batch  # noqa: E402
-from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table,  # noqa: E402
+from benchmarks.common import (MODE_NOTES, QUERY_NOTES, REPO_ROOT, PeakRSS, Table, TensorPeak,  # noqa: E402
                                run_info, run_title, save_figure)
 from prefixkv_core.method_args import add_knob_flags, add_method_args, add_model_args  # noqa: E402
 from prefixkv_core.models import RANDOM_KINDS, LoadedModel, build_random_model  # noqa: E402
@@ -110,10 +111,11 @@ def variant_rows(items: list[str]) -> dict[str, tuple[str, dict]]:
 
 def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inputs, gen_len: int,
             warmup_steps: int, budget_mode: str = "published", query_agnostic: bool = False,
-            ideal_too: bool = False) -> dict[str, Any]:
+            ideal_too: bool = False, tensor_peak: bool = False) -> dict[str, Any]:
     """Warm up, then time one configuration: the whole batch through the runner. `ideal_too`: then time
     transformers alone stepping a cache of the per-layer lengths the method kept after its prefill (its first
-    prompt's), grown by one entry a step (`batched.IdealRun`)."""
+    prompt's), grown by one entry a step (`batched.IdealRun`). `tensor_peak` (CPU): then run it once more, untimed,
+    for the most bytes its tensors held at once (`TensorPeak`)."""
     ids, is_image, pixels = batch_inputs
     b = ids.shape[0]
     run_timed(sm, method, budget, knobs, ids, is_image, pixels, max(2, warmup_steps + 1), budget_mode,
@@ -145,6 +147,12 @@ def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inpu
         run_ideal(sm, lengths, ids, max(2, warmup_steps + 1))
         timed = run_ideal(sm, lengths, ids, gen_len)["step_s"]
         ideal = b * (gen_len - 1) / sum(timed) if sum(timed) > 0 else None
+    tensors_over = None
+    if tensor_peak and sm.device.type != "cuda":
+        free_memory(sm.device)
+        with TensorPeak() as held:
+            run_timed(sm, method, budget, knobs, ids, is_image, pixels, gen_len, budget_mode, query_agnostic)
+        tensors_over = held.peak_over
     ttft = result["ttft_s"]
     new_tokens = b * (gen_len - 1)
     kv = result["kv_bytes"]
@@ -160,6 +168,7 @@ def measure(sm: LoadedModel, method: str, budget: float, knobs: dict, batch_inpu
         "kv_bytes": kv, "full_kv_bytes": full_kv, "kv_pct": 100.0 * kv / full_kv if full_kv else None,
         "kept_per_layer": result["kept_per_layer"], "kept_after_prefill": result["kept_after_prefill"], "peak_bytes": peak, "peak_over_start_bytes": peak_over,
         "peak_kind": peak_kind, "step_s": steps, "extras": result["extras"], "ideal_tokens_per_s": ideal,
+        "tensor_peak_over_bytes": tensors_over,
     }
 
 
@@ -213,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-cap-gib", type=float, default=None,
                    help="on CUDA: let this process allocate at most this many GiB (torch.cuda."
                         "set_per_process_memory_fraction), e.g. 40 for the A100 40 GB of PrefixKV's Table 3")
+    p.add_argument("--tensor-peak", action="store_true",
+                   help="on the CPU, also run each configuration once more, untimed, under torch's profiler: the most "
+                        "bytes its tensors held at once above the start ('tensors +MiB', and 'x full's'), which the "
+                        "resident set cannot tell apart from one configuration to the next")
     p.add_argument("--ideal", action="store_true",
                    help="also time transformers alone (DynamicCache + sdpa) stepping a cache of each method's "
                         "per-layer lengths: the columns 'ideal tok/s', 'x ideal' (the method against it) and "
@@ -324,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{p_len}x{g_len} {m} {'' if b is None else b}")
             try:
                 res = measure(sm, method_of(m), 1.0 if b is None else b, knobs_for(si, m, b) if m != STOCK else {},
-                              inputs[si], g_len, warmup, budget_mode, query_agnostic, args.ideal)
+                              inputs[si], g_len, warmup, budget_mode, query_agnostic, args.ideal, args.tensor_peak)
             except Exception as exc:  # noqa: BLE001 - OOM and per-method failures become table cells
                 res = {"status": "OOM" if is_oom(exc) else "error", "error": f"{exc.__class__.__name__}: {exc}"[:300],
                        "mode": "batch 1" if batch == 1 else f"batched x{batch}"}
@@ -355,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 "KV % full", "peak MiB", "peak +MiB", "status"]
         if args.ideal:
             cols[3:3] = ["ideal tok/s", "x ideal", "ideal x stock"]
+        if args.tensor_peak:
+            cols[-1:-1] = ["tensors +MiB", "x full's"]
         t = Table(title=f"Speed and memory: {sm.name}, batch {batch}, prompt {p_len} + generate {g_len} tokens "
                         f"[{mode_title}]", row_header="method @ budget", rows=[], columns=cols, digits=2,
                   notes=[MODE_NOTES[budget_mode], QUERY_NOTES[query_agnostic]])
@@ -380,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.ideal and ideal:
                 vals.update({"ideal tok/s": ideal, "x ideal": tps / ideal,
                              "ideal x stock": ideal / stock_tps if stock_tps else None})
+            held, full_held = r.get("tensor_peak_over_bytes"), (full or {}).get("tensor_peak_over_bytes")
+            if args.tensor_peak and held is not None:
+                vals.update({"tensors +MiB": held / 2**20, "x full's": held / full_held if full_held else None})
             t.values.update({(label, c): v for c, v in vals.items()})
         if stock_tps and full_tps:
             t.notes.append(f"Engine overhead: full through the engine decodes at {full_tps / stock_tps:.2f}x the "

@@ -227,6 +227,32 @@ SPEED_ARGS = ["--model", "tiny-llama", "--settings", "40x4", "--budgets", "0.2",
               "--threads", "1", "--no-png", "--quiet"]
 
 
+def test_tensor_peak_is_the_most_the_tensors_held_at_once():
+    """40 MB, then 20 MB beside it, then the 40 freed and 20 more made: 60 MB at most, above the start (and a few
+    bytes of the operators' own)."""
+    from benchmarks.common import TensorPeak
+
+    before = torch.ones(1_000_000)  # held from before the block: not counted
+    with TensorPeak() as held:
+        a = torch.empty(10_000_000)
+        b = before.repeat(5)
+        del a
+        c = b + 1
+    assert 60_000_000 <= held.peak_over < 60_000_000 + 4096 and c.numel() == 5_000_000
+
+
+def test_speed_tensor_peak_counts_each_configurations_own_tensors(tmp_path):
+    """--tensor-peak: an untimed pass under the profiler per configuration; its tensors' peak holds at least the
+    cache it ends with, and each row says it against Full's."""
+    assert speed.main(SPEED_ARGS + ["--methods", "full,snapkv", "--no-stock", "--tensor-peak", "--out",
+                                    str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    for r in rows.values():
+        assert r["tensor_peak_over_bytes"] >= r["kv_bytes"] > 0
+    md = (tmp_path / "speed.md").read_text()
+    assert "| tensors +MiB | x full's |" in md
+
+
 def test_speed_batch2_every_method_batches(tmp_path):
     assert speed.main(SPEED_ARGS + ["--batch", "2", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
