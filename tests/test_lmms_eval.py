@@ -45,17 +45,13 @@ def _samples_and_results(out: Path):
     return samples, results
 
 
-def lmms_eval(out: Path, model_args: str, limit: int, *, processes: int = 1, tasks: str = TASKS):
-    """`python -m lmms_eval --model prefixkv ...` (or under `accelerate launch`) on scene_qa; -> lmms-eval's
-    output: {task: {doc_id: sample}} and the results JSON."""
-    args = ["-m", "lmms_eval", "--model", "prefixkv", "--model_args", model_args, "--tasks", tasks,
-            "--include_path", "benchmarks/lmms_tasks", "--limit", str(limit), "--log_samples", "--output_path", str(out)]
-    if processes > 1:
-        launcher = [str(EVAL_PY), "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes),
-                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        cmd = launcher + args
-    else:
-        cmd = [str(EVAL_PY), *args]
+def launched_lmms_eval(out: Path, model_args: str, processes: int):
+    """`accelerate launch --cpu --num_processes N -m lmms_eval --model prefixkv ...` on scene_qa's first doc of each
+    task; -> lmms-eval's output: {task: {doc_id: sample}} and the results JSON."""
+    cmd = [str(EVAL_PY), "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "lmms_eval", "--model", "prefixkv", "--model_args", model_args, "--tasks", TASKS,
+           "--include_path", "benchmarks/lmms_tasks", "--limit", "1", "--log_samples", "--output_path", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _samples_and_results(out)
@@ -152,7 +148,7 @@ def test_a_method_at_r_01_query_agnostic_gives_its_benchmark_figure(config_runs,
 
 
 def test_two_processes_match_one(full_run, tmp_path):
-    samples, results = lmms_eval(tmp_path, "pretrained=embedded,method=full", limit=1, processes=2)
+    samples, results = launched_lmms_eval(tmp_path, "pretrained=embedded,method=full", processes=2)
     one, _ = full_run
     assert set(samples) == set(one)
     for task in one:

@@ -306,16 +306,15 @@ def write_static(jobs: list[tuple[go.Figure, Path, str]], timeout: float = STATI
     `STATIC_ATTEMPTS` renders and `timeout` seconds in all. A slow render that keeps writing is left to finish."""
     deadline = time.monotonic() + timeout
     left = list(jobs)
+    def work(todo: list, box: dict) -> None:  # each render its own box: a stalled one that fails later tells no one
+        try:
+            _write_static(todo)
+        except BaseException as exc:  # noqa: BLE001 - reported to the user as one line
+            box["error"] = exc
+
     for attempt in range(1, STATIC_ATTEMPTS + 1):
         box: dict[str, Any] = {}
-
-        def work(todo=tuple(left)):
-            try:
-                _write_static(list(todo))
-            except BaseException as exc:  # noqa: BLE001 - reported to the user as one line
-                box["error"] = exc
-
-        t = threading.Thread(target=work, name="kaleido-export", daemon=True)
+        t = threading.Thread(target=work, args=(list(left), box), name="kaleido-export", daemon=True)
         t.start()
         written, progress = 0, time.monotonic()
         while t.is_alive() and time.monotonic() < min(deadline, progress + stall_s):
